@@ -1,0 +1,99 @@
+"""The agent interface: ``train(env, budget) -> Policy``, and the registry of built-in agents."""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+
+from iapo_gym import IAPOEnv, Policy
+from iapo_gym.policy import PolicyLike
+
+
+@runtime_checkable
+class AgentLike(Protocol):
+    """Anything that spends at most ``budget`` completions of ``env`` and returns a policy."""
+
+    def train(self, env: Any, budget: int) -> PolicyLike:
+        """Learn a policy from at most ``budget`` completions (the sum of N over pulls)."""
+        ...
+
+
+class Agent(ABC):
+    """Base class of the built-in agents: a seed for the agent's own draws and ``train``.
+
+    The environment's own draws (queries, completions) come from the env's generator,
+    seeded with ``env.reset(seed=...)``; the agent's choices come from ``self.rng``.
+    """
+
+    name: ClassVar[str] = "agent"
+
+    def __init__(self, seed: int | None = None) -> None:
+        """``seed`` seeds the agent's generator (None: fresh entropy)."""
+        self.seed = seed
+        self.rng = np.random.default_rng(seed)
+
+    @abstractmethod
+    def train(self, env: Any, budget: int) -> Policy:
+        """Spend at most ``budget`` completions of ``env`` and return the deployment policy."""
+
+    def params(self) -> dict[str, Any]:
+        """The agent's hyper-parameters (recorded with results)."""
+        return {}
+
+    @staticmethod
+    def base_env(env: Any) -> IAPOEnv:
+        """The IAPOEnv under any wrappers (its vectorized path lives there)."""
+        base = getattr(env, "unwrapped", env)
+        if not isinstance(base, IAPOEnv):
+            raise TypeError(f"agents train on an IAPOEnv (or a wrapper of one), got {type(base).__name__}")
+        return base
+
+    @staticmethod
+    def check_budget(budget: Any) -> int:
+        """The budget as an int >= 0, or a ValueError naming the bad value."""
+        if isinstance(budget, (bool, np.bool_)) or not isinstance(budget, (int, np.integer)) or budget < 0:
+            raise ValueError(f"budget must be an integer >= 0 (completions), got {budget!r}")
+        return int(budget)
+
+
+#: name -> "module:Class" of the built-in agents, imported when made.
+REGISTRY: dict[str, str] = {}
+
+
+def register(name: str, entry_point: str) -> None:
+    """Register a built-in (or third-party) agent under ``name``."""
+    REGISTRY[name] = entry_point
+
+
+def load_class(entry_point: str) -> type:
+    """Import ``"package.module:Class"``."""
+    if ":" not in entry_point:
+        raise ValueError(f"agent entry point must look like 'package.module:Class', got {entry_point!r}")
+    module_name, attr = entry_point.split(":", 1)
+    module = importlib.import_module(module_name)
+    try:
+        return getattr(module, attr)  # type: ignore[no-any-return]
+    except AttributeError:
+        raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
+
+
+def make(name: str, **params: Any) -> AgentLike:
+    """Build a registered agent by name, or any agent class by ``"module:Class"`` path."""
+    if name in REGISTRY:
+        cls = load_class(REGISTRY[name])
+    elif ":" in name:
+        cls = load_class(name)
+    else:
+        raise ValueError(f"unknown agent {name!r}; available: {', '.join(available())} (or 'module:Class')")
+    agent = cls(**params)
+    if not isinstance(agent, AgentLike):
+        raise TypeError(f"{name!r} built a {type(agent).__name__}, which has no train(env, budget)")
+    return agent
+
+
+def available() -> list[str]:
+    """Names of the registered agents."""
+    return sorted(REGISTRY)

@@ -1,0 +1,59 @@
+"""iapo-gym: inference-aware prompt optimization (IAPO) as Gymnasium contextual bandits.
+
+``import iapo_gym`` registers the six tasks of the paper (``IAPO-MATH-v0`` ...); the exact
+oracle and the ACR evaluation work on any ``IAPOEnv``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+
+from iapo_gym._version import __version__
+from iapo_gym.env import IAPOEnv, Pulls
+from iapo_gym.policy import Policy, PolicyLike
+from iapo_gym.tables import OutcomeTable, TableError, read_metadata, read_table, validate, write_table
+from iapo_gym.tasks import TASKS, get_task, load_task_table
+
+__all__ = [
+    "IAPOEnv", "OutcomeTable", "Policy", "Pulls", "TASKS", "TableError", "__version__", "evaluate",
+    "get_task", "load_table", "read_metadata", "read_table", "register_envs", "validate", "write_table",
+]
+
+
+def load_table(task: str, *, instance: int = 0, path: str | None = None) -> OutcomeTable:
+    """The outcome table of ``task`` (explicit ``path`` first, then the data lookup)."""
+    return load_task_table(task, instance=instance, path=path)
+
+
+def _unwrap(env: Any) -> IAPOEnv:
+    base = getattr(env, "unwrapped", env)
+    if not isinstance(base, IAPOEnv):
+        raise TypeError(f"expected an IAPOEnv (or a wrapper of one), got {type(base).__name__}")
+    return base
+
+
+def evaluate(policy: PolicyLike, env: Any, split: str = "test", *, method: str = "exact",
+             n_samples: int = 10_000, seed: int | None = None) -> float:
+    """Average Contextual Return of ``policy`` on ``env``'s ``split``.
+
+    ``method="exact"`` (default) uses the exact oracle; ``"monte_carlo"`` is the paper's
+    n-sample estimate (returns only the mean; the env method also gives the standard error).
+    """
+    base = _unwrap(env)
+    if method == "exact":
+        return base.evaluate(policy, split)
+    if method == "monte_carlo":
+        return base.evaluate_monte_carlo(policy, split, n_samples=n_samples, seed=seed)[0]
+    raise ValueError(f"method must be 'exact' or 'monte_carlo', got {method!r}")
+
+
+def register_envs() -> None:
+    """Register every task id with Gymnasium (idempotent; runs on import)."""
+    for spec in TASKS.values():
+        if spec.env_id not in gym.registry:
+            gym.register(id=spec.env_id, entry_point="iapo_gym.env:IAPOEnv", kwargs={"task": spec.name})
+
+
+register_envs()

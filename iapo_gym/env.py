@@ -1,0 +1,273 @@
+"""The IAPO contextual-bandit environment (paper section 3) and its vectorized batch path."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, SupportsFloat
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from iapo_gym.oracle import exact_acr, monte_carlo_acr, optimal_policy, q_table
+from iapo_gym.policy import Policy, PolicyLike
+from iapo_gym.sampling import AliasSampler
+from iapo_gym.tables import TEST, TRAIN, OutcomeTable, read_table
+from iapo_gym.utility import block_utilities
+
+SPLITS = ("train", "test")
+
+
+@dataclass(frozen=True)
+class Pulls:
+    """A batch of n pulls: pull i drew ``ns[i]`` completions of ``prompts[i]`` on ``queries[i]``.
+
+    The completions' atoms lie in ``atoms[offsets[i]:offsets[i + 1]]`` in draw order.
+    """
+
+    prompts: np.ndarray  # (n,) int64
+    ns: np.ndarray  # (n,) int64
+    queries: np.ndarray  # (n,) int64
+    atoms: np.ndarray  # (sum ns,) int64
+    offsets: np.ndarray  # (n + 1,) int64
+
+    def __len__(self) -> int:
+        return int(self.prompts.size)
+
+    @property
+    def completions(self) -> int:
+        """Completions drawn by the batch (the budget it spent)."""
+        return int(self.offsets[-1])
+
+    def blocks(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Disjoint blocks of k completions: (pull index (b,), atoms (b, k)).
+
+        A pull of N gives floor(N / k) blocks, its first completions in draw order (the
+        paper's nested reuse across inference scales).
+        """
+        per_pull = self.ns // k
+        pull = np.repeat(np.arange(len(self)), per_pull)
+        first = np.arange(pull.size) - np.repeat(np.cumsum(per_pull) - per_pull, per_pull)
+        start = self.offsets[pull] + first * k
+        return pull, self.atoms[start[:, None] + np.arange(k)[None, :]]
+
+    def counts(self, n_atoms: int) -> np.ndarray:
+        """(n, n_atoms) how often each atom came out in each pull."""
+        pull = np.repeat(np.arange(len(self)), self.ns)
+        return np.bincount(pull * n_atoms + self.atoms, minlength=len(self) * n_atoms).reshape(len(self), n_atoms)
+
+
+def _as_index(value: Any, name: str, low: int, high: int) -> int:
+    """An integer in [low, high] or a ValueError naming the value and the range."""
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    if not low <= int(value) <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {int(value)}")
+    return int(value)
+
+
+class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
+    """One-step contextual bandit over arms (prompt p, number of completions N).
+
+    ``reset`` draws a context (its weight vector is the observation); ``step((p, N))`` draws
+    a query of the current split and N completions, and returns their aggregated utility.
+    ``pull``/``utilities`` are the vectorized path for agents; ``q_table`` the exact oracle.
+    """
+
+    metadata: dict[str, Any] = {"render_modes": []}
+
+    def __init__(self, task: str | None = None, *, table: OutcomeTable | None = None,
+                 path: str | None = None, instance: int = 0, split: str = "train") -> None:
+        """Build from an in-memory ``table``, a table file ``path`` or a registered ``task``."""
+        if table is None:
+            if task is None and path is None:
+                raise ValueError("IAPOEnv needs a task name, a table or a path")
+            if task is None:
+                table = read_table(str(path))
+            else:
+                from iapo_gym.tasks import load_task_table
+
+                table = load_task_table(task, instance=instance, path=path)
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        self.table = table
+        self.split = split
+        self.task = table.task
+        self.budget_used = 0
+        n_obj = table.n_objectives + 1
+        low = float(min(0.0, table.context_weights.min()))
+        high = float(max(0.0, table.context_weights.max()))
+        self.observation_space = spaces.Box(low=low, high=high, shape=(n_obj,), dtype=np.float32)
+        self.action_space = spaces.Tuple((spaces.Discrete(table.n_prompts), spaces.Discrete(table.n_max, start=1)))
+        self._observations = table.context_weights.astype(np.float32)
+        self._sampler: AliasSampler | None = None
+        self._context = 0
+        self._split_queries = {s: table.split_indices(s) for s in SPLITS}
+
+    # ---- properties -----------------------------------------------------------------
+    @property
+    def n_prompts(self) -> int:
+        """Number of prompts P."""
+        return self.table.n_prompts
+
+    @property
+    def n_max(self) -> int:
+        """Largest number of completions per pull."""
+        return self.table.n_max
+
+    @property
+    def n_contexts(self) -> int:
+        """Number of contexts C."""
+        return self.table.n_contexts
+
+    @property
+    def context(self) -> int:
+        """Index of the context drawn by the last ``reset``."""
+        return self._context
+
+    def queries(self, split: str | None = None) -> np.ndarray:
+        """Query indices of ``split`` (default: the split this env draws from)."""
+        split = self.split if split is None else split
+        if split not in self._split_queries:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        return self._split_queries[split]
+
+    # ---- Gymnasium API ----------------------------------------------------------------
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+        """Draw a context from the context distribution (``options={"context": c}`` fixes it).
+
+        A seeded reset starts the experiment over: the generator is re-seeded and
+        ``budget_used`` returns to 0 (so a seeded rerun is identical, info included).
+        """
+        super().reset(seed=seed)
+        if seed is not None:
+            self.budget_used = 0
+        if options and "context" in options:
+            self._context = _as_index(options["context"], "options['context']", 0, self.n_contexts - 1)
+        else:
+            self._context = int(self.np_random.choice(self.n_contexts, p=self.table.context_probs))
+        return self._observations[self._context].copy(), self._context_info()
+
+    def _context_info(self) -> dict[str, Any]:
+        return {"context": self._context, "context_name": self.table.context_names[self._context]}
+
+    def validate_action(self, action: Any) -> tuple[int, int]:
+        """(p, N) as ints, or a ValueError naming the bad value and the allowed range."""
+        if isinstance(action, np.ndarray):
+            if action.shape != (2,):
+                raise ValueError(f"action must be (p, N), got an array of shape {action.shape}")
+            action = tuple(action.tolist())
+        if not isinstance(action, (tuple, list)) or len(action) != 2:
+            raise ValueError(f"action must be a pair (p, N), got {action!r}")
+        p = _as_index(action[0], "prompt p", 0, self.n_prompts - 1)
+        n = _as_index(action[1], "N", 1, self.n_max)
+        return p, n
+
+    def step(self, action: tuple[int, int]) -> tuple[np.ndarray, SupportsFloat, bool, bool, dict[str, Any]]:
+        """Pull arm (p, N) once in the current context; one-step episodes end at once."""
+        p, n = self.validate_action(action)
+        pulls = self.pull(np.array([p]), np.array([n]))
+        query = int(pulls.queries[0])
+        reward = float(self.utilities(pulls)[self._context, 0])
+        atoms = pulls.atoms
+        table = self.table
+        if table.aggregator == "mv":
+            assert table.gold is not None
+            outcomes = np.stack([atoms, (atoms == table.gold[query]).astype(np.int64)], axis=1)
+        else:
+            assert table.atoms is not None
+            outcomes = table.atoms[p, query, atoms]
+        info = {
+            **self._context_info(),
+            "query": query,
+            "outcomes": outcomes,
+            "cost": np.full(n, table.cost_matrix()[p, query]),
+            "budget_used": self.budget_used,
+        }
+        return self._observations[self._context].copy(), reward, True, False, info
+
+    # ---- vectorized path --------------------------------------------------------------
+    def _get_sampler(self) -> AliasSampler:
+        if self._sampler is None:
+            self._sampler = AliasSampler(self.table.probs.reshape(-1, self.table.n_atoms))
+        return self._sampler
+
+    def pull(self, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray | None = None) -> Pulls:
+        """Draw many pulls in one vectorized call, from this env's generator and budget.
+
+        Queries are drawn uniformly from the current split unless given.
+        """
+        prompts = np.asarray(prompts, dtype=np.int64).reshape(-1)
+        ns = np.asarray(ns, dtype=np.int64).reshape(-1)
+        if prompts.shape != ns.shape:
+            raise ValueError(f"prompts and ns must have the same length, got {prompts.size} and {ns.size}")
+        if prompts.size and (prompts.min() < 0 or prompts.max() >= self.n_prompts):
+            bad = prompts[(prompts < 0) | (prompts >= self.n_prompts)][0]
+            raise ValueError(f"prompt p must be in [0, {self.n_prompts - 1}], got {int(bad)}")
+        if ns.size and (ns.min() < 1 or ns.max() > self.n_max):
+            bad = ns[(ns < 1) | (ns > self.n_max)][0]
+            raise ValueError(f"N must be in [1, {self.n_max}], got {int(bad)}")
+        if queries is None:
+            pool = self.queries()
+            queries = pool[self.np_random.integers(pool.size, size=prompts.size)]
+        else:
+            queries = np.asarray(queries, dtype=np.int64).reshape(-1)
+            if queries.shape != prompts.shape:
+                raise ValueError(f"queries must have one entry per pull ({prompts.size}), got {queries.size}")
+            if queries.size and (queries.min() < 0 or queries.max() >= self.table.n_queries):
+                raise ValueError(f"query indices must be in [0, {self.table.n_queries - 1}]")
+        rows = np.repeat(prompts * self.table.n_queries + queries, ns)
+        atoms = self._get_sampler().sample(rows, self.np_random)
+        offsets = np.zeros(prompts.size + 1, dtype=np.int64)
+        np.cumsum(ns, out=offsets[1:])
+        self.budget_used += int(offsets[-1])
+        return Pulls(prompts, ns, queries, atoms, offsets)
+
+    def utilities(self, pulls: Pulls) -> np.ndarray:
+        """Utilities (C, n) of every pull under every context (the paper's cross-context reuse)."""
+        out = np.empty((self.n_contexts, len(pulls)))
+        for n in np.unique(pulls.ns):
+            idx = np.flatnonzero(pulls.ns == n)
+            blocks = pulls.atoms[pulls.offsets[idx][:, None] + np.arange(n)[None, :]]
+            out[:, idx] = block_utilities(self.table, pulls.prompts[idx], pulls.queries[idx], blocks)
+        return out
+
+    def block_utilities(self, pulls: Pulls, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Nested reuse: (pull index (b,), utilities (C, b)) of every disjoint k-block of the pulls."""
+        pull, blocks = pulls.blocks(k)
+        return pull, block_utilities(self.table, pulls.prompts[pull], pulls.queries[pull], blocks)
+
+    # ---- splits and the exact oracle ---------------------------------------------------
+    def resplit(self, train_fraction: float = 0.8, seed: int | None = None) -> None:
+        """Reshuffle the union of all queries into a new train/test split (the paper's protocol)."""
+        if not 0.0 < train_fraction < 1.0:
+            raise ValueError(f"train_fraction must be in (0, 1), got {train_fraction!r}")
+        n_q = self.table.n_queries
+        n_train = int(round(train_fraction * n_q))
+        if not 0 < n_train < n_q:
+            raise ValueError(f"train_fraction {train_fraction} leaves an empty split of {n_q} queries")
+        order = np.random.default_rng(seed).permutation(n_q)
+        split = np.full(n_q, TEST, dtype=np.uint8)
+        split[order[:n_train]] = TRAIN
+        self.table = self.table.with_split(split)
+        self._split_queries = {s: self.table.split_indices(s) for s in SPLITS}
+
+    def q_table(self, split: str = "test") -> np.ndarray:
+        """Exact expected utilities (C, P, N_max) on ``split``; entry [c, p, N-1]."""
+        return q_table(self.table, self.queries(split))
+
+    def optimal_policy(self, split: str = "test") -> Policy:
+        """The exact optimal policy on ``split``."""
+        return optimal_policy(self.table, self.queries(split))
+
+    def evaluate(self, policy: PolicyLike, split: str = "test") -> float:
+        """Exact ACR of ``policy`` on ``split``."""
+        return exact_acr(self.table, policy, self.queries(split))
+
+    def evaluate_monte_carlo(self, policy: PolicyLike, split: str = "test", n_samples: int = 10_000,
+                             seed: int | None = None) -> tuple[float, float]:
+        """The paper's n-sample ACR estimate (mean, standard error), from its own seeded generator."""
+        return monte_carlo_acr(self.table, policy, self.queries(split), n_samples, np.random.default_rng(seed))

@@ -1,0 +1,86 @@
+"""Exact expected utilities (Q-tables), optimal policies and the Average Contextual Return.
+
+Q(c, p, N) is the mean over a split's queries of the exact expected aggregated utility;
+ACR(pi) = E_c[Q(c, pi(c))] (paper eq. 3). A Monte Carlo ACR, the paper's n-sample
+estimate, is kept for cross-checks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from iapo_gym.policy import Policy, PolicyLike
+from iapo_gym.tables import OutcomeTable
+from iapo_gym.utility import block_utilities, expected_task_reward
+
+
+def q_table(table: OutcomeTable, queries: np.ndarray | None = None) -> np.ndarray:
+    """Exact Q (C, P, N_max) averaged over ``queries`` (default: every query); index N-1."""
+    if queries is None:
+        queries = np.arange(table.n_queries)
+    queries = np.asarray(queries, dtype=np.int64)
+    if queries.size == 0:
+        raise ValueError("q_table needs at least one query")
+    reward = expected_task_reward(table)[:, :, queries, :].mean(axis=2)  # (C' , P, N)
+    if table.aggregator == "mv":
+        reward = table.context_weights[:, 0, None, None] * reward
+    mean_cost = table.cost_matrix()[:, queries].mean(axis=1)  # (P,)
+    n = np.arange(1, table.n_max + 1)
+    cost_term = table.context_weights[:, -1, None, None] * mean_cost[None, :, None] * n[None, None, :]
+    return reward + cost_term
+
+
+def greedy_policy(q: np.ndarray) -> Policy:
+    """The arm of highest Q in every context (ties: lowest prompt, then lowest N)."""
+    n_contexts, _, n_max = q.shape
+    flat = q.reshape(n_contexts, -1).argmax(axis=1)
+    return Policy(tuple((int(i // n_max), int(i % n_max) + 1) for i in flat))
+
+
+def optimal_policy(table: OutcomeTable, queries: np.ndarray | None = None) -> Policy:
+    """The exact optimal policy pi*(c) = argmax_a Q(c, a) on ``queries``."""
+    return greedy_policy(q_table(table, queries))
+
+
+def policy_arms(policy: PolicyLike, table: OutcomeTable) -> np.ndarray:
+    """(C, 2) array of the policy's (p, N), checked against the table's arm ranges."""
+    arms = np.array(Policy.coerce(policy, table.n_contexts).arms, dtype=np.int64)
+    bad = (arms[:, 0] < 0) | (arms[:, 0] >= table.n_prompts) | (arms[:, 1] < 1) | (arms[:, 1] > table.n_max)
+    if bad.any():
+        c = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"policy arm {tuple(arms[c])} for context {c} is outside prompts [0, {table.n_prompts}) x N [1, {table.n_max}]")
+    return arms
+
+
+def acr_from_q(q: np.ndarray, arms: np.ndarray, context_probs: np.ndarray) -> float:
+    """ACR of the arms (C, 2) under a Q-table (C, P, N_max)."""
+    values = q[np.arange(q.shape[0]), arms[:, 0], arms[:, 1] - 1]
+    return float(np.dot(context_probs, values))
+
+
+def exact_acr(table: OutcomeTable, policy: PolicyLike, queries: np.ndarray | None = None) -> float:
+    """Exact Average Contextual Return of ``policy`` on ``queries``."""
+    return acr_from_q(q_table(table, queries), policy_arms(policy, table), table.context_probs)
+
+
+def monte_carlo_acr(table: OutcomeTable, policy: PolicyLike, queries: np.ndarray | None,
+                    n_samples: int, rng: np.random.Generator) -> tuple[float, float]:
+    """The paper's n-sample ACR estimate and its standard error: contexts, queries, completions drawn."""
+    from iapo_gym.sampling import AliasSampler
+
+    arms = policy_arms(policy, table)
+    if queries is None:
+        queries = np.arange(table.n_queries)
+    queries = np.asarray(queries, dtype=np.int64)
+    contexts = rng.choice(table.n_contexts, size=n_samples, p=table.context_probs)
+    q = queries[rng.integers(queries.size, size=n_samples)]
+    prompts, ns = arms[contexts, 0], arms[contexts, 1]
+    sampler = AliasSampler(table.probs.reshape(-1, table.n_atoms))
+    values = np.empty(n_samples)
+    for n in np.unique(ns):
+        idx = np.flatnonzero(ns == n)
+        rows = np.repeat(prompts[idx] * table.n_queries + q[idx], n)
+        atoms = sampler.sample(rows, rng).reshape(idx.size, n)
+        utils = block_utilities(table, prompts[idx], q[idx], atoms)
+        values[idx] = utils[contexts[idx], np.arange(idx.size)]
+    return float(values.mean()), float(values.std(ddof=1) / np.sqrt(n_samples))

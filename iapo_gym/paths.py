@@ -1,0 +1,43 @@
+"""Where tables live: the lookup order of data directories, created only when written to."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from iapo_gym._version import __version__
+
+DATA_ENV = "IAPO_GYM_DATA"
+CACHE_ENV = "IAPO_GYM_CACHE"
+OFFLINE_ENV = "IAPO_GYM_OFFLINE"
+
+
+def repo_data_dir() -> Path:
+    """The repository's ``data/`` folder (next to the package in a source checkout)."""
+    return Path(__file__).resolve().parent.parent / "data"
+
+
+def cache_dir() -> Path:
+    """The user cache for converted and generated tables: ``$IAPO_GYM_CACHE`` or the OS cache, versioned."""
+    override = os.environ.get(CACHE_ENV)
+    if override:
+        return Path(override).expanduser()
+    import pooch
+
+    return Path(pooch.os_cache("iapo-gym")) / __version__
+
+
+def search_dirs() -> list[Path]:
+    """Data directories in lookup order: ``$IAPO_GYM_DATA``, the repository's data/, the user cache."""
+    dirs = []
+    env = os.environ.get(DATA_ENV)
+    if env:
+        dirs.append(Path(env).expanduser())
+    dirs.append(repo_data_dir())
+    dirs.append(cache_dir())
+    return dirs
+
+
+def offline() -> bool:
+    """True when ``IAPO_GYM_OFFLINE`` forbids downloads."""
+    return os.environ.get(OFFLINE_ENV, "").strip().lower() not in ("", "0", "false", "no")

@@ -1,0 +1,373 @@
+"""Outcome tables: the one in-memory form and the one HDF5 schema of every IAPO task.
+
+A table holds, per (prompt, query), a categorical distribution over outcome atoms.
+Best-of-N (``"bon"``) atoms are objective vectors; majority-vote (``"mv"``) atoms are
+answer buckets with one gold bucket per query.  Everything the environment, the oracle
+and the agents know about a task comes from here; the schema is documented in
+``docs/table-format.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+#: Schema versions this release can read (Minari's ``supported_dataset_versions``).
+SUPPORTED_SCHEMA_VERSIONS = (1,)
+PROB_TOLERANCE = 1e-6
+AGGREGATORS = ("bon", "mv")
+Aggregator = Literal["bon", "mv"]
+TRAIN, TEST = 0, 1
+
+
+class TableError(ValueError):
+    """A table (in memory or on disk) breaks a rule of the schema."""
+
+
+@dataclass(frozen=True, eq=False)
+class OutcomeTable:
+    """Categorical outcome distributions of one IAPO task, with its contexts and costs.
+
+    Shapes use P prompts, Q queries, M atoms, K objectives, C contexts.
+    """
+
+    task: str
+    aggregator: Aggregator
+    probs: np.ndarray  # (P, Q, M) float64, rows sum to 1
+    cost: np.ndarray  # (P,) or (P, Q) per-completion cost, >= 0
+    n_max: int
+    context_weights: np.ndarray  # (C, K + 1); the last weight multiplies the cost
+    context_names: tuple[str, ...]
+    context_probs: np.ndarray  # (C,)
+    objective_names: tuple[str, ...]  # (K,)
+    atoms: np.ndarray | None = None  # bon: (P, Q, M, K) objective vectors
+    gold: np.ndarray | None = None  # mv: (Q,) gold bucket per query
+    prompts: tuple[str, ...] = ()
+    queries: tuple[str, ...] = ()
+    split: np.ndarray | None = None  # (Q,) uint8, TRAIN=0 / TEST=1
+    attrs: dict[str, Any] = field(default_factory=dict)  # provenance: source, license, build
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False, init=False)  # derived arrays
+
+    def __post_init__(self) -> None:
+        """Coerce arrays to canonical dtypes, fill default ids, then validate."""
+        set_ = object.__setattr__
+        set_(self, "probs", np.ascontiguousarray(self.probs, dtype=np.float64))
+        set_(self, "cost", np.ascontiguousarray(self.cost, dtype=np.float64))
+        set_(self, "context_weights", np.ascontiguousarray(self.context_weights, dtype=np.float64))
+        set_(self, "context_probs", np.ascontiguousarray(self.context_probs, dtype=np.float64))
+        if self.atoms is not None:
+            set_(self, "atoms", np.ascontiguousarray(self.atoms, dtype=np.float64))
+        if self.gold is not None:
+            set_(self, "gold", np.ascontiguousarray(self.gold, dtype=np.int64))
+        if self.split is not None:
+            set_(self, "split", np.ascontiguousarray(self.split, dtype=np.uint8))
+        set_(self, "n_max", int(self.n_max))
+        set_(self, "context_names", tuple(str(n) for n in self.context_names))
+        set_(self, "objective_names", tuple(str(n) for n in self.objective_names))
+        if self.probs.ndim == 3:
+            if not self.prompts:
+                set_(self, "prompts", tuple(f"p{i}" for i in range(self.probs.shape[0])))
+            if not self.queries:
+                set_(self, "queries", tuple(f"q{i}" for i in range(self.probs.shape[1])))
+        set_(self, "prompts", tuple(str(p) for p in self.prompts))
+        set_(self, "queries", tuple(str(q) for q in self.queries))
+        validate(self)
+
+    # ---- shape helpers -------------------------------------------------------------
+    @property
+    def n_prompts(self) -> int:
+        """Number of prompts P."""
+        return int(self.probs.shape[0])
+
+    @property
+    def n_queries(self) -> int:
+        """Number of queries Q (train and test together)."""
+        return int(self.probs.shape[1])
+
+    @property
+    def n_atoms(self) -> int:
+        """Number of outcome atoms M per (prompt, query)."""
+        return int(self.probs.shape[2])
+
+    @property
+    def n_objectives(self) -> int:
+        """Number of task objectives K (the cost is not counted)."""
+        return len(self.objective_names)
+
+    @property
+    def n_contexts(self) -> int:
+        """Number of contexts C."""
+        return int(self.context_weights.shape[0])
+
+    def cost_matrix(self) -> np.ndarray:
+        """Per-completion cost as a (P, Q) array, whichever form is stored."""
+        if self.cost.ndim == 1:
+            return np.broadcast_to(self.cost[:, None], (self.n_prompts, self.n_queries))
+        return self.cost
+
+    def split_indices(self, split: str) -> np.ndarray:
+        """Query indices of ``"train"``, ``"test"`` or ``"all"`` (no stored split: all queries)."""
+        if split == "all" or self.split is None:
+            if split not in ("train", "test", "all"):
+                raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
+            return np.arange(self.n_queries)
+        if split == "train":
+            return np.flatnonzero(self.split == TRAIN)
+        if split == "test":
+            return np.flatnonzero(self.split == TEST)
+        raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
+
+    def with_split(self, split: np.ndarray | None) -> OutcomeTable:
+        """The same table with another stored split (validated); derived caches are shared."""
+        new = replace(self, split=split)
+        object.__setattr__(new, "_cache", self._cache)
+        return new
+
+    def metadata(self) -> dict[str, Any]:
+        """A JSON-friendly summary (what ``read_metadata`` returns for a file)."""
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "task": self.task,
+            "aggregator": self.aggregator,
+            "n_prompts": self.n_prompts,
+            "n_queries": self.n_queries,
+            "n_atoms": self.n_atoms,
+            "n_max": self.n_max,
+            "n_contexts": self.n_contexts,
+            "objective_names": list(self.objective_names),
+            "context_names": list(self.context_names),
+            "has_split": self.split is not None,
+            **{k: _jsonable(v) for k, v in self.attrs.items()},
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value
+
+
+def _fail(where: str, message: str) -> None:
+    raise TableError(f"{where}: {message}")
+
+
+def validate(table: OutcomeTable, where: str = "table") -> None:
+    """Check every rule of the schema; raise ``TableError`` naming the dataset and rule."""
+    if table.aggregator not in AGGREGATORS:
+        _fail(where, f"aggregator must be one of {AGGREGATORS}, got {table.aggregator!r}")
+    probs = table.probs
+    if probs.ndim != 3 or 0 in probs.shape:
+        _fail(where, f"dataset 'probs' must have shape (P, Q, M) with P, Q, M >= 1, got {probs.shape}")
+    n_p, n_q, n_m = probs.shape
+    if not np.all(np.isfinite(probs)):
+        _fail(where, "dataset 'probs' holds NaN or infinite values")
+    if np.any(probs < 0):
+        idx = tuple(int(i) for i in np.argwhere(probs < 0)[0])
+        _fail(where, f"dataset 'probs' holds a negative probability {probs[idx]!r} at {idx}")
+    sums = probs.sum(axis=2)
+    bad = np.abs(sums - 1.0) > PROB_TOLERANCE
+    if np.any(bad):
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        _fail(where, f"dataset 'probs' row {idx} (prompt, query) sums to {sums[idx]!r}, not 1 (tolerance {PROB_TOLERANCE})")
+    if table.n_max < 1:
+        _fail(where, f"attribute 'n_max' must be >= 1, got {table.n_max}")
+    cost = table.cost
+    if cost.shape not in ((n_p,), (n_p, n_q)):
+        _fail(where, f"dataset 'cost' must have shape ({n_p},) or ({n_p}, {n_q}), got {cost.shape}")
+    if not np.all(np.isfinite(cost)) or np.any(cost < 0):
+        _fail(where, "dataset 'cost' must be finite and >= 0")
+    k = len(table.objective_names)
+    weights = table.context_weights
+    if weights.ndim != 2 or weights.shape[1] != k + 1 or weights.shape[0] < 1:
+        _fail(where, f"dataset 'contexts/weights' must have shape (C, {k + 1}) for {k} objectives plus cost, got {weights.shape}")
+    if not np.all(np.isfinite(weights)):
+        _fail(where, "dataset 'contexts/weights' holds NaN or infinite values")
+    n_c = weights.shape[0]
+    if len(table.context_names) != n_c:
+        _fail(where, f"dataset 'contexts/names' has {len(table.context_names)} names for {n_c} contexts")
+    cprobs = table.context_probs
+    if cprobs.shape != (n_c,) or not np.all(np.isfinite(cprobs)) or np.any(cprobs < 0):
+        _fail(where, f"dataset 'contexts/probs' must be {n_c} finite non-negative numbers, got {cprobs!r}")
+    if abs(float(cprobs.sum()) - 1.0) > PROB_TOLERANCE:
+        _fail(where, f"dataset 'contexts/probs' sums to {float(cprobs.sum())!r}, not 1")
+    if len(table.prompts) != n_p:
+        _fail(where, f"dataset 'prompts' has {len(table.prompts)} entries for {n_p} prompts")
+    if len(table.queries) != n_q:
+        _fail(where, f"dataset 'queries' has {len(table.queries)} entries for {n_q} queries")
+    if table.aggregator == "bon":
+        if table.atoms is None:
+            _fail(where, "missing dataset 'atoms' (required for aggregator 'bon')")
+        assert table.atoms is not None
+        if table.atoms.shape != (n_p, n_q, n_m, k):
+            _fail(where, f"dataset 'atoms' must have shape {(n_p, n_q, n_m, k)}, got {table.atoms.shape}")
+        if not np.all(np.isfinite(table.atoms)):
+            _fail(where, "dataset 'atoms' holds NaN or infinite values")
+    else:
+        if table.gold is None:
+            _fail(where, "missing dataset 'gold' (required for aggregator 'mv')")
+        assert table.gold is not None
+        if k != 1:
+            _fail(where, f"aggregator 'mv' has exactly one objective (correctness), got {k}")
+        if table.gold.shape != (n_q,):
+            _fail(where, f"dataset 'gold' must have shape ({n_q},), got {table.gold.shape}")
+        out = (table.gold < 0) | (table.gold >= n_m)
+        if np.any(out):
+            i = int(np.flatnonzero(out)[0])
+            _fail(where, f"dataset 'gold' query {i} names bucket {int(table.gold[i])}, outside [0, {n_m})")
+    if table.split is not None:
+        if table.split.shape != (n_q,):
+            _fail(where, f"dataset 'split' must have shape ({n_q},), got {table.split.shape}")
+        if np.any(table.split > TEST):
+            _fail(where, "dataset 'split' must hold only 0 (train) and 1 (test)")
+        if not np.any(table.split == TRAIN) or not np.any(table.split == TEST):
+            _fail(where, "dataset 'split' must give at least one train and one test query")
+
+
+# ---- HDF5 ------------------------------------------------------------------------------
+def _h5py() -> Any:
+    import h5py
+
+    return h5py
+
+
+def write_table(table: OutcomeTable, path: str | os.PathLike[str]) -> Path:
+    """Write ``table`` to ``path`` atomically: a temporary file in the same folder, then rename."""
+    h5py = _h5py()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        str_dt = h5py.string_dtype("utf-8")
+        with h5py.File(tmp_name, "w") as f:
+            f.attrs["schema_version"] = SCHEMA_VERSION
+            f.attrs["task"] = table.task
+            f.attrs["aggregator"] = table.aggregator
+            f.attrs["n_max"] = table.n_max
+            for key, value in table.attrs.items():
+                f.attrs[f"prov_{key}"] = value
+            f.create_dataset("probs", data=table.probs, compression="gzip", shuffle=True)
+            f.create_dataset("cost", data=table.cost)
+            f.create_dataset("objective_names", data=list(table.objective_names), dtype=str_dt)
+            f.create_dataset("prompts", data=list(table.prompts), dtype=str_dt)
+            f.create_dataset("queries", data=list(table.queries), dtype=str_dt)
+            g = f.create_group("contexts")
+            g.create_dataset("weights", data=table.context_weights)
+            g.create_dataset("names", data=list(table.context_names), dtype=str_dt)
+            g.create_dataset("probs", data=table.context_probs)
+            if table.atoms is not None:
+                f.create_dataset("atoms", data=table.atoms, compression="gzip", shuffle=True)
+            if table.gold is not None:
+                f.create_dataset("gold", data=table.gold)
+            if table.split is not None:
+                f.create_dataset("split", data=table.split)
+            f.flush()
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return path
+
+
+REQUIRED_DATASETS = ("probs", "cost", "objective_names", "prompts", "queries",
+                     "contexts/weights", "contexts/names", "contexts/probs")
+
+
+def _open(path: Path) -> Any:
+    h5py = _h5py()
+    if not path.is_file():
+        raise FileNotFoundError(f"no outcome table at {path}")
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        raise TableError(f"{path}: not a readable HDF5 outcome table (truncated or corrupted?): {exc}") from exc
+
+
+def _check_version(path: Path, f: Any) -> int:
+    if "schema_version" not in f.attrs:
+        raise TableError(f"{path}: missing attribute 'schema_version'; not an iapo-gym outcome table")
+    version = int(f.attrs["schema_version"])
+    if version not in SUPPORTED_SCHEMA_VERSIONS:
+        raise TableError(f"{path}: unknown schema version {version}; this iapo-gym reads {SUPPORTED_SCHEMA_VERSIONS}")
+    return version
+
+
+def _strings(ds: Any) -> tuple[str, ...]:
+    return tuple(s.decode() if isinstance(s, bytes) else str(s) for s in ds[()])
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Attributes and shapes of a table file, without loading its arrays."""
+    path = Path(path)
+    with _open(path) as f:
+        version = _check_version(path, f)
+        for name in REQUIRED_DATASETS:
+            if name not in f:
+                raise TableError(f"{path}: missing dataset '{name}'")
+        n_p, n_q, n_m = f["probs"].shape
+        meta: dict[str, Any] = {
+            "schema_version": version,
+            "task": str(f.attrs["task"]),
+            "aggregator": str(f.attrs["aggregator"]),
+            "n_prompts": int(n_p),
+            "n_queries": int(n_q),
+            "n_atoms": int(n_m),
+            "n_max": int(f.attrs["n_max"]),
+            "n_contexts": int(f["contexts/weights"].shape[0]),
+            "objective_names": list(_strings(f["objective_names"])),
+            "context_names": list(_strings(f["contexts/names"])),
+            "has_split": "split" in f,
+        }
+        for key, value in f.attrs.items():
+            if key.startswith("prov_"):
+                meta[key[5:]] = _jsonable(value)
+    return meta
+
+
+def read_table(path: str | os.PathLike[str]) -> OutcomeTable:
+    """Read and validate a table file; errors name the file, the dataset and the rule."""
+    path = Path(path)
+    with _open(path) as f:
+        _check_version(path, f)
+        for name in REQUIRED_DATASETS:
+            if name not in f:
+                raise TableError(f"{path}: missing dataset '{name}'")
+        aggregator = str(f.attrs.get("aggregator", ""))
+        if aggregator == "bon" and "atoms" not in f:
+            raise TableError(f"{path}: missing dataset 'atoms' (required for aggregator 'bon')")
+        if aggregator == "mv" and "gold" not in f:
+            raise TableError(f"{path}: missing dataset 'gold' (required for aggregator 'mv')")
+        try:
+            kwargs: dict[str, Any] = {
+                "task": str(f.attrs["task"]),
+                "aggregator": aggregator,
+                "n_max": int(f.attrs["n_max"]),
+                "probs": f["probs"][()],
+                "cost": f["cost"][()],
+                "objective_names": _strings(f["objective_names"]),
+                "prompts": _strings(f["prompts"]),
+                "queries": _strings(f["queries"]),
+                "context_weights": f["contexts/weights"][()],
+                "context_names": _strings(f["contexts/names"]),
+                "context_probs": f["contexts/probs"][()],
+                "atoms": f["atoms"][()] if "atoms" in f else None,
+                "gold": f["gold"][()] if "gold" in f else None,
+                "split": f["split"][()] if "split" in f else None,
+                "attrs": {k[5:]: _jsonable(v) for k, v in f.attrs.items() if k.startswith("prov_")},
+            }
+        except (OSError, KeyError) as exc:
+            raise TableError(f"{path}: could not read the table (truncated or corrupted?): {exc}") from exc
+    try:
+        return OutcomeTable(**kwargs)
+    except TableError as exc:
+        raise TableError(f"{path}: {str(exc).removeprefix('table: ')}") from None
