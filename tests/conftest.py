@@ -1,0 +1,61 @@
+"""Shared fixtures: an isolated cache per session, small tables, the release file path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from iapo_gym.tables import OutcomeTable
+
+RELEASE_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "iapo-release"
+MATH_RELEASE = RELEASE_DIR / "MATH_final.pkl"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Keep every test's generated tables out of the user's cache and data folders."""
+    os.environ["IAPO_GYM_CACHE"] = str(tmp_path_factory.mktemp("iapo-cache"))
+    os.environ.pop("IAPO_GYM_DATA", None)
+    os.environ["IAPO_GYM_OFFLINE"] = "1"
+
+
+@pytest.fixture
+def math_release() -> Path:
+    """Path of the official MATH release file; skips where ../shared is absent."""
+    if not MATH_RELEASE.is_file():
+        pytest.skip(f"official MATH release not found at {MATH_RELEASE} (../shared is absent on this machine)")
+    return MATH_RELEASE
+
+
+def tiny_mv_table(seed: int = 0, n_prompts: int = 3, n_queries: int = 10, n_buckets: int = 3, n_max: int = 6) -> OutcomeTable:
+    """A small random majority-vote table with a stored split."""
+    rng = np.random.default_rng(seed)
+    split = np.zeros(n_queries, dtype=np.uint8)
+    split[: max(1, n_queries // 5)] = 1
+    return OutcomeTable(
+        task="tiny_mv", aggregator="mv",
+        probs=rng.dirichlet(np.ones(n_buckets), size=(n_prompts, n_queries)),
+        cost=rng.uniform(0.01, 0.05, n_prompts), n_max=n_max,
+        context_weights=np.array([[1.0, 0.0], [1.0, -0.2], [1.0, -1.0]]),
+        context_names=("low", "mid", "high"), context_probs=np.full(3, 1 / 3),
+        objective_names=("correct",), gold=rng.integers(0, n_buckets, n_queries), split=split,
+    )
+
+
+def tiny_bon_table(seed: int = 0, n_prompts: int = 3, n_queries: int = 10, n_atoms: int = 4, n_max: int = 6) -> OutcomeTable:
+    """A small random Best-of-N table (2 objectives, 4 contexts) with a stored split."""
+    rng = np.random.default_rng(seed)
+    split = np.zeros(n_queries, dtype=np.uint8)
+    split[: max(1, n_queries // 5)] = 1
+    return OutcomeTable(
+        task="tiny_bon", aggregator="bon",
+        probs=rng.dirichlet(np.ones(n_atoms), size=(n_prompts, n_queries)),
+        atoms=rng.integers(-2, 3, size=(n_prompts, n_queries, n_atoms, 2)).astype(float),
+        cost=rng.uniform(0.01, 0.1, (n_prompts, n_queries)), n_max=n_max,
+        context_weights=np.array([[0.2, 0.8, -0.1], [0.8, 0.2, -0.1], [0.5, 0.5, -1.0], [0.9, 0.1, -0.5]]),
+        context_names=("a", "b", "c", "d"), context_probs=np.array([0.1, 0.2, 0.3, 0.4]),
+        objective_names=("helpful", "harmless"), split=split,
+    )
