@@ -6,4 +6,19 @@ with ``train(env, budget) -> policy`` is an agent too (see ``examples/custom_age
 
 from agents.base import REGISTRY, Agent, AgentLike, available, make, register
 
+# One module per agent family; variants are the same class with other defaults.
+register("psst", "agents.psst:PSST")
+register("psst_topk", "agents.psst:PSSTTopK")
+register("psst_rb", "agents.psst:PSST", reuse="all_subsets")
+register("psst_rb_topk", "agents.psst:PSSTTopK", reuse="all_subsets")
+register("uniform", "agents.baselines:Uniform")
+register("epsilon_greedy", "agents.baselines:EpsilonGreedy")
+register("softmax", "agents.baselines:Softmax")
+register("ucb", "agents.baselines:UCB")
+register("random", "agents.baselines:RandomAgent")
+register("triple_n1", "agents.triple:Triple", n_mode="one")
+register("triple_random_n", "agents.triple:Triple", n_mode="random")
+register("sequential_halving", "agents.sequential_halving:SequentialHalving")
+register("sb3", "agents.sb3:SB3Agent")
+
 __all__ = ["REGISTRY", "Agent", "AgentLike", "available", "make", "register"]

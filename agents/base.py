@@ -59,13 +59,13 @@ class Agent(ABC):
         return int(budget)
 
 
-#: name -> "module:Class" of the built-in agents, imported when made.
-REGISTRY: dict[str, str] = {}
+#: name -> ("module:Class", default parameters) of the registered agents, imported when made.
+REGISTRY: dict[str, tuple[str, dict[str, Any]]] = {}
 
 
-def register(name: str, entry_point: str) -> None:
-    """Register a built-in (or third-party) agent under ``name``."""
-    REGISTRY[name] = entry_point
+def register(name: str, entry_point: str, **defaults: Any) -> None:
+    """Register an agent under ``name``: a class path plus default parameters (variants by kwargs)."""
+    REGISTRY[name] = (entry_point, dict(defaults))
 
 
 def load_class(entry_point: str) -> type:
@@ -83,7 +83,9 @@ def load_class(entry_point: str) -> type:
 def make(name: str, **params: Any) -> AgentLike:
     """Build a registered agent by name, or any agent class by ``"module:Class"`` path."""
     if name in REGISTRY:
-        cls = load_class(REGISTRY[name])
+        entry_point, defaults = REGISTRY[name]
+        cls = load_class(entry_point)
+        params = {**defaults, **params}
     elif ":" in name:
         cls = load_class(name)
     else:
