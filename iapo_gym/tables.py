@@ -173,12 +173,12 @@ def validate(table: OutcomeTable, where: str = "table") -> None:
         _fail(where, "dataset 'probs' holds NaN or infinite values")
     if np.any(probs < 0):
         idx = tuple(int(i) for i in np.argwhere(probs < 0)[0])
-        _fail(where, f"dataset 'probs' holds a negative probability {probs[idx]!r} at {idx}")
+        _fail(where, f"dataset 'probs' holds a negative probability {float(probs[idx])!r} at {idx}")
     sums = probs.sum(axis=2)
     bad = np.abs(sums - 1.0) > PROB_TOLERANCE
     if np.any(bad):
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        _fail(where, f"dataset 'probs' row {idx} (prompt, query) sums to {sums[idx]!r}, not 1 (tolerance {PROB_TOLERANCE})")
+        _fail(where, f"dataset 'probs' row {idx} (prompt, query) sums to {float(sums[idx])!r}, not 1 (tolerance {PROB_TOLERANCE})")
     if table.n_max < 1:
         _fail(where, f"attribute 'n_max' must be >= 1, got {table.n_max}")
     cost = table.cost
