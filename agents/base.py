@@ -75,7 +75,8 @@ def load_class(entry_point: str) -> type:
     module_name, attr = entry_point.split(":", 1)
     module = importlib.import_module(module_name)
     try:
-        return getattr(module, attr)  # type: ignore[no-any-return]
+        cls: type = getattr(module, attr)
+        return cls
     except AttributeError:
         raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
 

@@ -101,7 +101,9 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         low = float(min(0.0, table.context_weights.min()))
         high = float(max(0.0, table.context_weights.max()))
         self.observation_space = spaces.Box(low=low, high=high, shape=(n_obj,), dtype=np.float32)
-        self.action_space = spaces.Tuple((spaces.Discrete(table.n_prompts), spaces.Discrete(table.n_max, start=1)))
+        self.action_space: spaces.Tuple = spaces.Tuple(
+            (spaces.Discrete(table.n_prompts), spaces.Discrete(table.n_max, start=1))
+        )
         self._observations = table.context_weights.astype(np.float32)
         self._sampler: AliasSampler | None = None
         self._context = 0

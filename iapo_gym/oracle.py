@@ -48,7 +48,9 @@ def policy_arms(policy: PolicyLike, table: OutcomeTable) -> np.ndarray:
     bad = (arms[:, 0] < 0) | (arms[:, 0] >= table.n_prompts) | (arms[:, 1] < 1) | (arms[:, 1] > table.n_max)
     if bad.any():
         c = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"policy arm {tuple(arms[c])} for context {c} is outside prompts [0, {table.n_prompts}) x N [1, {table.n_max}]")
+        raise ValueError(
+            f"policy arm {tuple(arms[c])} for context {c} is outside prompts [0, {table.n_prompts}) x N [1, {table.n_max}]"
+        )
     return arms
 
 

@@ -41,7 +41,7 @@ class Policy:
     def from_json(cls, text: str) -> Policy:
         """Inverse of ``to_json``."""
         data: Any = json.loads(text)
-        return cls(tuple(tuple(a) for a in data["arms"]))  # type: ignore[arg-type]
+        return cls(tuple(tuple(a) for a in data["arms"]))
 
     @classmethod
     def coerce(cls, policy: PolicyLike, n_contexts: int) -> Policy:
@@ -57,7 +57,7 @@ class Policy:
             arms = tuple(tuple(policy(c)) for c in range(n_contexts))  # type: ignore[misc]
         else:
             arms = tuple(tuple(a) for a in policy)  # type: ignore[misc]
-        result = cls(arms)  # type: ignore[arg-type]
+        result = cls(arms)
         if len(result) != n_contexts:
             raise ValueError(f"policy has {len(result)} arms, expected one per context ({n_contexts})")
         return result

@@ -178,7 +178,8 @@ def validate(table: OutcomeTable, where: str = "table") -> None:
     bad = np.abs(sums - 1.0) > PROB_TOLERANCE
     if np.any(bad):
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        _fail(where, f"dataset 'probs' row {idx} (prompt, query) sums to {float(sums[idx])!r}, not 1 (tolerance {PROB_TOLERANCE})")
+        total = float(sums[idx])
+        _fail(where, f"dataset 'probs' row {idx} (prompt, query) sums to {total!r}, not 1 (tolerance {PROB_TOLERANCE})")
     if table.n_max < 1:
         _fail(where, f"attribute 'n_max' must be >= 1, got {table.n_max}")
     cost = table.cost

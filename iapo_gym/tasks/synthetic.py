@@ -138,7 +138,7 @@ def synthetic_categorical(instance: int = 0, n_prompts: int = 32, n_queries: int
         context_names=names,
         context_probs=cprobs,
         objective_names=("objective_1", "objective_2"),
-        prompts=tuple(f"p{i}-{k}-o{s + 1}" for i, (k, s) in enumerate(zip(kinds, specialty))),
+        prompts=tuple(f"p{i}-{k}-o{s + 1}" for i, (k, s) in enumerate(zip(kinds, specialty, strict=True))),
         split=split,
         attrs={"source": "iapo-gym synthetic generator", "instance": instance,
                "generator_version": GENERATOR_VERSION, "license": "MIT",
