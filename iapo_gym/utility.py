@@ -55,6 +55,9 @@ def block_utilities(table: OutcomeTable, prompts: np.ndarray, queries: np.ndarra
     return scores.max(axis=2) + cost_term
 
 
+_CHUNK_ROWS = 2048
+
+
 def gauss_legendre_01(n_nodes: int) -> tuple[np.ndarray, np.ndarray]:
     """Nodes and weights of Gauss-Legendre quadrature on [0, 1], exact to degree 2n-1."""
     nodes, weights = np.polynomial.legendre.leggauss(n_nodes)
@@ -76,22 +79,29 @@ def vote_credit_series(gold_terms: np.ndarray, other_terms: np.ndarray, n_max: i
     exactly as int_0^1 u^m du by Gauss-Legendre quadrature over u.
     """
     n_rows, n_others, _ = other_terms.shape
+    if n_rows > _CHUNK_ROWS:  # cache-sized chunks: the kernel is memory-bound
+        return np.concatenate([
+            vote_credit_series(gold_terms[i : i + _CHUNK_ROWS], other_terms[i : i + _CHUNK_ROWS], n_max)
+            for i in range(0, n_rows, _CHUNK_ROWS)
+        ])
     nodes, qweights = gauss_legendre_01(max(1, (n_others + 2) // 2))
     n_nodes = nodes.size
     series = np.zeros((n_rows, n_max + 1))
     for k in range(1, n_max + 1):
         degree = n_max - k  # highest power of x still needed: N - k with N <= n_max
-        poly = np.zeros((n_rows, n_nodes, degree + 1))
-        poly[:, :, 0] = 1.0
+        poly = np.ones((n_rows, n_nodes, 1))
         top = min(k, degree)
         for j in range(n_others):
             coeffs = np.repeat(other_terms[:, j, None, : top + 1], n_nodes, axis=1)
             if top == k:  # the term where bucket j ties the gold bucket carries u
                 coeffs[:, :, k] *= nodes[None, :]
-            new = np.zeros_like(poly)
+            width = poly.shape[2]
+            new = np.zeros((n_rows, n_nodes, min(degree, width - 1 + top) + 1))
             for s in range(top + 1):
-                new[:, :, s:] += coeffs[:, :, s, None] * poly[:, :, : degree + 1 - s]
+                span = min(width, new.shape[2] - s)
+                new[:, :, s : s + span] += coeffs[:, :, s, None] * poly[:, :, :span]
             poly = new
+        poly = np.pad(poly, ((0, 0), (0, 0), (0, degree + 1 - poly.shape[2])))
         inner = np.einsum("rgd,g->rd", poly, qweights)
         series[:, k:] += gold_terms[:, k, None] * inner
     return series
@@ -110,6 +120,8 @@ def mv_expected_credit(probs: np.ndarray, gold: np.ndarray, n_max: int) -> np.nd
     """Exact expected majority-vote credit (R, n_max) of N = 1..n_max votes.
 
     ``probs`` (R, B) are per-row bucket probabilities, ``gold`` (R,) the gold buckets.
+    Rows equal up to the order of the non-gold buckets are computed once (real tables
+    repeat many rows, e.g. every completion giving the same answer).
     """
     probs = np.asarray(probs, dtype=np.float64)
     n_rows, n_buckets = probs.shape
@@ -117,10 +129,11 @@ def mv_expected_credit(probs: np.ndarray, gold: np.ndarray, n_max: int) -> np.nd
     p_gold = probs[np.arange(n_rows), gold]
     others_mask = np.ones((n_rows, n_buckets), dtype=bool)
     others_mask[np.arange(n_rows), gold] = False
-    p_others = probs[others_mask].reshape(n_rows, n_buckets - 1)
-    series = vote_credit_series(_power_series(p_gold, n_max), _power_series(p_others, n_max), n_max)
+    p_others = np.sort(probs[others_mask].reshape(n_rows, n_buckets - 1), axis=1)
+    keys, inverse = np.unique(np.column_stack([p_gold, p_others]), axis=0, return_inverse=True)
+    series = vote_credit_series(_power_series(keys[:, 0], n_max), _power_series(keys[:, 1:], n_max), n_max)
     fact = np.array([float(factorial(n)) for n in range(n_max + 1)])
-    return np.clip(series[:, 1:] * fact[1:], 0.0, 1.0)
+    return np.clip(series[:, 1:] * fact[1:], 0.0, 1.0)[inverse.reshape(-1)]
 
 
 def bon_expected_max(scores: np.ndarray, probs: np.ndarray, n_max: int) -> np.ndarray:
