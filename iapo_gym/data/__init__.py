@@ -1,20 +1,160 @@
-"""Data layer: finding, fetching and importing the tables of the data-backed tasks."""
+"""Data layer: finding, fetching and importing the tables of the data-backed tasks.
+
+``resolve_table(spec)`` looks in ``$IAPO_GYM_DATA`` (a converted ``<name>.h5`` or the raw
+release file), the repository's ``data/``, the user cache (tables, then verified release
+files under ``<cache>/release``), and finally downloads the official file, verifies it and
+converts it into the cache. Presence always means a verified file, never an existing folder.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from iapo_gym.paths import search_dirs
-from iapo_gym.tasks import MissingTableError, TaskSpec, find_table
+from iapo_gym import paths
+from iapo_gym.data.download import (
+    ChecksumError,
+    DownloadError,
+    fetch_release,
+    folder_lock,
+    is_verified,
+    release_dir,
+    verify_release_file,
+)
+from iapo_gym.data.registry import RegistryError, ReleaseEntry, entry_for_task
+from iapo_gym.paths import DATA_ENV, OFFLINE_ENV
+from iapo_gym.tables import TableError, read_metadata
+from iapo_gym.tasks import MissingTableError, TaskSpec
+
+__all__ = [
+    "ChecksumError", "DownloadError", "MissingTableError", "RegistryError", "check_table_file",
+    "data_folders", "ensure_table", "local_status", "rebuild_hint", "resolve_table",
+]
+
+
+def rebuild_hint(path: Path, entry: ReleaseEntry | None) -> str:
+    """The command that rebuilds the table at ``path`` (for error messages)."""
+    if entry is None:
+        return f"rebuild it (e.g. `iapo-gym data build LOG.jsonl --out {path}`) or delete it"
+    if path.parent == paths.cache_dir():
+        return f"rebuild it with `iapo-gym data fetch {entry.name} --force`"
+    return f"rebuild it with `iapo-gym data import {entry.file} --dest {path.parent}`"
+
+
+def check_table_file(path: Path, spec_name: str, entry: ReleaseEntry | None = None) -> Path:
+    """``path`` if it opens as an outcome table of task ``spec_name``; else ``TableError`` naming the rebuild command."""
+    try:
+        meta = read_metadata(path)
+    except (TableError, OSError) as exc:
+        raise TableError(f"{exc}; {rebuild_hint(path, entry)}") from None
+    if meta["task"] != spec_name:
+        raise TableError(f"{path} holds a table of task {meta['task']!r}, not {spec_name!r}; {rebuild_hint(path, entry)}")
+    return path
+
+
+def _cached_table_ok(path: Path, entry: ReleaseEntry) -> bool:
+    """True when the cache already holds a readable table converted from the verified official file."""
+    if not path.is_file():
+        return False
+    try:
+        meta = read_metadata(path)
+    except (TableError, OSError):
+        return False
+    return bool(meta.get("verified")) and meta.get("source_git_blob") == entry.git_blob and meta["task"] == entry.name
+
+
+def ensure_table(entry: ReleaseEntry, raw: Path | None = None, force: bool = False) -> Path:
+    """The cache's converted table of ``entry``, importing ``raw`` (or the cached/downloaded release file) if needed.
+
+    Serialized by a file lock in the cache, so concurrent callers convert once and all succeed.
+    """
+    from iapo_gym.data.release import import_release
+
+    folder = paths.cache_dir()
+    target = folder / entry.table_file
+    if not force and _cached_table_ok(target, entry):
+        return target
+    if raw is None:
+        raw = fetch_release(entry)  # a verified copy in the cache is reused; offline is refused before any write
+    else:
+        verify_release_file(raw, entry)  # raises ChecksumError naming the mismatch, before anything is written
+    with folder_lock(folder, f"{entry.name}.ensure"):  # outer lock; import_release takes the inner one
+        if not force and _cached_table_ok(target, entry):
+            return target
+        written = import_release(raw, task=entry.name, dest=folder, entry=entry)
+    return written[0]
 
 
 def resolve_table(spec: TaskSpec) -> Path:
-    """The table file of a data-backed task, or MissingTableError saying how to get it."""
-    found = find_table(spec)
-    if found is not None:
-        return found
-    looked = ", ".join(str(d) for d in search_dirs())
-    raise MissingTableError(
-        f"no table for task {spec.name!r} ({spec.table_file}) in {looked}; import the official "
-        f"release file with `iapo-gym data import {spec.release_file}` or pass path=..."
-    )
+    """The table file of a data-backed task, fetched and converted if needed, or MissingTableError saying how to get it."""
+    try:
+        entry = entry_for_task(spec.name)
+    except RegistryError:
+        entry = None
+    looked: list[str] = []
+    for folder in data_folders():
+        table = folder / spec.table_file
+        looked.append(str(table))
+        if table.is_file():
+            return check_table_file(table, spec.name, entry)
+        if entry is not None:
+            raw = folder / entry.file
+            looked.append(str(raw))
+            if raw.is_file():
+                return ensure_table(entry, raw=raw)
+    cached = paths.cache_dir() / spec.table_file
+    looked.append(str(cached))
+    if cached.is_file():
+        if entry is None or _cached_table_ok(cached, entry):
+            return check_table_file(cached, spec.name, entry)
+        check_table_file(cached, spec.name, entry)  # a corrupted cache table: say how to rebuild it
+    if entry is None:
+        raise MissingTableError(f"no table for task {spec.name!r} ({spec.table_file}); looked at {', '.join(looked)}; "
+                                f"pass path=..., set ${DATA_ENV} to a folder holding {spec.table_file}, or build one "
+                                f"from your own logs with `iapo-gym data build`")
+    cached_raw = release_dir() / entry.file
+    if cached_raw.is_file() and is_verified(cached_raw, entry):
+        return ensure_table(entry, raw=cached_raw)
+    if paths.offline():
+        raise MissingTableError(
+            f"no table for task {spec.name!r}: looked at {', '.join(looked)} and downloads are off (${OFFLINE_ENV}=1). "
+            f"Run `iapo-gym data fetch {entry.name}` (downloads {entry.url()}), or "
+            f"`iapo-gym data import {entry.file}` with a copy of the file, or set ${DATA_ENV} to a folder holding "
+            f"{entry.file} or {spec.table_file}, or pass path=..."
+        )
+    return ensure_table(entry)
+
+
+def data_folders() -> list[Path]:
+    """Folders searched for tables and release files before the cache: ``$IAPO_GYM_DATA``, then the repository's data/."""
+    data_env = os.environ.get(DATA_ENV)
+    return ([Path(data_env).expanduser()] if data_env else []) + [paths.repo_data_dir()]
+
+
+def local_status(entry: ReleaseEntry) -> dict[str, object]:
+    """Where ``entry``'s table and release file are on this machine and whether each checks out (reads, never writes)."""
+    table_path: Path | None = None
+    table_ok = False
+    for folder in [*data_folders(), paths.cache_dir()]:
+        candidate = folder / entry.table_file
+        if candidate.is_file():
+            table_path = candidate
+            try:
+                table_ok = read_metadata(candidate)["task"] == entry.name
+            except (TableError, OSError):
+                table_ok = False
+            break
+    raw_path: Path | None = None
+    for folder in [*data_folders(), release_dir()]:
+        candidate = folder / entry.file
+        if candidate.is_file():
+            raw_path = candidate
+            break
+    return {
+        "name": entry.name, "task": entry.task, "file": entry.file, "source": entry.url(),
+        "table": str(table_path) if table_path else None, "table_ok": table_ok,
+        "table_size": table_path.stat().st_size if table_path else None,
+        "release": str(raw_path) if raw_path else None,
+        "release_verified": bool(raw_path and is_verified(raw_path, entry)),
+        "release_size": raw_path.stat().st_size if raw_path else entry.size,
+    }

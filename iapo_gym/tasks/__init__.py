@@ -95,6 +95,11 @@ def load_task_table(task: str, instance: int = 0, path: str | None = None) -> Ou
         return read_table(path)
     if spec.synthetic:
         return load_synthetic(spec.name, instance)
-    from iapo_gym.data import resolve_table
+    from iapo_gym.data import rebuild_hint, resolve_table
+    from iapo_gym.data.registry import entry_for_task
 
-    return read_table(resolve_table(spec))
+    found = resolve_table(spec)
+    try:
+        return read_table(found)
+    except TableError as exc:  # damage inside a dataset: say how to rebuild the file
+        raise TableError(f"{exc}; {rebuild_hint(found, entry_for_task(spec.name))}") from None

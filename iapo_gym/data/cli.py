@@ -1,0 +1,186 @@
+"""The ``iapo-gym data`` commands: list, fetch, import, show, build.
+
+Exit codes: 0 success, 1 a failure the command reports on stderr (``error: ...``), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from iapo_gym.tables import TableError
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    from iapo_gym.data.build import LogFormatError
+    from iapo_gym.data.download import DownloadError
+    from iapo_gym.data.registry import RegistryError
+    from iapo_gym.data.release import ReleaseError
+    from iapo_gym.tasks import MissingTableError
+
+    return (DownloadError, RegistryError, ReleaseError, LogFormatError, MissingTableError, TableError, OSError, ValueError)
+
+
+def _guarded(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except _errors() as exc:
+            return _fail(str(exc))
+
+    return run
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """Print every known table: source, present or absent, size, verified."""
+    from iapo_gym.data import local_status
+    from iapo_gym.data.registry import entries
+
+    rows = [local_status(e) for e in entries()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'NAME':<28} {'TABLE':<8} {'RELEASE FILE':<14} {'SIZE':>10}  WHERE / SOURCE")
+    for r in rows:
+        table = "present" if r["table"] and r["table_ok"] else ("BROKEN" if r["table"] else "absent")
+        release = ("verified" if r["release_verified"] else "MISMATCH") if r["release"] else "absent"
+        size = r["release_size"]
+        print(f"{r['name']:<28} {table:<8} {release:<14} {size if size is not None else '?':>10}  "
+              f"{r['table'] or r['release'] or r['source']}")
+        if r["table"] or r["release"]:
+            print(f"{'':<64}source: {r['source']}")
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    """Download (if needed), verify and convert the named tables into the cache."""
+    from iapo_gym.data import ensure_table
+    from iapo_gym.data.registry import entries, get_entry
+
+    if args.all == bool(args.tasks):
+        print("error: give TASK names or --all (not both)", file=sys.stderr)
+        return 2
+    chosen = list(entries()) if args.all else [get_entry(t) for t in args.tasks]
+    failed = 0
+    for entry in chosen:
+        try:
+            path = ensure_table(entry, force=args.force)
+        except _errors() as exc:
+            failed += 1
+            _fail(f"{entry.name}: {exc}")
+            continue
+        print(f"{entry.name}: {path}")
+    return 1 if failed else 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    """Convert a release file to HDF5 tables (safe unpickling), in --dest or the cache."""
+    from iapo_gym.data.registry import entry_for_file
+    from iapo_gym.data.release import import_release
+    from iapo_gym.tables import read_metadata
+
+    path = Path(args.file)
+    if not path.is_file():
+        return _fail(f"no such release file: {path}")
+    out = import_release(path, task=args.task, dest=args.dest)
+    meta = read_metadata(out[0])
+    entry = entry_for_file(path)
+    for p in out:
+        print(p)
+    if entry is not None and not meta.get("verified"):
+        print(f"warning: {path} does not match the registry's hashes for the official {entry.file}; "
+              "imported anyway, marked unverified", file=sys.stderr)
+    return 0
+
+
+def _load_for_show(name: str) -> Any:
+    from iapo_gym.tables import read_table
+    from iapo_gym.tasks import load_task_table
+
+    if Path(name).suffix == ".h5" or Path(name).is_file():
+        return read_table(name)
+    return load_task_table(name)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """Print a table's shape, contexts and its exact optimal policy and ACR per split."""
+    from iapo_gym.data.summary import format_summary, oracle_summary, table_summary
+
+    table = _load_for_show(args.task)
+    oracle = oracle_summary(table)
+    if args.json:
+        print(json.dumps({"table": table_summary(table), "oracle": oracle}, indent=2, default=str))
+    else:
+        print(format_summary(table, oracle))
+    return 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    """Build a table from a completion log (docs/log-format.md) and write it as HDF5."""
+    from iapo_gym.data.build import build_bon_table, build_mv_table
+    from iapo_gym.tables import write_table
+
+    common = {"task": args.task, "n_max": args.n_max, "cost_scale": args.cost_scale,
+              "test_fraction": args.test_fraction, "seed": args.seed}
+    if args.aggregator == "mv":
+        table = build_mv_table(args.log, top_k=args.top_k, **common)
+    else:
+        table = build_bon_table(args.log, grid=None if args.no_grid else args.grid, **common)
+    out = Path(args.out) if args.out else Path(f"{table.task}.h5")
+    write_table(table, out)
+    print(f"{out}: {table.n_prompts} prompts x {table.n_queries} queries x {table.n_atoms} atoms ({table.aggregator})")
+    return 0
+
+
+def add_commands(subparsers: Any) -> None:
+    """Add the ``data`` command group to the ``iapo-gym`` parser."""
+    data = subparsers.add_parser("data", help="list, fetch, import, show and build outcome tables",
+                                 description="Outcome tables of the data-backed tasks.")
+    sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
+    data.set_defaults(func=lambda args: (data.print_help(), 2)[1])
+
+    p = sub.add_parser("list", help="known tables: source, present/absent, size, verified")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_guarded(cmd_list))
+
+    p = sub.add_parser("fetch", help="download, verify and convert official tables into the cache")
+    p.add_argument("tasks", nargs="*", metavar="TASK", help="table or task names (see `iapo-gym data list`)")
+    p.add_argument("--all", action="store_true", help="every known table")
+    p.add_argument("--force", action="store_true", help="convert again (and download again unless the file verifies)")
+    p.set_defaults(func=_guarded(cmd_fetch))
+
+    p = sub.add_parser("import", help="convert a release file (.pkl) to HDF5 tables, safely")
+    p.add_argument("file", help="release file, e.g. MATH_final.pkl")
+    p.add_argument("--task", help="table name (default: from the official file name)")
+    p.add_argument("--dest", help="output folder (default: the user cache)")
+    p.set_defaults(func=_guarded(cmd_import))
+
+    p = sub.add_parser("show", help="a table's shape, contexts and exact optimal policy per split")
+    p.add_argument("task", help="task name or path of an .h5 table")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_guarded(cmd_show))
+
+    p = sub.add_parser("build", help="build a table from a JSONL log of completions (docs/log-format.md)")
+    p.add_argument("log", help="JSONL file, one completion per line")
+    p.add_argument("--aggregator", choices=("mv", "bon"), required=True)
+    p.add_argument("--task", help="table name (default: the log's file stem)")
+    p.add_argument("--out", help="output .h5 path (default: ./<task>.h5)")
+    p.add_argument("--top-k", type=int, default=4, help="mv: answers kept per query besides 'other' (default 4)")
+    p.add_argument("--grid", type=float, default=0.5, help="bon: bin objective scores to this spacing (default 0.5)")
+    p.add_argument("--no-grid", action="store_true", help="bon: keep exact objective vectors")
+    p.add_argument("--n-max", type=int, default=32, help="largest N (default 32)")
+    p.add_argument("--cost-scale", type=float, default=0.01,
+                   help="cost of the prompt with the most tokens per completion (default 0.01)")
+    p.add_argument("--test-fraction", type=float, default=0.2,
+                   help="share of queries in the stored test split when the log gives none (default 0.2; 0: no split)")
+    p.add_argument("--seed", type=int, default=0, help="seed of that split (default 0)")
+    p.set_defaults(func=_guarded(cmd_build))

@@ -1,0 +1,399 @@
+"""Safe reading of the official IAPO release pickles and their conversion to outcome tables.
+
+The release files are pickles of the authors' environment objects. They are never loaded
+with plain ``pickle.load``: a restricted unpickler admits only numpy array and dtype
+reconstruction, numpy's random-generator state, plain containers and the known record
+classes, which come back as inert attribute records (no code of the authors' runs).
+Any other global is refused with ``ReleaseError`` before anything is called.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import io
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from iapo_gym.data.registry import ReleaseEntry
+from iapo_gym.tables import TEST, TRAIN, OutcomeTable, TableError, write_table
+from iapo_gym.tasks.synthetic import bon_grid_contexts, mv_cost_contexts
+
+#: The environment classes of the release, by the module path the pickles name.
+ENV_CLASSES = {
+    ("Envs.catMV.catMV", "CategoricalMVEnv"),
+    ("Envs.catBoN.catBoN", "CategoricalBoNEnv"),
+    ("Envs.synthBernoulli.synthBernoulli", "SyntheticBernoulliEnv"),
+}
+#: Small record classes (contexts) allowed in any of the authors' ``Envs.*`` modules.
+CONTEXT_CLASSES = {"CostContext", "Context"}
+RELEASE_REPO = "IAPO-AAAI25/IAPO-PSST"
+RELEASE_COMMIT = "1a6de0bb29c1e141bcf6283b06023677389cd87f"
+RELEASE_LICENSE = "see https://github.com/IAPO-AAAI25/IAPO-PSST (the authors' release)"
+
+
+class ReleaseError(ValueError):
+    """A release file is unsafe, malformed or of an unknown kind."""
+
+
+class ReleaseRecord:
+    """An inert stand-in for one of the authors' objects: attributes only, no behaviour."""
+
+    __record_class__ = "ReleaseRecord"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Keep constructor arguments (if a pickle calls the class) as plain data."""
+        self.__dict__["_args"] = args
+        self.__dict__.update(kwargs)
+
+    def __setstate__(self, state: Any) -> None:
+        """Store the pickled state: a dict of attributes, or (dict, slots) pairs, or anything else."""
+        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
+            for part in state:
+                if isinstance(part, dict):
+                    self.__dict__.update({str(k): v for k, v in part.items()})
+        elif isinstance(state, dict):
+            self.__dict__.update({str(k): v for k, v in state.items()})
+        else:
+            self.__dict__["_state"] = state
+
+    def __repr__(self) -> str:
+        """Class path and attribute names (arrays are not printed)."""
+        return f"<{self.__record_class__} record: {', '.join(sorted(self.__dict__))}>"
+
+
+_RECORD_TYPES: dict[str, type[ReleaseRecord]] = {}
+
+
+def _record_type(module: str, name: str) -> type[ReleaseRecord]:
+    key = f"{module}.{name}"
+    if key not in _RECORD_TYPES:
+        _RECORD_TYPES[key] = type(name, (ReleaseRecord,), {"__record_class__": key, "__module__": __name__})
+    return _RECORD_TYPES[key]
+
+
+def _multiarray(name: str) -> Callable[..., Any]:
+    """numpy's ``multiarray.<name>``: ``numpy._core`` in numpy 2, ``numpy.core`` in numpy 1."""
+    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        try:
+            found = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        if callable(found):
+            return found
+    raise ReleaseError(f"this numpy ({np.__version__}) has no multiarray.{name}")
+
+
+_NUMPY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray")
+_SAFE_BUILTINS: dict[tuple[str, str], Any] = {
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "complex"): complex,
+    ("builtins", "bytearray"): bytearray,
+    ("builtins", "slice"): slice,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): np.dtype,
+}
+_RNG_CTORS = {"__generator_ctor", "__bit_generator_ctor", "__randomstate_ctor"}
+#: Bit-generator classes newer numpy pickles name directly (read as inert records too).
+_BIT_GENERATORS = {
+    ("numpy.random._pcg64", "PCG64"), ("numpy.random._pcg64", "PCG64DXSM"), ("numpy.random._mt19937", "MT19937"),
+    ("numpy.random._philox", "Philox"), ("numpy.random._sfc64", "SFC64"), ("numpy.random.bit_generator", "SeedSequence"),
+    ("numpy.random.bit_generator", "__pyx_unpickle_SeedSequence"),
+}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only an allow-list of globals and refuses the rest."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        """The object for ``module.name`` if allowed; ``ReleaseError`` otherwise (nothing is imported)."""
+        if module in _NUMPY_MODULES and name == "_reconstruct":
+            return _multiarray("_reconstruct")
+        if module in _NUMPY_MODULES and name == "scalar":
+            return _multiarray("scalar")
+        if (module, name) in _SAFE_BUILTINS:
+            return _SAFE_BUILTINS[(module, name)]
+        if module == "numpy.dtypes" and name.endswith("DType") and name.isidentifier():
+            import numpy.dtypes
+
+            found = getattr(numpy.dtypes, name, None)
+            if isinstance(found, type) and issubclass(found, np.dtype):
+                return found
+        if (module == "numpy.random._pickle" and name in _RNG_CTORS) or (module, name) in _BIT_GENERATORS:
+            # The authors' random generators are bookkeeping: read them as inert records.
+            return _record_type(module, name)
+        if (module, name) in ENV_CLASSES or (module.startswith("Envs.") and name in CONTEXT_CLASSES):
+            return _record_type(module, name)
+        raise ReleaseError(
+            f"refusing to load global {module}.{name}: release files may only hold numpy arrays, numpy "
+            f"random-generator state and the IAPO record classes ({', '.join(sorted(m + '.' + n for m, n in ENV_CLASSES))}, "
+            f"Context, CostContext); this file is not a genuine IAPO release or was tampered with"
+        )
+
+
+def load_release_objects(path: str | os.PathLike[str]) -> list[ReleaseRecord]:
+    """The environment records of a release file, unpickled with the restricted unpickler."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ReleaseError(f"cannot read release file {path}: {exc}") from exc
+    try:
+        obj = RestrictedUnpickler(io.BytesIO(data)).load()
+    except ReleaseError as exc:
+        raise ReleaseError(f"{path}: {exc}") from None
+    except Exception as exc:  # truncated or garbage pickles raise many kinds of errors
+        raise ReleaseError(f"{path}: not a readable release pickle (truncated or corrupted?): "
+                           f"{type(exc).__name__}: {exc}") from exc
+    objects = list(obj) if isinstance(obj, (list, tuple)) else [obj]
+    envs = [o for o in objects if isinstance(o, ReleaseRecord) and _env_kind(o) is not None]
+    if not envs or len(envs) != len(objects):
+        kinds = sorted({getattr(o, "__record_class__", type(o).__name__) for o in objects})
+        raise ReleaseError(f"{path}: expected a list of IAPO environment objects, found {kinds}")
+    return envs
+
+
+def _env_kind(obj: ReleaseRecord) -> str | None:
+    name = obj.__record_class__.rsplit(".", 1)[-1]
+    return {"CategoricalMVEnv": "mv", "CategoricalBoNEnv": "bon", "SyntheticBernoulliEnv": "sb"}.get(name)
+
+
+def _array(obj: ReleaseRecord, name: str, ndim: int, where: str, dtype: Any = np.float64) -> np.ndarray:
+    if name not in obj.__dict__:
+        raise ReleaseError(f"{where}: missing attribute {name!r} (have {', '.join(sorted(obj.__dict__))})")
+    try:
+        arr = np.asarray(obj.__dict__[name], dtype=dtype)
+    except (TypeError, ValueError) as exc:
+        raise ReleaseError(f"{where}: attribute {name!r} is not a numeric array: {exc}") from exc
+    if arr.ndim != ndim:
+        raise ReleaseError(f"{where}: attribute {name!r} must have {ndim} dimensions, got shape {arr.shape}")
+    return arr
+
+
+def _n_max(obj: ReleaseRecord, where: str) -> int:
+    value = obj.__dict__.get("N_max")
+    if value is None:
+        raise ReleaseError(f"{where}: missing attribute 'N_max'")
+    try:
+        n_max = int(value)
+    except (TypeError, ValueError):
+        raise ReleaseError(f"{where}: attribute 'N_max' must be an integer, got {value!r}") from None
+    if n_max < 1:
+        raise ReleaseError(f"{where}: attribute 'N_max' must be >= 1, got {n_max}")
+    return n_max
+
+
+def _split(n_train: int, n_test: int) -> np.ndarray:
+    return np.concatenate([np.full(n_train, TRAIN, dtype=np.uint8), np.full(n_test, TEST, dtype=np.uint8)])
+
+
+def _check_mv_contexts(obj: ReleaseRecord, where: str) -> None:
+    """The file's cost coefficients, when stored, must be the paper's (the table uses the paper's set)."""
+    coeffs = obj.__dict__.get("cost_coeffs")
+    if isinstance(coeffs, dict):
+        weights, names, _ = mv_cost_contexts()
+        expected = {n: -float(w) for n, w in zip(names, weights[:, -1], strict=True)}
+        got = {str(k): float(v) for k, v in coeffs.items()}
+        if got != expected:
+            raise ReleaseError(f"{where}: cost_coeffs {got} differ from the paper's {expected}")
+
+
+def _provenance(path: Path, index: int, kind: str) -> dict[str, Any]:
+    return {
+        "source": f"https://github.com/{RELEASE_REPO}/blob/{RELEASE_COMMIT}/data/{path.name}",
+        "source_commit": RELEASE_COMMIT,
+        "source_file": path.name,
+        "source_index": index,
+        "license": RELEASE_LICENSE,
+        "build": f"iapo_gym.data.release.read_release ({kind} environment object {index} of {path.name})",
+    }
+
+
+def _mv_table(obj: ReleaseRecord, task: str, attrs: dict[str, Any], where: str) -> OutcomeTable:
+    train = _array(obj, "cat_probs", 3, where)
+    test = _array(obj, "cat_probs_te", 3, where)
+    gold_tr = _array(obj, "answers", 1, where, np.int64)
+    gold_te = _array(obj, "answers_te", 1, where, np.int64)
+    if train.shape[0] != test.shape[0] or train.shape[2] != test.shape[2]:
+        raise ReleaseError(f"{where}: cat_probs {train.shape} and cat_probs_te {test.shape} disagree on prompts or buckets")
+    if gold_tr.shape[0] != train.shape[1] or gold_te.shape[0] != test.shape[1]:
+        raise ReleaseError(f"{where}: answers {gold_tr.shape} / answers_te {gold_te.shape} do not match the "
+                           f"queries of cat_probs {train.shape} / cat_probs_te {test.shape}")
+    cost = _array(obj, "cost_per_prompt", 1, where)
+    _check_mv_contexts(obj, where)
+    weights, names, cprobs = mv_cost_contexts()
+    n_p, n_tr, n_te = train.shape[0], train.shape[1], test.shape[1]
+    return OutcomeTable(
+        task=task, aggregator="mv", probs=np.concatenate([train, test], axis=1), cost=cost,
+        n_max=_n_max(obj, where), context_weights=weights, context_names=names, context_probs=cprobs,
+        objective_names=("correct",), gold=np.concatenate([gold_tr, gold_te]),
+        prompts=_prompt_names(obj, n_p), queries=tuple(f"train{i}" for i in range(n_tr)) + tuple(f"test{i}" for i in range(n_te)),
+        split=_split(n_tr, n_te), attrs=attrs,
+    )
+
+
+def _bon_table(obj: ReleaseRecord, task: str, attrs: dict[str, Any], where: str) -> OutcomeTable:
+    vec_tr = _array(obj, "outcome_vectors_train", 4, where)
+    vec_te = _array(obj, "outcome_vectors_test", 4, where)
+    pr_tr = _array(obj, "outcome_probs_train", 3, where)
+    pr_te = _array(obj, "outcome_probs_test", 3, where)
+    if vec_tr.shape[:3] != pr_tr.shape or vec_te.shape[:3] != pr_te.shape:
+        raise ReleaseError(f"{where}: outcome vectors {vec_tr.shape}/{vec_te.shape} do not match "
+                           f"outcome probs {pr_tr.shape}/{pr_te.shape}")
+    if vec_tr.shape[0] != vec_te.shape[0] or vec_tr.shape[3] != vec_te.shape[3]:
+        raise ReleaseError(f"{where}: train {vec_tr.shape} and test {vec_te.shape} outcome vectors "
+                           "disagree on prompts or objectives")
+    n_m = max(vec_tr.shape[2], vec_te.shape[2])  # pad the smaller atom axis with zero-probability atoms
+    vec_tr, pr_tr = _pad_atoms(vec_tr, pr_tr, n_m)
+    vec_te, pr_te = _pad_atoms(vec_te, pr_te, n_m)
+    weights, names, cprobs = bon_grid_contexts()
+    k = vec_tr.shape[3]
+    if k != weights.shape[1] - 1:
+        raise ReleaseError(f"{where}: outcome vectors have {k} objectives; the paper's BoN contexts weigh {weights.shape[1] - 1}")
+    cost = _array(obj, "cost_per_prompt", 1, where)
+    n_p, n_tr, n_te = vec_tr.shape[0], vec_tr.shape[1], vec_te.shape[1]
+    objective_names = obj.__dict__.get("objective_names")
+    if not (isinstance(objective_names, (list, tuple)) and len(objective_names) == k):
+        objective_names = tuple(f"objective_{i + 1}" for i in range(k))
+    return OutcomeTable(
+        task=task, aggregator="bon", probs=np.concatenate([pr_tr, pr_te], axis=1),
+        atoms=np.concatenate([vec_tr, vec_te], axis=1), cost=cost, n_max=_n_max(obj, where),
+        context_weights=weights, context_names=names, context_probs=cprobs, objective_names=tuple(objective_names),
+        prompts=_prompt_names(obj, n_p), queries=tuple(f"train{i}" for i in range(n_tr)) + tuple(f"test{i}" for i in range(n_te)),
+        split=_split(n_tr, n_te), attrs=attrs,
+    )
+
+
+def _pad_atoms(vectors: np.ndarray, probs: np.ndarray, n_m: int) -> tuple[np.ndarray, np.ndarray]:
+    extra = n_m - probs.shape[2]
+    if extra == 0:
+        return vectors, probs
+    vectors = np.concatenate([vectors, np.repeat(vectors[:, :, :1], extra, axis=2)], axis=2)
+    probs = np.concatenate([probs, np.zeros(probs.shape[:2] + (extra,))], axis=2)
+    return vectors, probs
+
+
+def _sb_table(obj: ReleaseRecord, task: str, attrs: dict[str, Any], where: str) -> OutcomeTable:
+    parts: dict[str, list[np.ndarray]] = {"train": [], "test": []}
+    labels: dict[str, list[str]] = {"train": [], "test": []}
+    for split_name, attr in (("train", "success_probs"), ("test", "success_probs_test")):
+        tiers = obj.__dict__.get(attr)
+        if not isinstance(tiers, dict) or not tiers:
+            raise ReleaseError(f"{where}: attribute {attr!r} must be a dict tier -> (P, X) array, got {type(tiers).__name__}")
+        for tier, values in tiers.items():
+            arr = np.asarray(values, dtype=np.float64)
+            if arr.ndim != 2:
+                raise ReleaseError(f"{where}: {attr}[{tier!r}] must be a (P, X) array, got shape {arr.shape}")
+            parts[split_name].append(arr)
+            labels[split_name].extend(f"{split_name}{len(labels[split_name]) + j}-{tier}" for j in range(arr.shape[1]))
+    try:
+        success = np.concatenate(parts["train"] + parts["test"], axis=1)
+    except ValueError as exc:
+        raise ReleaseError(f"{where}: success-probability arrays disagree on the number of prompts: {exc}") from None
+    if np.any((success < 0) | (success > 1)) or not np.all(np.isfinite(success)):
+        raise ReleaseError(f"{where}: success probabilities must lie in [0, 1]")
+    n_tr = sum(a.shape[1] for a in parts["train"])
+    n_te = sum(a.shape[1] for a in parts["test"])
+    _check_mv_contexts(obj, where)
+    weights, names, cprobs = mv_cost_contexts()
+    cost = _array(obj, "cost_per_prompt", 1, where)
+    return OutcomeTable(
+        task=task, aggregator="mv", probs=np.stack([1.0 - success, success], axis=2), cost=cost,
+        n_max=_n_max(obj, where), context_weights=weights, context_names=names, context_probs=cprobs,
+        objective_names=("correct",), gold=np.ones(success.shape[1], dtype=np.int64),
+        prompts=_prompt_names(obj, success.shape[0]), queries=tuple(labels["train"] + labels["test"]),
+        split=_split(n_tr, n_te), attrs=attrs,
+    )
+
+
+def _prompt_names(obj: ReleaseRecord, n_prompts: int) -> tuple[str, ...]:
+    prompts = obj.__dict__.get("prompts")
+    if isinstance(prompts, (list, tuple)) and len(prompts) == n_prompts and all(isinstance(p, (str, int)) for p in prompts):
+        return tuple(p if isinstance(p, str) else f"p{p}" for p in prompts)
+    return tuple(f"p{i}" for i in range(n_prompts))
+
+
+def table_name_for_file(path: str | os.PathLike[str]) -> str | None:
+    """The registry's table name for a release file, by its official file name, or None."""
+    from iapo_gym.data.registry import RegistryError, entry_for_file
+
+    try:
+        entry = entry_for_file(path)
+    except RegistryError:
+        return None
+    return entry.name if entry is not None else None
+
+
+def read_release(path: str | os.PathLike[str], task: str | None = None) -> list[OutcomeTable]:
+    """One validated OutcomeTable per environment object in the release file at ``path``.
+
+    ``task`` names the tables (default: from the official file name, else the file stem).
+    """
+    path = Path(path)
+    envs = load_release_objects(path)
+    name = task or table_name_for_file(path) or path.stem
+    tables = []
+    for i, obj in enumerate(envs):
+        kind = _env_kind(obj)
+        where = f"{path} (object {i}, {obj.__record_class__})"
+        attrs = _provenance(path, i, kind or "?")
+        build = {"mv": _mv_table, "bon": _bon_table, "sb": _sb_table}[kind or "mv"]
+        try:
+            tables.append(build(obj, name, attrs, where))
+        except TableError as exc:
+            raise ReleaseError(f"{where}: the converted table is invalid: {exc}") from None
+    return tables
+
+
+def table_file_names(task: str, count: int) -> list[str]:
+    """HDF5 file names for ``count`` tables of ``task``: ``task.h5`` for the first, ``task-i1.h5``, ... for the rest."""
+    return [f"{task}.h5" if i == 0 else f"{task}-i{i}.h5" for i in range(count)]
+
+
+def import_release(path: str | os.PathLike[str], task: str | None = None,
+                   dest: str | os.PathLike[str] | None = None, *, entry: ReleaseEntry | None = None) -> list[Path]:
+    """Convert a release file to HDF5 tables in ``dest`` (default: the user cache); returns the paths.
+
+    The file's git blob id and sha256 are recorded in the tables' provenance, with whether they
+    match ``entry`` (default: the registry's entry for the file name). Writes are atomic and
+    serialized by a file lock, so concurrent imports of the same task leave one valid table.
+    """
+    from iapo_gym import paths
+    from iapo_gym.data.download import file_hashes, folder_lock
+    from iapo_gym.data.registry import RegistryError, entry_for_file
+
+    path = Path(path)
+    if entry is None:
+        try:
+            entry = entry_for_file(path)
+        except RegistryError:
+            entry = None
+    name = task or (entry.name if entry is not None else None) or path.stem
+    tables = read_release(path, name)
+    blob, sha, _ = file_hashes(path)
+    extra = {"source_git_blob": blob, "source_sha256": sha,
+             "verified": bool(entry is not None and blob == entry.git_blob and (entry.sha256 in (None, sha)))}
+    folder = Path(dest) if dest is not None else paths.cache_dir()
+    out: list[Path] = []
+    with folder_lock(folder, name):
+        for table, fname in zip(tables, table_file_names(name, len(tables)), strict=True):
+            table = replace(table, attrs={**table.attrs, **extra})
+            out.append(write_table(table, folder / fname))
+    return out
+
+
+def describe(tables: Sequence[OutcomeTable]) -> str:
+    """One line per table: task, aggregator and shape (for command-line messages)."""
+    return "\n".join(
+        f"{t.task}: {t.aggregator}, {t.n_prompts} prompts x {t.n_queries} queries "
+        f"({int((t.split == TRAIN).sum()) if t.split is not None else t.n_queries} train) x {t.n_atoms} atoms, N_max {t.n_max}"
+        for t in tables
+    )
