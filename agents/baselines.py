@@ -1,0 +1,228 @@
+"""The paper's structure-agnostic baselines: uniform, epsilon-greedy, softmax, UCB, random.
+
+All of them learn through the shared estimator with cross-context and nested-scale reuse
+(as in the paper: "all baseline methods share information across contexts and inference
+scales"). The sequential ones draw a context uniformly at random each step, choose an
+arm among those whose N fits the remaining budget, pull it and update at once; see
+``docs/agents.md`` for the optional batching.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any
+
+import numpy as np
+
+from agents.base import Agent
+from agents.estimator import REUSE_MODES, Estimator, Reuse
+from agents.psst import partial_allocation
+from iapo_gym import Policy
+
+
+def _check_reuse(reuse: Any) -> None:
+    if reuse not in REUSE_MODES:
+        raise ValueError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
+
+
+class RandomAgent(Agent):
+    """A uniformly random arm per context (the agent's own generator); spends nothing."""
+
+    name = "random"
+
+    def train(self, env: Any, budget: int) -> Policy:
+        """Ignore the budget and return one uniformly random arm (p, N) per context."""
+        base = self.base_env(env)
+        self.check_budget(budget)
+        prompts = self.rng.integers(base.n_prompts, size=base.n_contexts)
+        ns = self.rng.integers(1, base.n_max + 1, size=base.n_contexts)
+        return Policy(tuple(zip(prompts.tolist(), ns.tolist(), strict=True)))
+
+
+class Uniform(Agent):
+    """Every arm in one batch: each prompt pulled floor(T / (P N_max)) times at N_max.
+
+    Nested reuse makes a pull at N_max a sample of every scale. The leftover (less than
+    P N_max) buys one more pull of every prompt at N = floor(leftover / P) when that is
+    >= 1 (so every prompt keeps the same coverage), else is left unspent; a budget below
+    P N_max is spent entirely that way. Returns the best estimate per context.
+    """
+
+    name = "uniform"
+
+    def __init__(self, seed: int | None = None, reuse: Reuse = "blocks") -> None:
+        """``reuse``: how the estimator reads nested scales ("blocks" or "all_subsets")."""
+        super().__init__(seed)
+        _check_reuse(reuse)
+        self.reuse: Reuse = reuse
+
+    def params(self) -> dict[str, Any]:
+        """Hyper-parameters recorded with results."""
+        return {"reuse": self.reuse}
+
+    def train(self, env: Any, budget: int) -> Policy:
+        """One batch of pulls, then the greedy policy on the estimates."""
+        base = self.base_env(env)
+        budget = self.check_budget(budget)
+        est = Estimator(base, self.reuse)
+        n_p, n_max = base.n_prompts, base.n_max
+        per_prompt = budget // (n_p * n_max)
+        prompts = np.repeat(np.arange(n_p), per_prompt)
+        ns = np.full(prompts.size, n_max, dtype=np.int64)
+        leftover = budget - per_prompt * n_p * n_max
+        if per_prompt == 0:  # too small for one full pass: the shared partial rule
+            extra_p, extra_n = partial_allocation(np.full(n_p, n_max), leftover, self.rng)
+        else:  # one more pull per prompt at a common N, or nothing (equal coverage)
+            extra_p = np.arange(n_p) if leftover >= n_p else np.zeros(0, np.int64)
+            extra_n = np.full(extra_p.size, leftover // n_p, dtype=np.int64)
+        prompts, ns = np.concatenate([prompts, extra_p]), np.concatenate([ns, extra_n])
+        if prompts.size:
+            est.update(base.pull(prompts, ns))
+        return est.best_arms(self.rng)
+
+
+class _Sequential(Agent):
+    """Shared loop of the sequential baselines: draw a context, choose a feasible arm, pull, update.
+
+    ``batch_size`` > 1 chooses that many (context, arm) steps from the same estimates
+    before pulling them in one call (a delayed-update approximation, for speed only);
+    the default 1 is the exact sequential algorithm.
+    """
+
+    def __init__(self, seed: int | None = None, reuse: Reuse = "blocks", batch_size: int = 1) -> None:
+        super().__init__(seed)
+        _check_reuse(reuse)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        self.reuse: Reuse = reuse
+        self.batch_size = int(batch_size)
+
+    def params(self) -> dict[str, Any]:
+        """Hyper-parameters recorded with results."""
+        return {"reuse": self.reuse, "batch_size": self.batch_size}
+
+    @abstractmethod
+    def choose(self, est: Estimator, context: int, feasible: np.ndarray) -> int:
+        """Flat arm index (p * N_max + N - 1) to pull in ``context`` among ``feasible`` arms."""
+
+    @staticmethod
+    def _argmax(values: np.ndarray, mask: np.ndarray, rng: np.random.Generator) -> int:
+        """Index of the largest value among ``mask``, ties broken at random."""
+        score = np.where(mask, values, -np.inf)
+        ties = np.flatnonzero(score == score.max())
+        return int(ties[0] if ties.size == 1 else ties[rng.integers(ties.size)])
+
+    def train(self, env: Any, budget: int) -> Policy:
+        """Step until the budget is spent (N = 1 always fits, so it is spent exactly)."""
+        base = self.base_env(env)
+        budget = self.check_budget(budget)
+        est = Estimator(base, self.reuse)
+        n_max = base.n_max
+        arm_n = np.tile(np.arange(1, n_max + 1), base.n_prompts)
+        spent = 0
+        while spent < budget:
+            remaining = budget - spent
+            feasible = arm_n <= remaining
+            contexts = self.rng.integers(base.n_contexts, size=self.batch_size)
+            arms = np.array([self.choose(est, int(c), feasible) for c in contexts], dtype=np.int64)
+            ns = arms % n_max + 1
+            fits = np.cumsum(ns) <= remaining
+            fits[0] = True  # the first step was chosen among feasible arms
+            arms, ns = arms[fits], ns[fits]
+            pulls = base.pull(arms // n_max, ns)
+            spent += pulls.completions
+            est.update(pulls)
+        return est.best_arms(self.rng)
+
+
+class EpsilonGreedy(_Sequential):
+    """A random context each step; its greedy arm w.p. 1 - epsilon, else a uniformly random
+    feasible arm. Unsampled arms count as 0 (the reference code's convention)."""
+
+    name = "epsilon_greedy"
+
+    def __init__(self, seed: int | None = None, epsilon: float = 0.15, reuse: Reuse = "blocks",
+                 batch_size: int = 1) -> None:
+        """``epsilon`` is the exploration probability (paper: 0.15)."""
+        super().__init__(seed, reuse, batch_size)
+        if not 0.0 <= float(epsilon) <= 1.0:
+            raise ValueError(f"epsilon must be in [0, 1], got {epsilon!r}")
+        self.epsilon = float(epsilon)
+
+    def params(self) -> dict[str, Any]:
+        """Hyper-parameters recorded with results."""
+        return {"epsilon": self.epsilon, **super().params()}
+
+    def choose(self, est: Estimator, context: int, feasible: np.ndarray) -> int:
+        """Explore w.p. epsilon, else exploit the current estimates of ``context``."""
+        if self.rng.random() < self.epsilon:
+            options = np.flatnonzero(feasible)
+            return int(options[self.rng.integers(options.size)])
+        means = _context_mean(est, context, unseen=0.0)
+        return self._argmax(means, feasible, self.rng)
+
+
+class Softmax(_Sequential):
+    """A random context each step; an arm drawn with probability proportional to exp(Q_hat / tau).
+
+    Default temperature tau = 0.05 (utility units; the reference code's value): an arm
+    0.05 below the best is e times less likely. Unsampled arms count as 0.
+    """
+
+    name = "softmax"
+
+    def __init__(self, seed: int | None = None, temperature: float = 0.05, reuse: Reuse = "blocks",
+                 batch_size: int = 1) -> None:
+        """``temperature`` tau > 0 of the softmax over estimated Q."""
+        super().__init__(seed, reuse, batch_size)
+        if not float(temperature) > 0.0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        self.temperature = float(temperature)
+
+    def params(self) -> dict[str, Any]:
+        """Hyper-parameters recorded with results."""
+        return {"temperature": self.temperature, **super().params()}
+
+    def choose(self, est: Estimator, context: int, feasible: np.ndarray) -> int:
+        """Sample a feasible arm from the softmax of the estimates of ``context``."""
+        logits = np.where(feasible, _context_mean(est, context, unseen=0.0) / self.temperature, -np.inf)
+        weights = np.exp(logits - logits.max())
+        cdf = np.cumsum(weights)
+        return int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+
+
+class UCB(_Sequential):
+    """A random context each step; the feasible arm of highest mu + c sqrt(ln t / n).
+
+    n is the arm's sample count and t the context's total sample count (nested-scale
+    samples included, as in the reference code); unsampled arms come first (ties at random).
+    """
+
+    name = "ucb"
+
+    def __init__(self, seed: int | None = None, c: float = 0.1, reuse: Reuse = "blocks", batch_size: int = 1) -> None:
+        """``c`` is the exploration constant (paper: 0.1)."""
+        super().__init__(seed, reuse, batch_size)
+        if not float(c) >= 0.0:
+            raise ValueError(f"c must be >= 0, got {c!r}")
+        self.c = float(c)
+
+    def params(self) -> dict[str, Any]:
+        """Hyper-parameters recorded with results."""
+        return {"c": self.c, **super().params()}
+
+    def choose(self, est: Estimator, context: int, feasible: np.ndarray) -> int:
+        """The optimistic arm of ``context``."""
+        counts = est.counts[context].ravel()
+        t = max(1.0, float(counts.sum()))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            index = est.sums[context].ravel() / counts + self.c * np.sqrt(np.log(t) / counts)
+        index = np.where(counts > 0, index, np.inf)
+        return self._argmax(index, feasible, self.rng)
+
+
+def _context_mean(est: Estimator, context: int, unseen: float) -> np.ndarray:
+    """Flat (P * N_max) estimates of one context, ``unseen`` where there is no sample."""
+    counts = est.counts[context].ravel()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(counts > 0, est.sums[context].ravel() / counts, unseen)

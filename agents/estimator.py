@@ -1,0 +1,275 @@
+"""The shared, vectorized Q estimator of every built-in agent.
+
+It keeps running sums and sample counts per (context, prompt, N) and turns a batch of
+pulls into samples with the paper's two kinds of reuse:
+
+* cross-context: every pull is scored under every context at once;
+* nested scales: a pull of N_i completions is a sample of every scale k <= N_i.
+
+Two ways of reading a pull at scale k (``reuse``):
+
+* ``"blocks"`` (the paper): floor(N_i / k) disjoint blocks of k completions, in draw order;
+* ``"all_subsets"``: the average over all C(N_i, k) subsets of k completions (a
+  U-statistic, the Rao-Blackwellization of the block estimate), weighted like the blocks
+  (floor(N_i / k) samples). Best-of-N: with a pull's utilities sorted ascending,
+  mean max = sum_i u_(i) C(i-1, k-1) / C(N_i, k). Majority vote: from the answer counts,
+  ``vote_credit_series`` with binomial terms, divided by C(N_i, k).
+
+Both are unbiased for Q(c, p, k) on the env's query distribution. Stockpiling is the
+caller's choice: keep the estimator across rounds, or ``reset()`` it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+
+from iapo_gym import IAPOEnv, Policy, Pulls
+from iapo_gym.utility import mv_credit, vote_credit_series
+
+Reuse = Literal["blocks", "all_subsets"]
+REUSE_MODES: tuple[Reuse, ...] = ("blocks", "all_subsets")
+
+
+def binomial_table(n_max: int) -> np.ndarray:
+    """C(n, s) as float64 for 0 <= n, s <= n_max (zero for s > n), by Pascal's rule."""
+    table = np.zeros((n_max + 1, n_max + 1))
+    table[:, 0] = 1.0
+    for n in range(1, n_max + 1):
+        table[n, 1:] = table[n - 1, 1:] + table[n - 1, :-1]
+    return table
+
+
+def bon_subset_weights(n: int, binom: np.ndarray | None = None) -> np.ndarray:
+    """(n, n) matrix W with W[i-1, k-1] = C(i-1, k-1) / C(n, k): the weight of the i-th
+    smallest of n values in the mean of max over all k-subsets."""
+    binom = binomial_table(n) if binom is None else binom
+    i = np.arange(1, n + 1)
+    k = np.arange(1, n + 1)
+    return binom[i[:, None] - 1, k[None, :] - 1] / binom[n, k][None, :]
+
+
+def mv_subset_credit(counts: np.ndarray, gold: np.ndarray, k_max: int,
+                     binom: np.ndarray | None = None) -> np.ndarray:
+    """Mean majority-vote credit (R, k_max) over all k-subsets (k = 1..k_max) of R pulls.
+
+    ``counts`` (R, B) are each pull's votes per bucket, ``gold`` (R,) the gold buckets.
+    Column k-1 is valid for k <= the pull's size (the series of the exact oracle's kernel
+    with C(n_j, s) in place of p_j^s / s!, divided by C(n, k)).
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    n_rows, n_buckets = counts.shape
+    binom = binomial_table(max(k_max, int(counts.sum(axis=1).max(initial=0)))) if binom is None else binom
+    gold_counts = counts[np.arange(n_rows), gold]
+    others = np.ones((n_rows, n_buckets), dtype=bool)
+    others[np.arange(n_rows), gold] = False
+    other_counts = counts[others].reshape(n_rows, n_buckets - 1)
+    s = np.arange(k_max + 1)
+    series = vote_credit_series(binom[gold_counts][:, s], binom[other_counts][:, :, s], k_max)
+    totals = counts.sum(axis=1)
+    denom = binom[totals][:, 1:k_max + 1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(denom > 0, series[:, 1:] / np.where(denom > 0, denom, 1.0), 0.0)
+
+
+class Estimator:
+    """Running estimates of Q(c, p, N) for every context, prompt and scale of one env.
+
+    ``sums``/``counts`` are (C, P, N_max) arrays (index N-1); ``update`` adds a batch of
+    pulls, ``mean`` reads the estimates, ``reset`` forgets everything (no stockpiling).
+    """
+
+    def __init__(self, env: Any, reuse: Reuse = "blocks") -> None:
+        """Bind to ``env`` (an IAPOEnv or a wrapper) and pick the scale ``reuse`` mode."""
+        if reuse not in REUSE_MODES:
+            raise ValueError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
+        base = getattr(env, "unwrapped", env)
+        if not isinstance(base, IAPOEnv):
+            raise TypeError(f"Estimator needs an IAPOEnv (or a wrapper of one), got {type(base).__name__}")
+        self.env = base
+        self.reuse = reuse
+        table = base.table
+        self.aggregator = table.aggregator
+        self.n_contexts, self.n_prompts, self.n_max = base.n_contexts, base.n_prompts, base.n_max
+        self.n_atoms = table.n_atoms
+        self._weights = table.context_weights  # (C, K+1): the scorer's weights, not the oracle
+        self._cost = table.cost_matrix()  # (P, Q) per-completion cost
+        self._binom = binomial_table(self.n_max)
+        self._bon_w: dict[int, np.ndarray] = {}
+        shape = (self.n_contexts, self.n_prompts, self.n_max)
+        self.sums = np.zeros(shape)
+        self.counts = np.zeros(shape)
+
+    # ---- state ------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every sample (a round without stockpiling)."""
+        self.sums[...] = 0.0
+        self.counts[...] = 0.0
+
+    def mean(self, unseen: float = np.nan) -> np.ndarray:
+        """Estimated Q (C, P, N_max); arms without samples get ``unseen``."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(self.counts > 0, self.sums / np.where(self.counts > 0, self.counts, 1.0), unseen)
+
+    # ---- updates ----------------------------------------------------------------------
+    def update(self, pulls: Pulls, *, scales: str | np.ndarray | None = None,
+               arm_mask: np.ndarray | None = None, contexts: np.ndarray | None = None) -> None:
+        """Add the samples of ``pulls`` at every scale k <= N of each pull.
+
+        ``scales``: None (all k <= N), an array of scales, or ``"own"`` (only k = N: no
+        nested reuse). ``arm_mask`` (P, N_max) restricts the updated arms. ``contexts``
+        (one per pull) scores each pull under that context only (no cross-context reuse).
+        """
+        if len(pulls) == 0:
+            return
+        pull_idx, ks, n_samples, values = self.pair_samples(pulls, scales=scales, arm_mask=arm_mask)
+        if pull_idx.size == 0:
+            return
+        arm = pulls.prompts[pull_idx] * self.n_max + (ks - 1)
+        per_context = self.n_prompts * self.n_max
+        size = self.n_contexts * per_context
+        if contexts is None and len(pulls) == 1:  # one pull: its (p, k) arms are distinct
+            self.sums.reshape(self.n_contexts, -1)[:, arm] += values
+            self.counts.reshape(self.n_contexts, -1)[:, arm] += n_samples[None, :]
+        elif contexts is None:
+            flat = (np.arange(self.n_contexts)[:, None] * per_context + arm[None, :]).ravel()
+            self.sums += np.bincount(flat, weights=values.ravel(), minlength=size).reshape(self.sums.shape)
+            self.counts += np.bincount(arm, weights=n_samples, minlength=per_context).reshape(self.sums.shape[1:])[None]
+        else:
+            ctx = np.asarray(contexts, dtype=np.int64).reshape(-1)
+            if ctx.shape != pulls.prompts.shape:
+                raise ValueError(f"contexts must have one entry per pull ({len(pulls)}), got {ctx.size}")
+            c = ctx[pull_idx]
+            flat = c * per_context + arm
+            self.sums += np.bincount(flat, weights=values[c, np.arange(c.size)], minlength=size).reshape(self.sums.shape)
+            self.counts += np.bincount(flat, weights=n_samples, minlength=size).reshape(self.sums.shape)
+
+    def pair_samples(self, pulls: Pulls, *, scales: str | np.ndarray | None = None,
+                     arm_mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per (pull, scale k) pair: (pull index, k, number of samples, summed utilities (C, pairs)).
+
+        The number of samples is floor(N / k); the utilities are summed over the blocks
+        (``"blocks"``) or are floor(N / k) times the all-subset mean (``"all_subsets"``).
+        """
+        ns = pulls.ns
+        ks_all = np.arange(1, self.n_max + 1)
+        ok = ks_all[None, :] <= ns[:, None]
+        if isinstance(scales, str):
+            if scales != "own":
+                raise ValueError(f"scales must be None, an array of N or 'own', got {scales!r}")
+            ok &= ks_all[None, :] == ns[:, None]
+        elif scales is not None:
+            wanted = np.zeros(self.n_max + 1, dtype=bool)
+            wanted[np.asarray(scales, dtype=np.int64)] = True
+            ok &= wanted[None, 1:]
+        if arm_mask is not None:
+            ok &= np.asarray(arm_mask, dtype=bool)[pulls.prompts]
+        pull_idx, k_idx = np.nonzero(ok)
+        ks = k_idx + 1
+        n_blocks = ns[pull_idx] // ks
+        if pull_idx.size == 0:
+            return pull_idx, ks, n_blocks.astype(np.float64), np.zeros((self.n_contexts, 0))
+        if self.reuse == "blocks":
+            task = self._blocks_mv(pulls, pull_idx, ks, n_blocks) if self.aggregator == "mv" else \
+                self._blocks_bon(pulls, pull_idx, ks, n_blocks)
+        else:
+            task = self._subsets_mv(pulls, pull_idx, ks, n_blocks) if self.aggregator == "mv" else \
+                self._subsets_bon(pulls, pull_idx, ks, n_blocks)
+        cost = self._cost[pulls.prompts[pull_idx], pulls.queries[pull_idx]] * ks * n_blocks
+        values = task + self._weights[:, -1:] * cost[None, :]
+        return pull_idx, ks, n_blocks.astype(np.float64), values
+
+    # ---- the four kernels: task reward only, summed over each pair's samples ------------
+    def _block_starts(self, pulls: Pulls, pull_idx: np.ndarray, ks: np.ndarray,
+                      n_blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(pair of each block, first completion of each block) in the pulls' atom array."""
+        block_pair = np.repeat(np.arange(pull_idx.size), n_blocks)
+        first = np.arange(block_pair.size) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
+        return block_pair, pulls.offsets[pull_idx[block_pair]] + first * ks[block_pair]
+
+    def _blocks_mv(self, pulls: Pulls, pull_idx: np.ndarray, ks: np.ndarray, n_blocks: np.ndarray) -> np.ndarray:
+        block_pair, start = self._block_starts(pulls, pull_idx, ks, n_blocks)
+        total = pulls.atoms.size
+        cum = np.zeros((total + 1, self.n_atoms), dtype=np.int32)
+        cum[np.arange(1, total + 1), pulls.atoms] = 1
+        np.cumsum(cum, axis=0, out=cum)
+        counts = cum[start + ks[block_pair]] - cum[start]
+        gold = self.env.table.gold
+        assert gold is not None
+        credit = mv_credit(counts, gold[pulls.queries[pull_idx[block_pair]]])
+        pair_credit = np.bincount(block_pair, weights=credit, minlength=pull_idx.size)
+        return self._weights[:, :1] * pair_credit[None, :]
+
+    def _scores(self, pulls: Pulls) -> np.ndarray:
+        """(C, total completions) weighted objective score of every completion (no cost)."""
+        atoms = self.env.table.atoms
+        assert atoms is not None
+        rep = np.repeat(np.arange(len(pulls)), pulls.ns)
+        vectors = atoms[pulls.prompts[rep], pulls.queries[rep], pulls.atoms]  # (total, K)
+        return self._weights[:, :-1] @ vectors.T
+
+    def _blocks_bon(self, pulls: Pulls, pull_idx: np.ndarray, ks: np.ndarray, n_blocks: np.ndarray) -> np.ndarray:
+        block_pair, start = self._block_starts(pulls, pull_idx, ks, n_blocks)
+        scores = self._scores(pulls)
+        # Sparse table for range maxima: level l holds max over windows of 2^l completions.
+        k_block = ks[block_pair]
+        level = np.floor(np.log2(k_block)).astype(np.int64)
+        block_max = np.empty((self.n_contexts, block_pair.size))
+        table = scores
+        for lev in range(int(level.max()) + 1):
+            if lev:
+                half = 1 << (lev - 1)
+                table = np.maximum(table[:, :-half], table[:, half:])
+            sel = np.flatnonzero(level == lev)
+            if sel.size:
+                s = start[sel]
+                e = s + k_block[sel] - (1 << lev)
+                block_max[:, sel] = np.maximum(table[:, s], table[:, e])
+        pair_start = np.cumsum(n_blocks) - n_blocks
+        return np.add.reduceat(block_max, pair_start, axis=1)
+
+    def _subsets_bon(self, pulls: Pulls, pull_idx: np.ndarray, ks: np.ndarray, n_blocks: np.ndarray) -> np.ndarray:
+        scores = self._scores(pulls)
+        ustat = np.empty((self.n_contexts, pull_idx.size))
+        for n in np.unique(pulls.ns[pull_idx]):
+            sel = np.flatnonzero(pulls.ns[pull_idx] == n)
+            if n not in self._bon_w:
+                self._bon_w[int(n)] = bon_subset_weights(int(n), self._binom)
+            used, row = np.unique(pull_idx[sel], return_inverse=True)  # sort each pull once, for all its k
+            ordered = np.sort(scores[:, pulls.offsets[used][:, None] + np.arange(n)[None, :]], axis=2)
+            every_k = ordered @ self._bon_w[int(n)]  # (C, pulls, k = 1..n)
+            ustat[:, sel] = every_k[:, row, ks[sel] - 1]
+        return ustat * n_blocks[None, :]
+
+    def _subsets_mv(self, pulls: Pulls, pull_idx: np.ndarray, ks: np.ndarray, n_blocks: np.ndarray) -> np.ndarray:
+        gold = self.env.table.gold
+        assert gold is not None
+        used = np.unique(pull_idx)
+        counts = pulls.counts(self.n_atoms)[used]
+        k_max = int(ks.max())
+        credit = mv_subset_credit(counts, gold[pulls.queries[used]], k_max, self._binom)  # (used, k_max)
+        row = np.searchsorted(used, pull_idx)
+        return self._weights[:, :1] * (credit[row, ks - 1] * n_blocks)[None, :]
+
+    # ---- reading out a policy -----------------------------------------------------------
+    def best_arms(self, rng: np.random.Generator, mask: np.ndarray | None = None) -> Policy:
+        """Per context, the arm of highest estimate among ``mask`` (C, P, N_max) arms with samples.
+
+        Ties are broken at random; a context with no sampled arm in its mask gets a
+        uniformly random arm of the mask (of all arms if the mask is empty).
+        """
+        if mask is None:
+            mask = np.ones(self.sums.shape, dtype=bool)
+        arms = []
+        means = self.mean(unseen=-np.inf)
+        noise = rng.random(self.sums.shape)
+        for c in range(self.n_contexts):
+            seen = mask[c] & (self.counts[c] > 0)
+            pool = seen if seen.any() else (mask[c] if mask[c].any() else np.ones_like(mask[c]))
+            score = np.where(pool, means[c] if seen.any() else 0.0, -np.inf)
+            best = score.max()
+            ties = pool & (score == best)
+            flat = int(np.argmax(np.where(ties, noise[c], -1.0)))
+            arms.append((flat // self.n_max, flat % self.n_max + 1))
+        return Policy(tuple(arms))

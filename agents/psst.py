@@ -1,0 +1,203 @@
+"""PSST (paper Algorithm 1, structure-aware allocation) and PSST with Top-K screening.
+
+The halving helpers here (``trim``, ``round_budget``, ``partial_allocation``) are shared
+with the TRIPLE and sequential-halving baselines, so every halving agent trims and
+spends its budget by the same documented rules (see ``docs/agents.md``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from agents.base import Agent
+from agents.estimator import REUSE_MODES, Estimator, Reuse
+from iapo_gym import Policy
+
+LEFTOVER_MODES = ("carry", "drop")
+
+
+def rounds_to_one(n: int) -> int:
+    """Rounds of 'remove the bottom ceil(n/2), keep at least one' that take n arms to one: floor(log2 n)."""
+    return max(0, int(n).bit_length() - 1)
+
+
+def trim(alive: np.ndarray, means: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Remove the bottom ceil(n_c / 2) of each row's n_c alive arms (keeping at least one).
+
+    ``alive`` and ``means`` are (C, A); arms without samples (nan or -inf) rank below every
+    sampled arm, ties are broken at random.
+    """
+    n_alive = alive.sum(axis=1)
+    keep = np.where(n_alive > 1, np.maximum(1, n_alive // 2), n_alive)
+    seen = np.isfinite(means)
+    group = np.where(alive, np.where(seen, 0, 1), 2)
+    value = np.where(alive & seen, -np.nan_to_num(means, neginf=0.0, posinf=0.0), 0.0)
+    order = np.lexsort((rng.random(alive.shape), value, group), axis=-1)
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(alive.shape[1])[None, :].repeat(alive.shape[0], 0), axis=1)
+    return alive & (rank < keep[:, None])
+
+
+def round_budget(budget: int, spent: int, rounds_total: int, round_index: int, rounds_needed: int,
+                 leftover: str) -> int:
+    """Completions a halving round may spend.
+
+    ``"drop"`` (the paper): floor(T / R) every round, unspent completions are lost.
+    ``"carry"``: floor(remaining / rounds still to run), where the rounds still to run
+    are the fewer of the paper's remaining rounds and the rounds the trimming still
+    needs; leftovers roll forward.
+    """
+    remaining = budget - spent
+    if leftover == "drop":
+        return min(budget // rounds_total, remaining)
+    to_run = max(1, min(rounds_total - round_index, rounds_needed))
+    return remaining // to_run
+
+
+def partial_allocation(top: np.ndarray, budget: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Pulls for a round that cannot afford one pull of every prompt's largest scale ``top``.
+
+    Each live prompt (top > 0) gets one pull at min(top, floor(budget / live prompts));
+    if that is 0, ``budget`` live prompts drawn at random get one pull at N = 1.
+    """
+    live = np.flatnonzero(top > 0)
+    if live.size == 0 or budget <= 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    each = budget // live.size
+    if each >= 1:
+        return live, np.minimum(top[live], each)
+    chosen = np.sort(rng.choice(live, size=budget, replace=False))
+    return chosen, np.ones(chosen.size, np.int64)
+
+
+def largest_scales(union: np.ndarray) -> np.ndarray:
+    """(P,) largest N with a live arm (p, N) in the (P, N_max) mask, 0 for dead prompts."""
+    n_max = union.shape[1]
+    has = union.any(axis=1)
+    return np.where(has, n_max - np.argmax(union[:, ::-1], axis=1), 0)
+
+
+def psst_rounds(env: Any, est: Estimator, alive: np.ndarray, budget: int, rng: np.random.Generator, *,
+                stockpile: bool = True, leftover: str = "carry") -> tuple[np.ndarray, int]:
+    """Run PSST's trimming rounds on the (C, P, N_max) ``alive`` flags; returns (alive, spent).
+
+    R = ceil(log2 max_c |A_c|). Each round pulls every prompt's largest live scale
+    floor(n_r / M) times (M = sum of those scales), scores the pulls under every context
+    and every live scale, and trims the bottom ceil(|A_c| / 2) arms of each context.
+    """
+    n_contexts, n_prompts, n_max = alive.shape
+    flat_alive = alive.reshape(n_contexts, -1).copy()
+    n_arms = int(flat_alive.sum(axis=1).max())
+    rounds_total = max(1, math.ceil(math.log2(max(n_arms, 1))))
+    spent = 0
+    for r in range(rounds_total):
+        n_alive = flat_alive.sum(axis=1)
+        if n_alive.max() <= 1:
+            break
+        union = flat_alive.any(axis=0).reshape(n_prompts, n_max)
+        top = largest_scales(union)
+        cost = int(top.sum())
+        needed = max(rounds_to_one(int(n)) for n in n_alive)
+        b = round_budget(budget, spent, rounds_total, r, needed, leftover)
+        per_arm = b // cost
+        if per_arm == 0 and leftover == "carry" and budget - spent >= cost:
+            per_arm = 1  # borrow from later rounds rather than skip the round
+        if per_arm >= 1:
+            live = np.flatnonzero(top)
+            prompts, ns = np.repeat(live, per_arm), np.repeat(top[live], per_arm)
+        else:
+            prompts, ns = partial_allocation(top, b, rng)
+        if not stockpile:
+            est.reset()
+        if prompts.size:
+            pulls = env.pull(prompts, ns)
+            spent += pulls.completions
+            est.update(pulls, arm_mask=union)
+        flat_alive = trim(flat_alive, est.mean().reshape(n_contexts, -1), rng)
+    return flat_alive.reshape(alive.shape), spent
+
+
+def _check_choice(name: str, value: Any, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"{name} must be one of {options}, got {value!r}")
+
+
+class PSST(Agent):
+    """Prompt Scaling via Sequential Trimming (paper Algorithm 1) with the shared estimator.
+
+    ``reuse``: "blocks" (paper) or "all_subsets" (issue 7); ``stockpile`` keeps earlier
+    rounds' samples (default, as the paper recommends); ``leftover``: "carry" or "drop".
+    """
+
+    name = "psst"
+
+    def __init__(self, seed: int | None = None, reuse: Reuse = "blocks", stockpile: bool = True,
+                 leftover: str = "carry") -> None:
+        """Set the seed and the estimator/budget options (see the class docstring)."""
+        super().__init__(seed)
+        _check_choice("reuse", reuse, REUSE_MODES)
+        _check_choice("leftover", leftover, LEFTOVER_MODES)
+        self.reuse: Reuse = reuse
+        self.stockpile = bool(stockpile)
+        self.leftover = leftover
+
+    def params(self) -> dict[str, Any]:
+        """Hyper-parameters recorded with results."""
+        return {"reuse": self.reuse, "stockpile": self.stockpile, "leftover": self.leftover}
+
+    def _initial_arms(self, env: Any, est: Estimator, budget: int) -> tuple[np.ndarray, int]:
+        """The (C, P, N_max) arm sets PSST starts from, and the budget spent choosing them."""
+        return np.ones(est.sums.shape, dtype=bool), 0
+
+    def train(self, env: Any, budget: int) -> Policy:
+        """Spend at most ``budget`` completions of ``env``; one surviving arm per context."""
+        base = self.base_env(env)
+        budget = self.check_budget(budget)
+        est = Estimator(base, self.reuse)
+        alive, spent = self._initial_arms(base, est, budget)
+        alive, _ = psst_rounds(base, est, alive, budget - spent, self.rng,
+                               stockpile=self.stockpile, leftover=self.leftover)
+        return est.best_arms(self.rng, alive)
+
+
+class PSSTTopK(PSST):
+    """PSST after Top-K screening: floor(rho T) completions at N = 1 spread evenly over the
+    prompts, the K best prompts kept per context, PSST on those with the rest."""
+
+    name = "psst_topk"
+
+    def __init__(self, seed: int | None = None, k: int = 4, rho: float = 0.2, reuse: Reuse = "blocks",
+                 stockpile: bool = True, leftover: str = "carry") -> None:
+        """``k`` prompts kept per context after screening with a ``rho`` fraction of the budget."""
+        super().__init__(seed, reuse=reuse, stockpile=stockpile, leftover=leftover)
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"k must be an integer >= 1, got {k!r}")
+        if not 0.0 <= float(rho) < 1.0:
+            raise ValueError(f"rho must be in [0, 1), got {rho!r}")
+        self.k = int(k)
+        self.rho = float(rho)
+
+    def params(self) -> dict[str, Any]:
+        """Hyper-parameters recorded with results."""
+        return {"k": self.k, "rho": self.rho, **super().params()}
+
+    def _initial_arms(self, env: Any, est: Estimator, budget: int) -> tuple[np.ndarray, int]:
+        """Screen at N = 1 and keep the top K prompts of each context (all if unaffordable)."""
+        n_contexts, n_prompts, _ = est.sums.shape
+        alive = np.ones(est.sums.shape, dtype=bool)
+        per_prompt = int(math.floor(self.rho * budget)) // n_prompts
+        if per_prompt == 0 or self.k >= n_prompts:
+            return alive, 0
+        pulls = env.pull(np.repeat(np.arange(n_prompts), per_prompt), np.ones(per_prompt * n_prompts, np.int64))
+        est.update(pulls, scales=np.array([1]))
+        q1 = est.mean()[:, :, 0]
+        order = np.lexsort((self.rng.random(q1.shape), -q1), axis=-1)
+        keep = np.zeros((n_contexts, n_prompts), dtype=bool)
+        np.put_along_axis(keep, order[:, : self.k], True, axis=1)
+        alive &= keep[:, :, None]
+        if not self.stockpile:
+            est.reset()
+        return alive, pulls.completions
