@@ -114,3 +114,15 @@ def test_policy_outside_the_arm_range_is_rejected() -> None:
     table = tiny_mv_table()
     with pytest.raises(ValueError, match=r"outside prompts \[0, 3\) x N \[1, 6\]"):
         exact_acr(table, [(0, 7)] * 3)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n_atoms=st.integers(1, 30), sparse=st.booleans())
+def test_alias_tables_sample_exactly_the_table(seed: int, n_atoms: int, sparse: bool) -> None:
+    rng = np.random.default_rng(seed)
+    probs = rng.dirichlet(np.full(n_atoms, 0.3), size=50)
+    if sparse:
+        probs[rng.random(probs.shape) < 0.5] = 0.0
+        probs[:, 0] += 1e-3
+        probs /= probs.sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(AliasSampler(probs).implied_probs(), probs, atol=1e-12)
