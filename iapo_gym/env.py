@@ -105,7 +105,6 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
             (spaces.Discrete(table.n_prompts), spaces.Discrete(table.n_max, start=1))
         )
         self._observations = table.context_weights.astype(np.float32)
-        self._sampler: AliasSampler | None = None
         self._context = 0
         self._split_queries = {s: table.split_indices(s) for s in SPLITS}
 
@@ -193,9 +192,12 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
 
     # ---- vectorized path --------------------------------------------------------------
     def _get_sampler(self) -> AliasSampler:
-        if self._sampler is None:
-            self._sampler = AliasSampler(self.table.probs.reshape(-1, self.table.n_atoms))
-        return self._sampler
+        """The table's alias sampler, built on first use and shared by every env on the table."""
+        cache = self.table._cache
+        if "sampler" not in cache:
+            cache["sampler"] = AliasSampler(self.table.probs.reshape(-1, self.table.n_atoms))
+        sampler: AliasSampler = cache["sampler"]
+        return sampler
 
     def pull(self, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray | None = None) -> Pulls:
         """Draw many pulls in one vectorized call, from this env's generator and budget.

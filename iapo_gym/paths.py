@@ -27,17 +27,6 @@ def cache_dir() -> Path:
     return Path(pooch.os_cache("iapo-gym")) / __version__
 
 
-def search_dirs() -> list[Path]:
-    """Data directories in lookup order: ``$IAPO_GYM_DATA``, the repository's data/, the user cache."""
-    dirs = []
-    env = os.environ.get(DATA_ENV)
-    if env:
-        dirs.append(Path(env).expanduser())
-    dirs.append(repo_data_dir())
-    dirs.append(cache_dir())
-    return dirs
-
-
 def offline() -> bool:
     """True when ``IAPO_GYM_OFFLINE`` forbids downloads."""
     return os.environ.get(OFFLINE_ENV, "").strip().lower() not in ("", "0", "false", "no")

@@ -54,7 +54,7 @@ class AliasSampler:
         alias = self.alias.reshape(-1, self.n_atoms)
         out = accept.copy()
         rows = np.repeat(np.arange(accept.shape[0]), self.n_atoms)
-        np.add.at(out, (rows, alias.ravel()), (1.0 - accept).ravel())
+        np.add.at(out, (rows, alias.ravel().astype(np.int64)), (1.0 - accept).ravel())
         return out / self.n_atoms
 
     def sample(self, rows: np.ndarray, rng: np.random.Generator) -> np.ndarray:

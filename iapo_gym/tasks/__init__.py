@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from iapo_gym.paths import cache_dir, search_dirs
+from iapo_gym.paths import cache_dir
 from iapo_gym.tables import OutcomeTable, TableError, read_table, write_table
 from iapo_gym.tasks.synthetic import GENERATOR_VERSION, GENERATORS
 
@@ -77,15 +77,6 @@ def load_synthetic(name: str, instance: int = 0) -> OutcomeTable:
     except OSError as exc:  # a read-only cache only costs the regeneration next time
         logger.warning("could not cache %s: %s", path, exc)
     return table
-
-
-def find_table(spec: TaskSpec) -> Path | None:
-    """The first table file for ``spec`` in the lookup path, or None."""
-    for folder in search_dirs():
-        candidate = folder / spec.table_file
-        if candidate.is_file():
-            return candidate
-    return None
 
 
 def load_task_table(task: str, instance: int = 0, path: str | None = None) -> OutcomeTable:

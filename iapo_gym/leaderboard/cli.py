@@ -1,0 +1,139 @@
+"""The ``iapo-gym leaderboard`` and ``iapo-gym report`` commands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from iapo_gym.leaderboard.specs import PAPER_AGENTS, PAPER_BUDGETS, PAPER_RUNS, parse_agent_spec, resolve_task
+from iapo_gym.tasks import TASKS
+
+# Kept in step with iapo_gym.leaderboard.stats (not imported here: scipy makes --help slow).
+TESTS = ("wilcoxon", "sign")
+CORRECTIONS = ("holm", "bh", "none")
+DEFAULT_ALPHA = 0.05
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Default tasks, agents, budgets and runs of a named sweep."""
+
+    tasks: tuple[str, ...]
+    agents: tuple[str, ...]
+    budgets: tuple[int, ...]
+    runs: int
+
+
+#: ``--quick``: the README's main job, about a minute on two cores.
+QUICK = Preset(
+    tasks=("synthetic_bernoulli", "synthetic_categorical"),
+    agents=("psst", "psst_topk:k=4,rho=0.2@psst+K4", "uniform", "ucb", "triple_n1"),
+    budgets=(3000, 10000),
+    runs=20,
+)
+PAPER = Preset(tuple(TASKS), PAPER_AGENTS, PAPER_BUDGETS, PAPER_RUNS)
+DEFAULT_OUT = "results/leaderboard"
+
+
+def _stats_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--test", choices=TESTS, default="wilcoxon", help="paired test (default: wilcoxon)")
+    parser.add_argument("--correction", choices=CORRECTIONS, default="holm",
+                        help="multiplicity correction within each (task, budget) (default: holm)")
+    parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="significance level (default: 0.05)")
+
+
+def add_commands(subparsers: Any) -> None:
+    """Add ``leaderboard`` and ``report`` to the ``iapo-gym`` command line."""
+    lb = subparsers.add_parser(
+        "leaderboard", help="run the paper's evaluation protocol (resumable)",
+        description="Train every agent on every task, budget and run (per run a seeded 80/20 resplit, or "
+                    "instance r of a synthetic task), score the exact test ACR, and store one row per run in "
+                    "OUT/results.sqlite. Rerunning the same command continues an interrupted sweep.",
+        epilog="Agent specs: 'psst', 'psst_topk:k=4,rho=0.2', 'pkg.module:Class', 'pkg.module:Class:k=4'; "
+               "append '@label' for a display label. Tasks: short names, titles, Gymnasium ids or .h5 table files.")
+    lb.add_argument("--tasks", nargs="+", metavar="TASK", help=f"default: all six ({', '.join(TASKS)}); "
+                    "tasks whose table is missing are skipped")
+    lb.add_argument("--agents", nargs="+", metavar="SPEC", help="default: the paper's ten agents")
+    lb.add_argument("--agent", action="append", default=[], metavar="SPEC", help="add one agent spec (repeatable)")
+    lb.add_argument("--budgets", nargs="+", type=int, metavar="T", help=f"default: {' '.join(map(str, PAPER_BUDGETS))}")
+    lb.add_argument("--runs", type=int, help=f"independent runs per cell (default: {PAPER_RUNS})")
+    lb.add_argument("--jobs", "-j", type=int, default=1, help="local worker processes (default: 1)")
+    lb.add_argument("--scheduler", metavar="ADDR",
+                    help="run on Dask distributed: a scheduler address tcp://host:port, or 'local' for a "
+                         "LocalCluster of --jobs workers (needs `pip install \"dask[distributed]\"`)")
+    lb.add_argument("--out", default=None, help=f"output directory (default: {DEFAULT_OUT}, or results/quick with --quick)")
+    lb.add_argument("--seed", type=int, default=0, help="root seed of every derived seed (default: 0)")
+    lb.add_argument("--train-fraction", type=float, default=0.8, help="train share of each resplit (default: 0.8)")
+    lb.add_argument("--quick", action="store_true",
+                    help=f"preset: tasks {' '.join(QUICK.tasks)}, agents {' '.join(QUICK.agents)}, "
+                         f"budgets {' '.join(map(str, QUICK.budgets))}, {QUICK.runs} runs (explicit options win)")
+    lb.add_argument("--no-table", action="store_true", help="do not print the leaderboard at the end")
+    lb.add_argument("--report", action="store_true", help="also write the full report (iapo-gym report OUT)")
+    _stats_options(lb)
+    lb.set_defaults(func=_leaderboard)
+
+    rp = subparsers.add_parser("report", help="leaderboard tables, statistics and plots of a results directory",
+                               description="Write OUT/report/{leaderboard.md, summary.csv, pairwise.csv, "
+                                           "leaderboard.json, *.png} from OUT/results.sqlite.")
+    rp.add_argument("dir", help="the --out directory of a leaderboard run")
+    rp.add_argument("--report-dir", help="where to write (default: DIR/report)")
+    rp.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
+    rp.add_argument("--quiet", action="store_true", help="do not print the leaderboard")
+    _stats_options(rp)
+    rp.set_defaults(func=_report)
+
+
+def _leaderboard(args: argparse.Namespace) -> int:
+    from iapo_gym.leaderboard.report import build_report, markdown, write_report
+    from iapo_gym.leaderboard.runner import run_sweep
+
+    preset = QUICK if args.quick else PAPER
+    task_names = args.tasks or list(preset.tasks)
+    agent_texts = (args.agents or ([] if args.agent else list(preset.agents))) + args.agent
+    budgets = args.budgets or list(preset.budgets)
+    runs = args.runs if args.runs is not None else preset.runs
+    out = args.out or ("results/quick" if args.quick else DEFAULT_OUT)
+    try:
+        tasks = [resolve_task(t) for t in task_names]
+        agents = [parse_agent_spec(a) for a in agent_texts]
+        if args.scheduler and args.scheduler != "local" and "://" not in args.scheduler:
+            raise ValueError(f"--scheduler must be 'local' or an address like tcp://host:8786, got {args.scheduler!r}")
+        summary = run_sweep(out, tasks, agents, budgets, runs, jobs=args.jobs, root_seed=args.seed,
+                            train_fraction=args.train_fraction, scheduler=args.scheduler)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: finished runs are saved in {out}; rerun the same command to continue", file=sys.stderr)
+        return 130
+    except (ValueError, RuntimeError) as exc:
+        print(f"iapo-gym leaderboard: error: {exc}", file=sys.stderr)
+        return 2
+    if len(summary.skipped_tasks) == len(tasks):
+        print("iapo-gym leaderboard: error: none of the tasks has a table here (see above)", file=sys.stderr)
+        return 1
+    print(f"{summary.added} runs added, {summary.skipped} already done, {len(summary.failures)} failed "
+          f"in {summary.seconds:.1f} s; results in {out}/results.sqlite", file=sys.stderr)
+    if summary.added + summary.skipped and not args.no_table:
+        report = build_report(out, args.test, args.correction, args.alpha, tasks=[t.name for t in tasks])
+        if report.results:
+            print(markdown(report, policies=False))
+    if args.report and summary.added + summary.skipped:
+        written = write_report(out, test=args.test, correction=args.correction, alpha=args.alpha)
+        print(f"report written to {written['markdown'].parent}", file=sys.stderr)
+    return 1 if summary.failures else 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from iapo_gym.leaderboard.report import write_report
+
+    try:
+        written = write_report(args.dir, args.report_dir, plots=not args.no_plots, test=args.test,
+                               correction=args.correction, alpha=args.alpha)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"iapo-gym report: error: {exc}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print(written["markdown"].read_text())
+    for kind, path in written.items():
+        print(f"wrote {kind}: {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,223 @@
+"""``iapo-gym report DIR``: the ranked Markdown leaderboard, CSV and JSON, and the plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from iapo_gym.leaderboard.stats import (
+    DEFAULT_ALPHA,
+    PairwiseRow,
+    RankRow,
+    SummaryRow,
+    pairwise,
+    rank_agents,
+    summarize,
+)
+from iapo_gym.leaderboard.store import ResultStore, RunResult, TaskInfo
+
+
+@dataclass
+class Report:
+    """Everything a report shows, computed from the stored runs."""
+
+    results: list[RunResult]
+    tasks: dict[str, TaskInfo]
+    summary: list[SummaryRow]
+    pairs: list[PairwiseRow]
+    ranking: list[RankRow]
+    test: str
+    correction: str
+    alpha: float
+    meta: dict[str, Any]
+
+
+def build_report(out_dir: str | Path, test: str = "wilcoxon", correction: str = "holm",
+                 alpha: float = DEFAULT_ALPHA, tasks: Sequence[str] | None = None) -> Report:
+    """Read ``out_dir``'s results and compute summary, pairwise tests and ranking."""
+    with ResultStore(out_dir, create=False) as store:
+        results = store.results()
+        infos = {t.task: t for t in store.tasks()}
+        meta: dict[str, Any] = {"root_seed": store.get_meta("root_seed"), "train_fraction": store.get_meta("train_fraction"),
+                "database": str(store.path)}
+    if tasks:
+        wanted = set(tasks)
+        results = [r for r in results if r.task in wanted]
+    summary = summarize(results)
+    pairs = pairwise(results, test, correction, alpha)
+    meta["versions"] = sorted({r.version for r in results})
+    meta["n_runs"] = len(results)
+    meta["checksums"] = {t: sorted({r.table_sha256 for r in results if r.task == t}) for t in sorted({r.task for r in results})}
+    return Report(results, infos, summary, pairs, rank_agents(summary, pairs), test, correction, alpha, meta)
+
+
+def _pm(mean: float, sem: float, digits: int = 4) -> str:
+    if not math.isfinite(mean):
+        return "-"
+    if not math.isfinite(sem):
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {sem:.{digits}f}"
+
+
+def markdown(report: Report, policies: bool = True) -> str:
+    """The ranked leaderboard as Markdown: one table per task, agents by mean ACR over budgets
+    (``policies``: also the best agent's most frequent arm per context)."""
+    lines = ["# iapo-gym leaderboard", ""]
+    versions = ", ".join(report.meta.get("versions", []))
+    lines.append(f"{report.meta.get('n_runs', 0)} runs from `{report.meta.get('database')}` (iapo-gym {versions}; "
+                 f"root seed {report.meta.get('root_seed')}). Exact test ACR, mean ± SEM over runs. Pairwise "
+                 f"{report.test} tests, {report.correction} correction per (task, budget), alpha {report.alpha}; "
+                 "W/L = significant wins/losses summed over budgets.")
+    by_cell = {(s.task, s.label, s.budget): s for s in report.summary}
+    for task in sorted({s.task for s in report.summary}):
+        info = report.tasks.get(task)
+        budgets = sorted({s.budget for s in report.summary if s.task == task})
+        ranks = [r for r in report.ranking if r.task == task]
+        cells = [s for s in report.summary if s.task == task]
+        optimal = sum(s.optimal_acr_mean for s in cells) / len(cells)
+        train_opt = sum(s.train_optimal_acr_mean for s in cells) / len(cells)
+        title = info.title if info else task
+        n_runs = max(s.n_runs for s in cells)
+        lines += ["", f"## {title} (`{task}`)", "",
+                  f"Runs per cell: up to {n_runs}. Optimal test ACR {optimal:.4f}; the train-optimal policy "
+                  f"reaches {train_opt:.4f} on the test split.", ""]
+        header = ["rank", "agent"] + [f"T={b}" for b in budgets] + ["mean regret", "W/L"]
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "|".join(["---:", ":---"] + ["---:"] * (len(budgets) + 2)) + "|")
+        for r in ranks:
+            row = [str(r.rank), r.label]
+            for b in budgets:
+                s = by_cell.get((task, r.label, b))
+                row.append(_pm(s.acr_mean, s.acr_sem) if s else "-")
+            row += [f"{r.regret_mean_over_budgets:.4f}", f"{r.wins}/{r.losses}"]
+            lines.append("| " + " | ".join(row) + " |")
+        best = ranks[0].label if ranks else None
+        if policies and best is not None and info is not None:
+            lines += ["", f"Policy of `{best}` at T={budgets[-1]} over the runs (prompt index p, completions N; "
+                      "synthetic runs are different instances, so compare the last column there):", ""]
+            lines += _policy_table(report, task, best, budgets[-1], info)
+    return "\n".join(lines) + "\n"
+
+
+ArmCounts = list[Counter[tuple[int, int]]]
+
+
+def modal_arms(results: Sequence[RunResult], task: str, label: str, budget: int) -> tuple[ArmCounts, ArmCounts]:
+    """Per context, counters of the chosen arms and of the test-optimal arms over the runs."""
+    chosen: ArmCounts = []
+    optimal: ArmCounts = []
+    for r in results:
+        if r.task != task or r.label != label or r.budget != budget:
+            continue
+        arms, best = json.loads(r.arms), json.loads(r.optimal_arms)
+        while len(chosen) < len(arms):
+            chosen.append(Counter())
+            optimal.append(Counter())
+        for c, (arm, opt) in enumerate(zip(arms, best, strict=True)):
+            chosen[c][(int(arm[0]), int(arm[1]))] += 1
+            optimal[c][(int(opt[0]), int(opt[1]))] += 1
+    return chosen, optimal
+
+
+def _policy_table(report: Report, task: str, label: str, budget: int, info: TaskInfo) -> list[str]:
+    chosen, optimal = modal_arms(report.results, task, label, budget)
+    hits = [0] * len(chosen)
+    runs = 0
+    for r in report.results:
+        if r.task == task and r.label == label and r.budget == budget:
+            runs += 1
+            for c, (arm, opt) in enumerate(zip(json.loads(r.arms), json.loads(r.optimal_arms), strict=True)):
+                hits[c] += arm == opt
+    lines = ["| context | most chosen (p, N) | share of runs | most often optimal (p, N) | runs choosing the optimal arm |",
+             "|:---|---:|---:|---:|---:|"]
+    for c, (counter, opt) in enumerate(zip(chosen, optimal, strict=True)):
+        (p, n), k = counter.most_common(1)[0]
+        (op, on), _ = opt.most_common(1)[0]
+        name = info.context_names[c] if c < len(info.context_names) else str(c)
+        lines.append(f"| {name} | ({p}, {n}) | {k / runs:.0%} | ({op}, {on}) | {hits[c] / runs:.0%} |")
+    return lines
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _write_csv(path: Path, rows: Sequence[Any], cls: type) -> None:
+    names = [f.name for f in fields(cls)]
+    with path.open("w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(names)
+        for row in rows:
+            writer.writerow([getattr(row, n) for n in names])
+
+
+def write_report(out_dir: str | Path, report_dir: str | Path | None = None, *, plots: bool = True,
+                 test: str = "wilcoxon", correction: str = "holm", alpha: float = DEFAULT_ALPHA) -> dict[str, Path]:
+    """Write leaderboard.md, summary.csv, pairwise.csv, leaderboard.json and the PNG plots.
+
+    Returns the written paths by kind; ``report_dir`` defaults to ``out_dir/report``.
+    """
+    report = build_report(out_dir, test, correction, alpha)
+    if not report.results:
+        raise ValueError(f"no results in {out_dir} yet (run `iapo-gym leaderboard --out {out_dir}` first)")
+    target = Path(report_dir) if report_dir is not None else Path(out_dir) / "report"
+    target.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+    written["markdown"] = target / "leaderboard.md"
+    written["markdown"].write_text(markdown(report))
+    written["summary_csv"] = target / "summary.csv"
+    _write_csv(written["summary_csv"], report.summary, SummaryRow)
+    written["pairwise_csv"] = target / "pairwise.csv"
+    _write_csv(written["pairwise_csv"], report.pairs, PairwiseRow)
+    written["json"] = target / "leaderboard.json"
+    payload = {
+        "meta": report.meta, "test": report.test, "correction": report.correction, "alpha": report.alpha,
+        "tasks": {k: asdict(v) for k, v in report.tasks.items()},
+        "ranking": [asdict(r) for r in report.ranking],
+        "summary": [asdict(s) for s in report.summary],
+        "pairwise": [asdict(p) for p in report.pairs],
+    }
+    written["json"].write_text(json.dumps(_jsonable(payload), indent=1))
+    if plots:
+        from iapo_gym.leaderboard.plots import plot_acr_vs_budget, plot_best_policy, plot_win_matrices
+
+        written["acr_vs_budget"] = plot_acr_vs_budget(report, target / "acr_vs_budget.png")
+        for task in sorted({s.task for s in report.summary}):
+            written[f"pairwise_{task}"] = plot_win_matrices(report, task, target / f"pairwise_{task}.png")
+            path = plot_best_policy(report, task, target / f"best_policy_{task}.png")
+            if path is not None:
+                written[f"best_policy_{task}"] = path
+    return written
+
+
+def labels_by_rank(report: Report, task: str) -> list[str]:
+    """The task's agent labels, best first."""
+    return [r.label for r in report.ranking if r.task == task]
+
+
+def budgets_of(report: Report, task: str) -> list[int]:
+    """The budgets with results for ``task``, ascending."""
+    return sorted({s.budget for s in report.summary if s.task == task})
+
+
+def cells_by_label(report: Report, task: str) -> dict[str, list[SummaryRow]]:
+    """Summary rows of ``task`` grouped by agent label, each list sorted by budget."""
+    out: dict[str, list[SummaryRow]] = defaultdict(list)
+    for s in report.summary:
+        if s.task == task:
+            out[s.label].append(s)
+    for rows in out.values():
+        rows.sort(key=lambda s: s.budget)
+    return out

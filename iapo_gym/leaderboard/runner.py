@@ -1,0 +1,406 @@
+"""The sweep: every (task, agent, budget, run) of the paper's protocol, resumable and parallel.
+
+Work is grouped into units of one (task, run): the unit loads (or reuses) the run's table,
+makes the run's 80/20 split and its exact train/test Q-tables once, then trains every
+pending (agent, budget) on a fresh train-split env. Seeds (``iapo_gym.seeding``):
+
+- split seed  ``derive_seed(root, "split", task, run)``  (data-backed tasks; synthetic
+  tasks use instance ``run`` and its stored split);
+- env seed    ``derive_seed(root, "env", task, run)``    the same for every agent and budget
+  of a run (common random numbers: paired comparisons see the same query/completion stream);
+- agent seed  ``derive_seed(root, "agent", task, run, agent key)``  (name + canonical params,
+  not the display label; independent of the budget).
+
+Results therefore do not depend on the number, kind or order of workers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import numpy as np
+
+from iapo_gym._version import __version__
+from iapo_gym.env import IAPOEnv, Pulls
+from iapo_gym.leaderboard.specs import AgentSpec, TaskRef, check_unique_labels, table_checksum, task_available
+from iapo_gym.leaderboard.store import ResultStore, RunResult, TaskInfo
+from iapo_gym.oracle import acr_from_q, greedy_policy, policy_arms, q_table
+from iapo_gym.seeding import derive_seed
+from iapo_gym.tables import OutcomeTable
+
+DEFAULT_ROOT_SEED = 0
+DEFAULT_TRAIN_FRACTION = 0.8
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """One (task, run) and the (agent, budget) pairs still to do for it."""
+
+    task: TaskRef
+    run: int
+    jobs: tuple[tuple[AgentSpec, int], ...]
+    root_seed: int = DEFAULT_ROOT_SEED
+    train_fraction: float = DEFAULT_TRAIN_FRACTION
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A (task, agent, budget, run) that raised or broke the protocol (nothing is stored for it)."""
+
+    task: str
+    label: str
+    budget: int
+    run: int
+    message: str
+
+
+@dataclass
+class UnitOutcome:
+    """What a worker sends back for one unit."""
+
+    unit: WorkUnit
+    results: list[RunResult] = field(default_factory=list)
+    task_info: TaskInfo | None = None
+    failures: list[Failure] = field(default_factory=list)
+
+
+class BudgetExceededError(RuntimeError):
+    """An agent drew more completions than its budget."""
+
+
+class MeteredEnv(IAPOEnv):
+    """A train-split IAPOEnv that counts every completion drawn (a seeded reset does not clear it)."""
+
+    def __init__(self, table: OutcomeTable, split: str = "train") -> None:
+        """An env over ``table``'s ``split``."""
+        super().__init__(table=table, split=split)
+        self.completions_drawn = 0
+
+    def pull(self, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray | None = None) -> Pulls:
+        """``IAPOEnv.pull``, metered."""
+        pulls = super().pull(prompts, ns, queries)
+        self.completions_drawn += pulls.completions
+        return pulls
+
+
+# ---- worker side ----------------------------------------------------------------------------
+
+_TABLE_CACHE: OrderedDict[tuple[str, str | None, int], tuple[OutcomeTable, str]] = OrderedDict()
+_TABLE_CACHE_SIZE = 2
+
+
+def _load(task: TaskRef, run: int) -> tuple[OutcomeTable, str]:
+    """The run's table and its checksum, reused across units in this worker process.
+
+    The table's derived arrays (alias sampler, exact per-query rewards) are cached on it.
+    """
+    key = (task.name, task.path, run if task.synthetic else 0)
+    if key in _TABLE_CACHE:
+        _TABLE_CACHE.move_to_end(key)
+        return _TABLE_CACHE[key]
+    table = task.load(run)
+    entry = (table, table_checksum(table))
+    _TABLE_CACHE[key] = entry
+    while len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
+        _TABLE_CACHE.popitem(last=False)
+    return entry
+
+
+def _accepts_seed(cls: type) -> bool:
+    try:
+        parameters = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "seed" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def build_agent(spec: AgentSpec, seed: int) -> Any:
+    """Instantiate ``spec`` with its derived ``seed`` (passed when the class takes ``seed``)."""
+    from agents import make
+    from agents.base import REGISTRY, load_class
+
+    if "seed" in spec.params:
+        raise ValueError(f"agent {spec.label!r}: 'seed' is derived by the leaderboard (use --seed), not an agent parameter")
+    cls = load_class(REGISTRY[spec.name][0] if spec.name in REGISTRY else spec.name)
+    params = dict(spec.params)
+    if _accepts_seed(cls):
+        params["seed"] = seed
+    return make(spec.name, **params)
+
+
+def run_unit(unit: WorkUnit) -> UnitOutcome:
+    """Run every pending (agent, budget) of one (task, run); errors become Failures, not exceptions."""
+    outcome = UnitOutcome(unit)
+    task = unit.task
+    table, checksum = _load(task, unit.run)
+    split_seed: int | None = None
+    if task.synthetic and table.split is not None:
+        run_table = table
+    else:
+        split_seed = derive_seed(unit.root_seed, "split", task.name, unit.run)
+        splitter = IAPOEnv(table=table)
+        splitter.resplit(unit.train_fraction, split_seed)
+        run_table = splitter.table
+    outcome.task_info = TaskInfo(task.name, checksum, task.title or task.name, table.aggregator,
+                                 table.n_prompts, table.n_max, tuple(table.context_names))
+    probs = run_table.context_probs
+    q_test = q_table(run_table, run_table.split_indices("test"))
+    q_train = q_table(run_table, run_table.split_indices("train"))
+    optimal = np.array(greedy_policy(q_test).arms, dtype=np.int64)
+    optimal_acr = acr_from_q(q_test, optimal, probs)
+    train_optimal_acr = acr_from_q(q_test, np.array(greedy_policy(q_train).arms, dtype=np.int64), probs)
+    optimal_json = json.dumps(optimal.tolist())
+    env_seed = derive_seed(unit.root_seed, "env", task.name, unit.run)
+    for spec, budget in unit.jobs:
+        agent_seed = derive_seed(unit.root_seed, "agent", task.name, unit.run, spec.key)
+        try:
+            env = MeteredEnv(run_table)
+            env.reset(seed=env_seed)
+            agent = build_agent(spec, agent_seed)
+            start = time.perf_counter()
+            policy = agent.train(env, budget)
+            seconds = time.perf_counter() - start
+            spent = env.completions_drawn
+            if spent > budget:
+                raise BudgetExceededError(f"drew {spent} completions with a budget of {budget}")
+            arms = policy_arms(policy, run_table)
+            acr = acr_from_q(q_test, arms, probs)
+        except Exception as exc:  # one broken agent must not stop the sweep
+            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            outcome.failures.append(Failure(task.name, spec.label, budget, unit.run, detail))
+            continue
+        outcome.results.append(RunResult(
+            task=task.name, table_sha256=checksum, agent=spec.name, params=spec.params_json, label=spec.label,
+            budget=budget, run=unit.run, root_seed=unit.root_seed, split_seed=split_seed, env_seed=env_seed,
+            agent_seed=agent_seed, acr=acr, optimal_acr=optimal_acr, train_optimal_acr=train_optimal_acr,
+            regret=optimal_acr - acr, arms=json.dumps(arms.tolist()), optimal_arms=optimal_json,
+            train_seconds=seconds, budget_spent=spent, version=__version__,
+        ))
+    return outcome
+
+
+def _run_unit_safely(unit: WorkUnit) -> UnitOutcome:
+    """``run_unit``, with a failure of the unit itself (e.g. an unreadable table) reported per job."""
+    try:
+        return run_unit(unit)
+    except Exception as exc:
+        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        return UnitOutcome(unit, failures=[Failure(unit.task.name, s.label, b, unit.run, detail) for s, b in unit.jobs])
+
+
+# ---- planning --------------------------------------------------------------------------------
+
+
+def plan_units(tasks: Sequence[TaskRef], agents: Sequence[AgentSpec], budgets: Sequence[int], runs: int,
+               done: set[tuple[str, str, str, int, int]], root_seed: int = DEFAULT_ROOT_SEED,
+               train_fraction: float = DEFAULT_TRAIN_FRACTION) -> list[WorkUnit]:
+    """Units of the (task, agent, budget, run) grid not in ``done``, in (task, run) order."""
+    units = []
+    for task in tasks:
+        for run in range(runs):
+            jobs = tuple((spec, int(b)) for spec in agents for b in budgets
+                         if (task.name, spec.name, spec.params_json, int(b), run) not in done)
+            if jobs:
+                units.append(WorkUnit(task, run, jobs, root_seed, train_fraction))
+    return units
+
+
+# ---- executors -------------------------------------------------------------------------------
+
+
+def _serial(units: Sequence[WorkUnit]) -> Generator[UnitOutcome, None, None]:
+    for unit in units:
+        yield _run_unit_safely(unit)
+
+
+def _ignore_sigint() -> None:
+    """Pool workers leave Ctrl-C to the parent, which terminates them at once."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _local_pool(units: Sequence[WorkUnit], jobs: int) -> Generator[UnitOutcome, None, None]:
+    pool = multiprocessing.get_context().Pool(processes=jobs, initializer=_ignore_sigint)
+    try:
+        yield from pool.imap_unordered(_run_unit_safely, units, chunksize=1)
+    except BaseException:
+        pool.terminate()
+        raise
+    else:
+        pool.close()
+    finally:
+        pool.join()
+
+
+def _dask(units: Sequence[WorkUnit], scheduler: str, jobs: int) -> Generator[UnitOutcome, None, None]:
+    try:
+        from distributed import Client, LocalCluster
+        from distributed import as_completed as dask_as_completed
+    except ImportError:
+        raise RuntimeError('the Dask backend needs `pip install "dask[distributed]"`') from None
+    cluster = None
+    if scheduler == "local":
+        cluster = LocalCluster(n_workers=jobs, threads_per_worker=1, processes=True, dashboard_address=None)
+        client = Client(cluster)
+    else:
+        client = Client(scheduler)
+    try:
+        futures = [client.submit(_run_unit_safely, u, pure=False) for u in units]
+        try:
+            for future in dask_as_completed(futures):
+                yield future.result()
+        except BaseException:
+            client.cancel(futures)
+            raise
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+# ---- progress --------------------------------------------------------------------------------
+
+
+class Progress:
+    """A tqdm bar with ETA on a terminal, plain log lines (at most every ``interval`` s) otherwise."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, bar: bool | None = None, interval: float = 5.0) -> None:
+        """Track ``total`` runs; ``bar=None`` picks the bar when ``stream`` is a TTY and tqdm is installed."""
+        self.total, self.done = total, 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.start = self.last = time.monotonic()
+        self.interval = interval
+        self._bar: Any = None
+        if bar is None:
+            bar = bool(getattr(self.stream, "isatty", lambda: False)())
+        if bar:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                self._bar = tqdm(total=total, unit="run", file=self.stream, dynamic_ncols=True, smoothing=0.05)
+
+    def update(self, n: int, note: str) -> None:
+        """``n`` more runs finished (``note`` says which unit)."""
+        self.done += n
+        if self._bar is not None:
+            self._bar.set_postfix_str(note, refresh=False)
+            self._bar.update(n)
+            return
+        now = time.monotonic()
+        if now - self.last < self.interval and self.done < self.total and self.done != n:
+            return
+        self.last = now
+        elapsed = now - self.start
+        eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
+        print(f"[{self.done}/{self.total} runs] {note}; elapsed {_fmt(elapsed)}, ETA {_fmt(eta)}",
+              file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """Finish the bar."""
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _fmt(seconds: float) -> str:
+    if not np.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+# ---- the sweep -------------------------------------------------------------------------------
+
+
+@dataclass
+class SweepSummary:
+    """What a sweep did: rows added now, rows that were already there, failures."""
+
+    planned: int = 0
+    skipped: int = 0
+    added: int = 0
+    failures: list[Failure] = field(default_factory=list)
+    skipped_tasks: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def run_sweep(out_dir: str | os.PathLike[str], tasks: Sequence[TaskRef], agents: Sequence[AgentSpec],
+              budgets: Sequence[int], runs: int, *, jobs: int = 1, root_seed: int = DEFAULT_ROOT_SEED,
+              train_fraction: float = DEFAULT_TRAIN_FRACTION, scheduler: str | None = None,
+              log: TextIO | None = None, bar: bool | None = None,
+              on_outcome: Callable[[UnitOutcome], None] | None = None) -> SweepSummary:
+    """Run (or continue) the sweep into ``out_dir/results.sqlite``; finished rows are skipped.
+
+    ``jobs`` local worker processes (1: in this process), or ``scheduler`` = a Dask scheduler
+    address (``tcp://host:port``) or ``"local"`` (a Dask LocalCluster of ``jobs`` workers).
+    """
+    log = log if log is not None else sys.stderr
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    bad = [b for b in budgets if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1]
+    if bad or not budgets:
+        raise ValueError(f"budgets must be integers >= 1 (completions), got {list(budgets)}")
+    if not agents:
+        raise ValueError("no agents to run")
+    check_unique_labels(list(agents))
+    summary = SweepSummary()
+    ready = []
+    for task in tasks:
+        why = task_available(task)
+        if why is None:
+            ready.append(task)
+        else:
+            print(why, file=log, flush=True)
+            summary.skipped_tasks.append(task.name)
+    start = time.monotonic()
+    with ResultStore(out_dir) as store:
+        store.claim_meta("root_seed", str(root_seed))
+        store.claim_meta("train_fraction", repr(float(train_fraction)))
+        done = store.done_keys()
+        units = plan_units(ready, agents, budgets, runs, done, root_seed, train_fraction)
+        pending = sum(len(u.jobs) for u in units)
+        summary.planned = len(ready) * len(agents) * len(budgets) * runs
+        summary.skipped = summary.planned - pending
+        if summary.skipped:
+            print(f"{summary.skipped} of {summary.planned} runs already in {store.path}; skipping them", file=log)
+        if not units:
+            return summary
+        where = f"Dask scheduler {scheduler}" if scheduler else f"{jobs} worker process(es)" if jobs > 1 else "this process"
+        print(f"running {pending} runs ({len(units)} task-run units) on {where}", file=log, flush=True)
+        if scheduler:
+            stream = _dask(units, scheduler, jobs)
+        elif jobs > 1:
+            stream = _local_pool(units, jobs)
+        else:
+            stream = _serial(units)
+        progress = Progress(pending, log, bar)
+        try:
+            for outcome in stream:
+                summary.added += store.add(outcome.results, [outcome.task_info] if outcome.task_info else [])
+                summary.failures.extend(outcome.failures)
+                for failure in outcome.failures:
+                    print(f"FAILED {failure.task} {failure.label} budget={failure.budget} run={failure.run}: "
+                          f"{failure.message}", file=log, flush=True)
+                if on_outcome is not None:
+                    on_outcome(outcome)
+                progress.update(len(outcome.unit.jobs), f"{outcome.unit.task.name} run {outcome.unit.run}")
+        finally:
+            stream.close()
+            progress.close()
+            summary.seconds = time.monotonic() - start
+    return summary
