@@ -170,9 +170,14 @@ class PSSTTopK(PSST):
     name = "psst_topk"
 
     def __init__(self, seed: int | None = None, k: int = 4, rho: float = 0.2, reuse: Reuse = "blocks",
-                 stockpile: bool = True, leftover: str = "carry") -> None:
-        """``k`` prompts kept per context after screening with a ``rho`` fraction of the budget."""
+                 stockpile: bool = True, leftover: str = "carry", K: int | None = None) -> None:  # noqa: N803
+        """``k`` prompts kept per context after screening with a ``rho`` fraction of the budget.
+
+        ``K`` is accepted as the paper's spelling of ``k`` (``psst_topk:K=4,rho=0.2``).
+        """
         super().__init__(seed, reuse=reuse, stockpile=stockpile, leftover=leftover)
+        if K is not None:
+            k = K
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be an integer >= 1, got {k!r}")
         if not 0.0 <= float(rho) < 1.0:
