@@ -102,36 +102,60 @@ class _Sequential(Agent):
         return {"reuse": self.reuse, "batch_size": self.batch_size}
 
     @abstractmethod
-    def choose(self, est: Estimator, context: int, feasible: np.ndarray) -> int:
-        """Flat arm index (p * N_max + N - 1) to pull in ``context`` among ``feasible`` arms."""
+    def choose(self, means: np.ndarray, counts: np.ndarray, feasible: np.ndarray | None) -> int:
+        """Flat arm index (p * N_max + N - 1) to pull among ``feasible`` arms of one context.
+
+        ``means`` are the context's flat (P * N_max) estimates, 0 where unsampled; ``counts``
+        its flat sample counts; ``feasible`` a flat mask, None when every arm fits. Called
+        with numpy's divide/invalid warnings silenced.
+        """
 
     @staticmethod
-    def _argmax(values: np.ndarray, mask: np.ndarray, rng: np.random.Generator) -> int:
-        """Index of the largest value among ``mask``, ties broken at random."""
-        score = np.where(mask, values, -np.inf)
-        ties = np.flatnonzero(score == score.max())
+    def _argmax(values: np.ndarray, mask: np.ndarray | None, rng: np.random.Generator) -> int:
+        """Index of the largest value among ``mask`` (None: all), ties broken at random."""
+        score = values if mask is None else np.where(mask, values, -np.inf)
+        ties = (score == np.maximum.reduce(score)).nonzero()[0]
         return int(ties[0] if ties.size == 1 else ties[rng.integers(ties.size)])
 
     def train(self, env: Any, budget: int) -> Policy:
-        """Step until the budget is spent (N = 1 always fits, so it is spent exactly)."""
+        """Step until the budget is spent (N = 1 always fits, so it is spent exactly).
+
+        The flat estimates (0 where unsampled) are kept up to date incrementally: a pull
+        of (p, N) changes only the arms (p, 1..N) of every context.
+        """
         base = self.base_env(env)
         budget = self.check_budget(budget)
         est = Estimator(base, self.reuse)
-        n_max = base.n_max
+        n_max, n_contexts = base.n_max, base.n_contexts
         arm_n = np.tile(np.arange(1, n_max + 1), base.n_prompts)
+        means = np.zeros((n_contexts, arm_n.size))
+        sums, counts = est.sums.reshape(n_contexts, -1), est.counts.reshape(n_contexts, -1)
         spent = 0
-        while spent < budget:
-            remaining = budget - spent
-            feasible = arm_n <= remaining
-            contexts = self.rng.integers(base.n_contexts, size=self.batch_size)
-            arms = np.array([self.choose(est, int(c), feasible) for c in contexts], dtype=np.int64)
-            ns = arms % n_max + 1
-            fits = np.cumsum(ns) <= remaining
-            fits[0] = True  # the first step was chosen among feasible arms
-            arms, ns = arms[fits], ns[fits]
-            pulls = base.pull(arms // n_max, ns)
-            spent += pulls.completions
-            est.update(pulls)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            while spent < budget:
+                remaining = budget - spent
+                feasible = None if remaining >= n_max else arm_n <= remaining
+                if self.batch_size == 1:  # the exact sequential algorithm
+                    c = int(self.rng.integers(n_contexts))  # the same draw as size=1, 4x cheaper
+                    arm = self.choose(means[c], counts[c], feasible)
+                    p, n = divmod(arm, n_max)
+                    pulls = base.pull(np.array([p]), np.array([n + 1]))
+                    spent += pulls.completions
+                    est.update(pulls)
+                    touched = slice(arm - n, arm + 1)  # arms (p, 1..N)
+                    means[:, touched] = sums[:, touched] / counts[:, touched]
+                    continue
+                contexts = self.rng.integers(n_contexts, size=self.batch_size)
+                arms = np.array([self.choose(means[c], counts[c], feasible) for c in contexts.tolist()],
+                                dtype=np.int64)
+                ns = arms % n_max + 1
+                fits = np.cumsum(ns) <= remaining
+                fits[0] = True  # the first step was chosen among feasible arms
+                arms, ns = arms[fits], ns[fits]
+                pulls = base.pull(arms // n_max, ns)
+                spent += pulls.completions
+                est.update(pulls)
+                means = est.mean(unseen=0.0).reshape(n_contexts, -1)
         return est.best_arms(self.rng)
 
 
@@ -153,12 +177,13 @@ class EpsilonGreedy(_Sequential):
         """Hyper-parameters recorded with results."""
         return {"epsilon": self.epsilon, **super().params()}
 
-    def choose(self, est: Estimator, context: int, feasible: np.ndarray) -> int:
-        """Explore w.p. epsilon, else exploit the current estimates of ``context``."""
+    def choose(self, means: np.ndarray, counts: np.ndarray, feasible: np.ndarray | None) -> int:
+        """Explore w.p. epsilon, else exploit the context's current estimates."""
         if self.rng.random() < self.epsilon:
+            if feasible is None:
+                return int(self.rng.integers(means.size))
             options = np.flatnonzero(feasible)
             return int(options[self.rng.integers(options.size)])
-        means = _context_mean(est, context, unseen=0.0)
         return self._argmax(means, feasible, self.rng)
 
 
@@ -183,12 +208,13 @@ class Softmax(_Sequential):
         """Hyper-parameters recorded with results."""
         return {"temperature": self.temperature, **super().params()}
 
-    def choose(self, est: Estimator, context: int, feasible: np.ndarray) -> int:
-        """Sample a feasible arm from the softmax of the estimates of ``context``."""
-        logits = np.where(feasible, _context_mean(est, context, unseen=0.0) / self.temperature, -np.inf)
-        weights = np.exp(logits - logits.max())
-        cdf = np.cumsum(weights)
-        return int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+    def choose(self, means: np.ndarray, counts: np.ndarray, feasible: np.ndarray | None) -> int:
+        """Sample a feasible arm from the softmax of the context's estimates."""
+        logits = means / self.temperature
+        if feasible is not None:
+            logits = np.where(feasible, logits, -np.inf)
+        cdf = np.add.accumulate(np.exp(logits - np.maximum.reduce(logits)))  # = np.cumsum
+        return int(cdf.searchsorted(self.rng.random() * cdf[-1], side="right"))
 
 
 class UCB(_Sequential):
@@ -211,18 +237,9 @@ class UCB(_Sequential):
         """Hyper-parameters recorded with results."""
         return {"c": self.c, **super().params()}
 
-    def choose(self, est: Estimator, context: int, feasible: np.ndarray) -> int:
-        """The optimistic arm of ``context``."""
-        counts = est.counts[context].ravel()
-        t = max(1.0, float(counts.sum()))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            index = est.sums[context].ravel() / counts + self.c * np.sqrt(np.log(t) / counts)
-        index = np.where(counts > 0, index, np.inf)
+    def choose(self, means: np.ndarray, counts: np.ndarray, feasible: np.ndarray | None) -> int:
+        """The optimistic arm of the context."""
+        t = max(1.0, float(np.add.reduce(counts)))  # exact: counts are small integers
+        index = np.where(counts > 0, means + self.c * np.sqrt(np.log(t) / counts), np.inf)
         return self._argmax(index, feasible, self.rng)
 
-
-def _context_mean(est: Estimator, context: int, unseen: float) -> np.ndarray:
-    """Flat (P * N_max) estimates of one context, ``unseen`` where there is no sample."""
-    counts = est.counts[context].ravel()
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(counts > 0, est.sums[context].ravel() / counts, unseen)

@@ -97,6 +97,7 @@ class Estimator:
         self._cost = table.cost_matrix()  # (P, Q) per-completion cost
         self._binom = binomial_table(self.n_max)
         self._bon_w: dict[int, np.ndarray] = {}
+        self._plans: dict[int, _SinglePlan] = {}  # per N: the block layout of one pull (fast path)
         shape = (self.n_contexts, self.n_prompts, self.n_max)
         self.sums = np.zeros(shape)
         self.counts = np.zeros(shape)
@@ -122,6 +123,9 @@ class Estimator:
         (one per pull) scores each pull under that context only (no cross-context reuse).
         """
         if len(pulls) == 0:
+            return
+        if len(pulls) == 1 and scales is None and arm_mask is None and contexts is None and self.reuse == "blocks":
+            self._update_single(pulls)
             return
         pull_idx, ks, n_samples, values = self.pair_samples(pulls, scales=scales, arm_mask=arm_mask)
         if pull_idx.size == 0:
@@ -179,6 +183,46 @@ class Estimator:
         cost = self._cost[pulls.prompts[pull_idx], pulls.queries[pull_idx]] * ks * n_blocks
         values = task + self._weights[:, -1:] * cost[None, :]
         return pull_idx, ks, n_blocks.astype(np.float64), values
+
+    # ---- one pull, block reuse: the sequential agents' per-step path ---------------------
+    def _plan(self, n: int) -> _SinglePlan:
+        plan = self._plans.get(n)
+        if plan is None:
+            plan = self._plans[n] = _SinglePlan(n, self.n_atoms)
+        return plan
+
+    def _update_single(self, pulls: Pulls) -> None:
+        """``update`` of one pull with block reuse at every scale, on a precomputed block layout.
+
+        Computes exactly what the general path does (the same floating-point operations in
+        the same order, so the sums are bit-identical) with a fixed handful of small array
+        operations: a pull of N touches the contiguous arms (p, 1..N) of every context.
+        """
+        p, n, q = int(pulls.prompts[0]), int(pulls.ns[0]), int(pulls.queries[0])
+        plan = self._plan(n)
+        cost = self._cost[p, q] * plan.ks * plan.n_blocks
+        if self.aggregator == "mv":
+            # (M, blocks) votes (exact small integers); blocks along the fast axis throughout
+            counts = plan.one_hot.take(pulls.atoms, axis=1) @ plan.member_t
+            top = np.maximum.reduce(counts, axis=0)
+            ties = np.add.reduce(counts == top, axis=0)
+            gold = self.env.table.gold
+            assert gold is not None
+            credit = np.where(counts[int(gold[q])] == top, 1.0 / ties, 0.0)
+            pair_credit = np.bincount(plan.block_pair, weights=credit, minlength=n)
+            self.sums[:, p, :n] += self._weights[:, :1] * pair_credit[None, :] + self._weights[:, -1:] * cost[None, :]
+        else:
+            atoms = self.env.table.atoms
+            assert atoms is not None
+            # The sparse table of _blocks_bon, flattened and transposed: (entries, C).
+            levels = np.empty((plan.table_size, self.n_contexts))
+            levels[:n] = (self._weights[:, :-1] @ atoms[p, q, pulls.atoms].T).T  # as in _scores
+            for src, width, half, dst in plan.levels:
+                np.maximum(levels[src:src + width], levels[src + half:src + half + width], out=levels[dst:dst + width])
+            block_max = np.maximum(levels.take(plan.first, axis=0), levels.take(plan.last, axis=0))
+            task = np.add.reduceat(block_max, plan.pair_start, axis=0)  # (n, C), summed as in _blocks_bon
+            self.sums[:, p, :n] += (task + cost[:, None] * self._weights[None, :, -1]).T
+        self.counts[:, p, :n] += plan.samples
 
     # ---- the four kernels: task reward only, summed over each pair's samples ------------
     def _block_starts(self, pulls: Pulls, pull_idx: np.ndarray, ks: np.ndarray,
@@ -273,3 +317,39 @@ class Estimator:
             flat = int(np.argmax(np.where(ties, noise[c], -1.0)))
             arms.append((flat // self.n_max, flat % self.n_max + 1))
         return Policy(tuple(arms))
+
+
+class _SinglePlan:
+    """The block layout of one pull of ``n`` completions at every scale k = 1..n (blocks reuse).
+
+    Blocks are ordered as in the general path: by k, then by position. ``member_t`` (n,
+    blocks) marks each block's completions (majority vote); ``levels``/``first``/``last`` index
+    a flattened sparse table of range maxima (Best-of-N).
+    """
+
+    def __init__(self, n: int, n_atoms: int) -> None:
+        self.ks = np.arange(1, n + 1)
+        self.n_blocks = n // self.ks
+        self.samples = self.n_blocks.astype(np.float64)
+        self.block_pair = np.repeat(np.arange(n), self.n_blocks)
+        k_block = self.ks[self.block_pair]
+        self.pair_start = np.cumsum(self.n_blocks) - self.n_blocks
+        start = (np.arange(self.block_pair.size) - self.pair_start[self.block_pair]) * k_block
+        self.member_t = ((np.arange(n)[:, None] >= start[None, :])
+                         & (np.arange(n)[:, None] < (start + k_block)[None, :])).astype(np.float64)
+        self.one_hot = np.eye(n_atoms)
+        # Sparse table: level l (window 2^l) has n - 2^l + 1 entries, stored after level l - 1.
+        n_levels = int(np.floor(np.log2(n))) + 1
+        offsets = [0]
+        self.levels: list[tuple[int, int, int, int]] = []
+        for lev in range(1, n_levels):
+            half = 1 << (lev - 1)
+            width = n - (1 << lev) + 1
+            prev_width = n - half + 1
+            offsets.append(offsets[-1] + prev_width)
+            self.levels.append((offsets[lev - 1], width, half, offsets[lev]))
+        self.table_size = offsets[-1] + n - (1 << (n_levels - 1)) + 1
+        level = np.floor(np.log2(k_block)).astype(np.int64)
+        base = np.asarray(offsets, dtype=np.int64)[level]
+        self.first = base + start
+        self.last = base + start + k_block - (1 << level)
