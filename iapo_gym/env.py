@@ -206,6 +206,8 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         """
         prompts = np.asarray(prompts, dtype=np.int64).reshape(-1)
         ns = np.asarray(ns, dtype=np.int64).reshape(-1)
+        if prompts.size == 1 and ns.size == 1 and queries is None:
+            return self._pull_one(int(prompts[0]), int(ns[0]))
         if prompts.shape != ns.shape:
             raise ValueError(f"prompts and ns must have the same length, got {prompts.size} and {ns.size}")
         if prompts.size and (prompts.min() < 0 or prompts.max() >= self.n_prompts):
@@ -229,6 +231,22 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         np.cumsum(ns, out=offsets[1:])
         self.budget_used += int(offsets[-1])
         return Pulls(prompts, ns, queries, atoms, offsets)
+
+    def _pull_one(self, prompt: int, n: int) -> Pulls:
+        """``pull`` for a single pull without the batch bookkeeping (sequential agents' hot path).
+
+        Draws exactly what the batch path draws: the same generator calls in the same order.
+        """
+        if not 0 <= prompt < self.n_prompts:
+            raise ValueError(f"prompt p must be in [0, {self.n_prompts - 1}], got {prompt}")
+        if not 1 <= n <= self.n_max:
+            raise ValueError(f"N must be in [1, {self.n_max}], got {n}")
+        pool = self.queries()
+        query = int(pool[self.np_random.integers(pool.size)])
+        rows = np.full(n, prompt * self.table.n_queries + query, dtype=np.int64)
+        atoms = self._get_sampler().sample(rows, self.np_random)
+        self.budget_used += n
+        return Pulls(np.array([prompt]), np.array([n]), np.array([query]), atoms, np.array([0, n]))
 
     def utilities(self, pulls: Pulls) -> np.ndarray:
         """Utilities (C, n) of every pull under every context (the paper's cross-context reuse)."""

@@ -184,3 +184,20 @@ def test_core_never_imports_agents() -> None:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n == "agents" or n.startswith("agents.") for n in names), path
+
+
+def test_single_pull_path_draws_what_the_batch_path_draws() -> None:
+    """The one-pull fast path consumes the generator exactly as the batch path's calls would."""
+    ref, one = IAPOEnv(table=tiny_bon_table()), IAPOEnv(table=tiny_bon_table())
+    ref.reset(seed=3)
+    one.reset(seed=3)
+    for i in range(30):
+        p, n = i % 3, 1 + i % 6
+        got = one.pull(np.array([p]), np.array([n]))
+        pool = ref.queries()
+        q = pool[ref.np_random.integers(pool.size, size=1)]  # the batch path's calls, spelled out
+        atoms = ref._get_sampler().sample(np.repeat(p * ref.table.n_queries + q, n), ref.np_random)
+        assert got.queries[0] == q[0] and np.array_equal(got.atoms, atoms)
+        np.testing.assert_array_equal(got.offsets, [0, n])
+    assert one.np_random.bit_generator.state == ref.np_random.bit_generator.state
+    assert one.budget_used == sum(1 + i % 6 for i in range(30))
