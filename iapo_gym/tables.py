@@ -273,6 +273,9 @@ def write_table(table: OutcomeTable, path: str | os.PathLike[str]) -> Path:
             if table.split is not None:
                 f.create_dataset("split", data=table.split)
             f.flush()
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp_name, 0o666 & ~umask)  # mkstemp's 0600 would hide shared tables from other users
         os.replace(tmp_name, path)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
