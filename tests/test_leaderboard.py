@@ -321,3 +321,15 @@ def test_every_row_records_version_and_positive_time(tmp_path: Path, tables: dic
     assert {r.version for r in rows} == {__version__}
     assert all(r.train_seconds > 0 for r in rows)
     assert np.isfinite([r.acr for r in rows]).all()
+
+
+def test_a_failed_download_skips_the_task_with_its_message(monkeypatch) -> None:
+    from iapo_gym.data.download import DownloadError
+    from iapo_gym.leaderboard.specs import resolve_task, task_available
+
+    def refuse(spec):
+        raise DownloadError("download of https://example.invalid/x.pkl failed; nothing was kept")
+
+    monkeypatch.setattr("iapo_gym.data.resolve_table", refuse)
+    message = task_available(resolve_task("math"))
+    assert message is not None and "skipping task 'math'" in message and "nothing was kept" in message

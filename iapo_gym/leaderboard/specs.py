@@ -210,11 +210,12 @@ def task_available(ref: TaskRef) -> str | None:
     if ref.path is not None or ref.synthetic:
         return None
     from iapo_gym.data import resolve_table
+    from iapo_gym.data.download import DownloadError
     from iapo_gym.tasks import MissingTableError
 
     try:
         resolve_table(TASKS[ref.name])
-    except (MissingTableError, OSError, ValueError) as exc:
+    except (MissingTableError, DownloadError, OSError, ValueError) as exc:
         return f"skipping task {ref.name!r}: {exc}"
     return None
 
