@@ -21,8 +21,10 @@ def q_table(table: OutcomeTable, queries: np.ndarray | None = None) -> np.ndarra
     queries = np.asarray(queries, dtype=np.int64)
     if queries.size == 0:
         raise ValueError("q_table needs at least one query")
-    reward = expected_task_reward(table)[:, :, queries, :].mean(axis=2)  # (C' , P, N)
-    if table.aggregator == "mv":
+    reward = expected_task_reward(table)[:, :, queries, :].mean(axis=2)  # (C', P, N)
+    if table.aggregator == "bon":
+        reward = reward[table._cache["task_reward_context_index"]]  # one row per context
+    else:
         reward = table.context_weights[:, 0, None, None] * reward
     mean_cost = table.cost_matrix()[:, queries].mean(axis=1)  # (P,)
     n = np.arange(1, table.n_max + 1)

@@ -160,7 +160,9 @@ def expected_task_reward(table: OutcomeTable) -> np.ndarray:
     """Exact expected weighted task reward (C', P, Q, N_max) of every arm on every query.
 
     For majority vote C' = 1 and the value is the credit (scale it by w_1); for Best-of-N
-    C' = C and the value already includes the context's objective weights. The cost term
+    C' is the number of distinct objective-weight vectors (contexts differing only in the cost
+    weight share one row; ``table._cache["task_reward_context_index"]`` maps context -> row) and
+    the value already includes the objective weights. The cost term
     is deterministic and added by the caller. Cached on the table.
     """
     cache = table._cache
@@ -179,7 +181,8 @@ def expected_task_reward(table: OutcomeTable) -> np.ndarray:
         distinct = np.empty((objective_weights.shape[0], n_p, n_q, table.n_max))
         for i, w in enumerate(objective_weights):
             distinct[i] = bon_expected_max(table.atoms @ w, table.probs, table.n_max)
-        result = distinct[inverse.reshape(-1)]
+        result = distinct
+        cache["task_reward_context_index"] = inverse.reshape(-1)
     result.setflags(write=False)
     cache["task_reward"] = result
     return result
