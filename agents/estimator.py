@@ -124,7 +124,8 @@ class Estimator:
         """
         if len(pulls) == 0:
             return
-        if len(pulls) == 1 and scales is None and arm_mask is None and contexts is None and self.reuse == "blocks":
+        if (len(pulls) == 1 and scales is None and arm_mask is None and contexts is None and self.reuse == "blocks"
+                and type(self).task_sums is Estimator.task_sums):
             self._update_single(pulls)
             return
         pull_idx, ks, n_samples, values = self.pair_samples(pulls, scales=scales, arm_mask=arm_mask)
@@ -174,15 +175,24 @@ class Estimator:
         n_blocks = ns[pull_idx] // ks
         if pull_idx.size == 0:
             return pull_idx, ks, n_blocks.astype(np.float64), np.zeros((self.n_contexts, 0))
-        if self.reuse == "blocks":
-            task = self._blocks_mv(pulls, pull_idx, ks, n_blocks) if self.aggregator == "mv" else \
-                self._blocks_bon(pulls, pull_idx, ks, n_blocks)
-        else:
-            task = self._subsets_mv(pulls, pull_idx, ks, n_blocks) if self.aggregator == "mv" else \
-                self._subsets_bon(pulls, pull_idx, ks, n_blocks)
+        task = self.task_sums(pulls, pull_idx, ks, n_blocks)
         cost = self._cost[pulls.prompts[pull_idx], pulls.queries[pull_idx]] * ks * n_blocks
         values = task + self._weights[:, -1:] * cost[None, :]
         return pull_idx, ks, n_blocks.astype(np.float64), values
+
+    def task_sums(self, pulls: Pulls, pull_idx: np.ndarray, ks: np.ndarray, n_blocks: np.ndarray) -> np.ndarray:
+        """(C, pairs) task utility (no cost) of each (pull, scale k) pair, summed over its floor(N / k) samples.
+
+        The one place a pull's completions become samples: a subclass that reads pulls another
+        way overrides this (the cost term and the bookkeeping stay in ``pair_samples``).
+        """
+        if self.reuse == "blocks":
+            if self.aggregator == "mv":
+                return self._blocks_mv(pulls, pull_idx, ks, n_blocks)
+            return self._blocks_bon(pulls, pull_idx, ks, n_blocks)
+        if self.aggregator == "mv":
+            return self._subsets_mv(pulls, pull_idx, ks, n_blocks)
+        return self._subsets_bon(pulls, pull_idx, ks, n_blocks)
 
     # ---- one pull, block reuse: the sequential agents' per-step path ---------------------
     def _plan(self, n: int) -> _SinglePlan:

@@ -148,6 +148,10 @@ class PSST(Agent):
         """Hyper-parameters recorded with results."""
         return {"reuse": self.reuse, "stockpile": self.stockpile, "leftover": self.leftover}
 
+    def make_estimator(self, env: Any) -> Estimator:
+        """The estimator PSST learns through (override to try another way of reading pulls)."""
+        return Estimator(env, self.reuse)
+
     def _initial_arms(self, env: Any, est: Estimator, budget: int) -> tuple[np.ndarray, int]:
         """The (C, P, N_max) arm sets PSST starts from, and the budget spent choosing them."""
         return np.ones(est.sums.shape, dtype=bool), 0
@@ -156,7 +160,7 @@ class PSST(Agent):
         """Spend at most ``budget`` completions of ``env``; one surviving arm per context."""
         base = self.base_env(env)
         budget = self.check_budget(budget)
-        est = Estimator(base, self.reuse)
+        est = self.make_estimator(base)
         alive, spent = self._initial_arms(base, est, budget)
         alive, _ = psst_rounds(base, est, alive, budget - spent, self.rng,
                                stockpile=self.stockpile, leftover=self.leftover)
