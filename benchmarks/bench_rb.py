@@ -1,19 +1,23 @@
 """Issue 7: all-subset (Rao-Blackwellized) reuse against the paper's blocks, paired per run.
 
-Runs (or resumes) a leaderboard sweep of ``psst`` and ``psst_rb`` and prints, per (task,
-budget): both agents' exact test ACR, the paired difference (rb minus blocks) with its SEM,
-the two-sided Wilcoxon signed-rank p-value Holm-corrected over every (task, budget) cell, the
-regret of each (train-optimal policy's test ACR minus the agent's) and the share of PSST's
-regret that all-subset reuse removes.
+Runs (or resumes) a leaderboard sweep of ``psst`` (blocks), ``psst_rb`` (all subsets) and
+``psst_query_oracle`` (``rb_ceiling.py``: every sample is the exact conditional mean given the
+query, the limit of any reuse within a pull) and prints, per (task, budget): each agent's
+regret (the train-optimal policy's test ACR minus the agent's), the paired gain over ``psst``
+with its SEM, the two-sided Wilcoxon signed-rank p-value Holm-corrected over every (task,
+budget) cell of that comparison, and the share of PSST's regret removed. ``--plot`` draws the
+regret against the budget, one panel per task.
 
-    IAPO_GYM_DATA=../shared/iapo-release python benchmarks/bench_rb.py --out results/rb \\
-        --tasks math synthetic_bernoulli synthetic_categorical --budgets 3000 5000 10000 20000 --runs 200 --jobs 2
+    IAPO_GYM_OFFLINE=1 IAPO_GYM_DATA=../shared/iapo-release python benchmarks/bench_rb.py --out results/rb \\
+        --tasks math synthetic_bernoulli synthetic_categorical --budgets 3000 5000 10000 20000 --runs 200 --jobs 2 \\
+        --plot docs/estimator_figures/regret_vs_budget.png
 """
 
 from __future__ import annotations
 
 import argparse
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 
@@ -21,41 +25,97 @@ from iapo_gym.cli import main as cli_main
 from iapo_gym.leaderboard.stats import adjust_pvalues, mean_sem, paired_test
 from iapo_gym.leaderboard.store import ResultStore
 
-AGENTS = ("psst", "psst_rb")
+BLOCKS, RB, CEILING = "psst", "psst_rb", "psst_query_oracle"
+#: PSST (blocks), PSST with all-subset reuse, and the no-completion-noise ceiling (rb_ceiling.py).
+AGENTS = (BLOCKS, RB, f"rb_ceiling:QueryOraclePSST@{CEILING}")
+LABELS = (BLOCKS, RB, CEILING)
+
+#: (task, budget) -> label -> (per-run test ACR, per-run train-optimal test ACR), runs paired by index.
+Cells = dict[tuple[str, int], dict[str, tuple[np.ndarray, np.ndarray]]]
 
 
-def analyse(out: str) -> str:
-    """The Markdown table of the paired comparison stored in ``out``."""
+def load_cells(out: str) -> Cells:
+    """Every (task, budget) cell with the runs that all three agents completed."""
     with ResultStore(out, create=False) as store:
         results = store.results()
-    by_cell: dict[tuple[str, int], dict[str, dict[int, tuple[float, float]]]] = defaultdict(lambda: defaultdict(dict))
+    raw: dict[tuple[str, int], dict[str, dict[int, tuple[float, float]]]] = defaultdict(lambda: defaultdict(dict))
     for r in results:
-        if r.label in AGENTS:
-            by_cell[(r.task, r.budget)][r.label][r.run] = (r.acr, r.train_optimal_acr)
-    cells = sorted(by_cell)
-    rows, p_values = [], []
-    for task, budget in cells:
-        blocks, rb = by_cell[(task, budget)]["psst"], by_cell[(task, budget)]["psst_rb"]
-        runs = sorted(set(blocks) & set(rb))
-        a = np.array([blocks[r][0] for r in runs])
-        b = np.array([rb[r][0] for r in runs])
-        ceiling = np.array([blocks[r][1] for r in runs])
-        diff_mean, diff_sem, n = mean_sem(b - a)
-        test = paired_test(b, a)
-        p_values.append(test.p_value)
-        regret_a, regret_b = float(np.mean(ceiling - a)), float(np.mean(ceiling - b))
-        removed = (regret_a - regret_b) / regret_a if regret_a > 0 else float("nan")
-        rows.append((task, budget, n, a.mean(), b.mean(), diff_mean, diff_sem, test.p_value,
-                     regret_a, regret_b, removed))
-    adjusted = adjust_pvalues(p_values, "holm")
+        if r.label in LABELS:
+            raw[(r.task, r.budget)][r.label][r.run] = (r.acr, r.train_optimal_acr)
+    cells: Cells = {}
+    for key in sorted(raw):
+        by_label = raw[key]
+        runs = sorted(set.intersection(*(set(by_label[label]) for label in LABELS)))
+        if runs:
+            cells[key] = {label: (np.array([by_label[label][r][0] for r in runs]),
+                                  np.array([by_label[label][r][1] for r in runs])) for label in LABELS}
+    return cells
+
+
+def analyse(cells: Cells) -> str:
+    """The Markdown table: regret of each agent and the paired gain of RB and the ceiling over blocks."""
+    keys = list(cells)
+    rows = []
+    p_values: dict[str, list[float]] = {RB: [], CEILING: []}
+    for key in keys:
+        acr = {label: cells[key][label][0] for label in LABELS}
+        ceiling_acr = cells[key][BLOCKS][1]
+        regret = {label: float(np.mean(ceiling_acr - acr[label])) for label in LABELS}
+        gains = {}
+        for label in (RB, CEILING):
+            gain, sem, n = mean_sem(acr[label] - acr[BLOCKS])
+            p_values[label].append(paired_test(acr[label], acr[BLOCKS]).p_value)
+            removed = gain / regret[BLOCKS] if regret[BLOCKS] > 0 else float("nan")
+            gains[label] = (gain, sem, removed)
+        rows.append((key, n, regret, gains))
+    adjusted = {label: adjust_pvalues(p_values[label], "holm") for label in (RB, CEILING)}
     lines = [
-        "| task | T | runs | psst | psst_rb | rb - blocks | p (Wilcoxon) | p (Holm) | regret psst | regret psst_rb | regret removed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| task | T | runs | regret psst | regret psst_rb | regret ceiling | psst_rb - psst | p (Holm) | removed "
+        "| ceiling - psst | p (Holm) | removed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for (task, budget, n, ma, mb, d, se, p, ra, rb_, rem), p_adj in zip(rows, adjusted, strict=True):
-        lines.append(f"| {task} | {budget} | {n} | {ma:.4f} | {mb:.4f} | {d:+.4f} ± {se:.4f} | {p:.2g} | {p_adj:.2g} | "
-                     f"{ra:.4f} | {rb_:.4f} | {100 * rem:.0f}% |")
+    for i, ((task, budget), n, regret, gains) in enumerate(rows):
+        line = f"| {task} | {budget} | {n} | {regret[BLOCKS]:.4f} | {regret[RB]:.4f} | {regret[CEILING]:.4f}"
+        for label in (RB, CEILING):
+            gain, sem, removed = gains[label]
+            line += f" | {gain:+.4f} ± {sem:.4f} | {adjusted[label][i]:.2g} | {100 * removed:.0f}%"
+        lines.append(line + " |")
     return "\n".join(lines)
+
+
+def plot(cells: Cells, path: Path) -> Path:
+    """Regret (mean +- SEM over runs) against the budget for the three agents, one panel per task."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({task for task, _ in cells})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.6 * len(tasks), 3.6), squeeze=False)
+    names = {BLOCKS: "psst (blocks)", RB: "psst_rb (all subsets)", CEILING: "ceiling (exact per query)"}
+    styles = {BLOCKS: ("C0", "o", "-"), RB: ("C1", "s", "-"), CEILING: ("0.4", "^", "--")}
+    for ax, task in zip(axes[0], tasks, strict=True):
+        budgets = sorted(b for t, b in cells if t == task)
+        for label in LABELS:
+            stats = [mean_sem(cells[(task, b)][label][1] - cells[(task, b)][label][0]) for b in budgets]
+            mean = np.array([s[0] for s in stats])
+            sem = np.array([s[1] for s in stats])
+            color, marker, line = styles[label]
+            ax.plot(budgets, mean, marker=marker, linestyle=line, color=color, label=names[label])
+            ax.fill_between(budgets, mean - sem, mean + sem, color=color, alpha=0.15)
+        ax.set_xscale("log")
+        ax.set_xticks(budgets, [f"{b // 1000}K" for b in budgets])
+        ax.minorticks_off()
+        ax.set_title(task)
+        ax.set_xlabel("training budget T (completions)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("regret vs train-optimal (test ACR)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 def main() -> None:
@@ -65,6 +125,7 @@ def main() -> None:
     parser.add_argument("--budgets", nargs="+", default=["3000", "5000", "10000", "20000"])
     parser.add_argument("--runs", default="200")
     parser.add_argument("--jobs", default="2")
+    parser.add_argument("--plot", type=Path, help="also draw the regret against the budget into this PNG")
     parser.add_argument("--analyse-only", action="store_true", help="only read the results already in --out")
     args = parser.parse_args()
     if not args.analyse_only:
@@ -72,7 +133,10 @@ def main() -> None:
                            "--runs", args.runs, "--jobs", args.jobs, "--out", args.out, "--no-table"])
         if status != 0:
             raise SystemExit(status)
-    print(analyse(args.out))
+    cells = load_cells(args.out)
+    print(analyse(cells))
+    if args.plot:
+        print(f"plot: {plot(cells, args.plot)}")
 
 
 if __name__ == "__main__":
