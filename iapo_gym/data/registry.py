@@ -1,4 +1,4 @@
-"""The registry of known tables (``data/registry.json``): release files, addresses and hashes."""
+"""The registry of known tables (``registry.json`` in this package, shipped with it): release files, addresses, hashes."""
 
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ class ReleaseEntry:
 
 
 def registry_path() -> Path:
-    """Where the registry is read from: ``data/registry.json`` next to the package (fixed, not a search path)."""
-    return Path(__file__).resolve().parents[2] / "data" / REGISTRY_FILE
+    """Where the registry is read from: ``registry.json`` inside this package, so every install has it (not a search path)."""
+    return Path(__file__).resolve().parent / REGISTRY_FILE
 
 
 @lru_cache(maxsize=4)
@@ -56,7 +56,7 @@ def _load(path: str) -> tuple[dict[str, Any], tuple[ReleaseEntry, ...]]:
     try:
         raw = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise RegistryError(f"the table registry {path} is missing; reinstall iapo-gym from a source checkout") from None
+        raise RegistryError(f"the table registry {path} is missing: the installation is incomplete, reinstall iapo-gym") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise RegistryError(f"cannot read the table registry {path}: {exc}") from exc
     release = raw.get("release", {})
