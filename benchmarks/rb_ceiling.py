@@ -6,9 +6,11 @@ expected aggregated utility of k completions given the query (read from the outc
 That is the limit of every estimator computed from a pull's completions, blocks and all
 subsets alike, as the completions per query grow: its only noise is which queries were drawn.
 All-subset reuse sits between the two (it is the conditional expectation of the blocks given
-the pull's multiset; this is the conditional expectation given the query), so the ceiling
-bounds what any within-pull reuse can remove from PSST's regret. It peeks at the table: a
-diagnostic for benchmarks, never an agent for the leaderboard's rankings.
+the pull's multiset; this is the conditional expectation given the query). Its variance is
+the floor of every within-pull estimator's, so it measures how much of PSST's regret is
+completion noise at all; it is not a bound on the regret itself (on Synthetic-Bernoulli it does
+worse than blocks, docs/estimator.md). It peeks at the table: a diagnostic for benchmarks,
+never an agent for the leaderboard's rankings.
 
 Leaderboard spec (with ``benchmarks/`` on ``sys.path``, as ``bench_rb.py`` has it):
 ``rb_ceiling:QueryOraclePSST@psst_query_oracle``.
