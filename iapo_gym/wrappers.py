@@ -4,7 +4,8 @@ The base env's action is the pair ``(p, N)`` in ``Tuple(Discrete(P), Discrete(N_
 Libraries without Tuple actions, or that ignore ``Discrete.start`` (SB3), use ``FlattenArm``
 (one 0-based ``Discrete(P * N_max)``) or ``MultiDiscreteArm`` (0-based ``MultiDiscrete([P, N_max])``).
 ``CompletionBudget`` caps the completions a stream of episodes may draw; ``ContextOneHot``
-shows the context index instead of its weight vector. None of them draws random numbers,
+shows the context index instead of its weight vector; ``PadOutcomes`` gives the per-completion
+info arrays one shape, so vector envs whose sub-envs pick different N can batch them. None of them draws random numbers,
 so seeding and determinism are those of the base env.
 """
 
@@ -19,7 +20,8 @@ from gymnasium import spaces
 
 from iapo_gym.env import IAPOEnv
 
-__all__ = ["ACTION_KINDS", "CompletionBudget", "ContextOneHot", "FlattenArm", "MultiDiscreteArm", "flatten_env"]
+__all__ = ["ACTION_KINDS", "CompletionBudget", "ContextOneHot", "FlattenArm", "MultiDiscreteArm", "PadOutcomes",
+           "flatten_env"]
 
 #: The flat action encodings ``flatten_env`` offers.
 ACTION_KINDS = ("discrete", "multidiscrete")
@@ -216,6 +218,43 @@ class CompletionBudget(gym.Wrapper[Any, Any, Any, Any], gym.utils.RecordConstruc
         self.spent += n
         self._last_obs = obs
         return obs, reward, terminated, bool(truncated) or self.exhausted, {**info, **self._budget_info(False)}
+
+
+class PadOutcomes(gym.Wrapper[Any, Any, Any, Any], gym.utils.RecordConstructorArgs):
+    """Pad ``info["outcomes"]`` and ``info["cost"]`` to N_max rows and add ``info["n"]``, the real rows.
+
+    ``IAPOEnv.step`` returns N rows per step; Gymnasium's vector-info batching fixes each key's
+    shape from the first sub-env, so sub-envs that pick different N fail to batch. The first
+    ``info["n"]`` rows are the env's own, unchanged; padded rows are neutral for the usual
+    reductions: Best-of-N objective vectors -inf (a max ignores them), majority-vote rows
+    (bucket -1, correct 0) (no vote, never correct), cost 0 (a sum ignores them). Finite or
+    infinite, never NaN, so seeded reruns compare equal. Use it as
+    ``gym.make_vec(id, num_envs, wrappers=[PadOutcomes])``.
+    """
+
+    def __init__(self, env: gym.Env[Any, Any]) -> None:
+        """Wrap ``env`` (an IAPOEnv or a wrapper of one)."""
+        gym.utils.RecordConstructorArgs.__init__(self)
+        super().__init__(env)
+        base = _iapo_base(env)
+        self._n_max = base.n_max
+        self._outcome_fill: np.ndarray = (np.array([-1, 0], dtype=np.int64) if base.table.aggregator == "mv"
+                                          else np.full(base.table.n_objectives, -np.inf))
+
+    def _pad(self, values: np.ndarray, fill: Any) -> np.ndarray:
+        padded = np.empty((self._n_max, *values.shape[1:]), dtype=values.dtype)
+        padded[values.shape[0]:] = fill
+        padded[: values.shape[0]] = values
+        return padded
+
+    def step(self, action: Any) -> tuple[Any, SupportsFloat, bool, bool, dict[str, Any]]:
+        """Step the inner env and pad its per-completion info arrays (a refused step has none to pad)."""
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        if "outcomes" in info:
+            info = {**info, "n": int(len(info["outcomes"])),
+                    "outcomes": self._pad(np.asarray(info["outcomes"]), self._outcome_fill),
+                    "cost": self._pad(np.asarray(info["cost"]), 0.0)}
+        return obs, reward, terminated, truncated, info
 
 
 def flatten_env(env: gym.Env[Any, Any], *, action: str = "discrete", one_hot: bool = False,

@@ -11,7 +11,7 @@ import pytest
 import iapo_gym
 from iapo_gym import IAPOEnv
 from iapo_gym.tasks import MissingTableError
-from iapo_gym.wrappers import CompletionBudget, ContextOneHot, FlattenArm, MultiDiscreteArm, flatten_env
+from iapo_gym.wrappers import CompletionBudget, ContextOneHot, FlattenArm, MultiDiscreteArm, PadOutcomes, flatten_env
 from tests.conftest import RELEASE_DIR, tiny_bon_table, tiny_mv_table
 
 
@@ -244,7 +244,8 @@ def test_make_vec_with_flatten_arm(mode: str) -> None:
 
 @pytest.mark.xfail(strict=True, raises=ValueError,
                    reason="IAPOEnv.step puts (N, ...) arrays in info['outcomes'] and info['cost']; Gymnasium's "
-                          "vector info batching assumes one shape per key, so sub-envs with different N fail")
+                          "vector info batching assumes one shape per key, so sub-envs with different N fail "
+                          "without the PadOutcomes wrapper")
 def test_make_vec_with_different_n_per_env() -> None:
     vec = gym.make_vec("IAPO-SyntheticBernoulli-v0", num_envs=2, vectorization_mode="sync")
     try:
@@ -253,6 +254,52 @@ def test_make_vec_with_different_n_per_env() -> None:
         assert list(vec.get_attr("budget_used")) == [4, 5]
     finally:
         vec.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("env_id", ["IAPO-SyntheticBernoulli-v0", "IAPO-SyntheticCategorical-v0"])
+def test_pad_outcomes_lets_sub_envs_pick_different_n(env_id: str, mode: str) -> None:
+    """With PadOutcomes the sub-envs' different-N outcomes batch, and the real rows are the single env's."""
+    arms = [(1, 4), (2, 5)]
+    vec = gym.make_vec(env_id, num_envs=2, vectorization_mode=mode, wrappers=[PadOutcomes])
+    try:
+        vec.reset(seed=0)  # the first step after a reset is a pull in every autoreset mode; its info is batched
+        _, reward, *_, info = vec.step((np.array([p for p, _ in arms]), np.array([n for _, n in arms])))
+        assert list(vec.get_attr("budget_used")) == [4, 5]
+    finally:
+        vec.close()
+    assert info["n"].tolist() == [4, 5]
+    for i, arm in enumerate(arms):
+        single = gym.make(env_id)
+        single.reset(seed=i)  # sub-env i is seeded seed + i
+        _, single_reward, *_, single_info = single.step(arm)
+        n = arm[1]
+        assert reward[i] == single_reward
+        for key in ("outcomes", "cost"):
+            batched = info[key][i]
+            assert batched.shape[0] == single.unwrapped.n_max
+            np.testing.assert_array_equal(batched[:n], single_info[key])
+        # padding is neutral: no extra cost, no better Best-of-N maximum, no vote and no credit
+        assert info["cost"][i].sum() == single_info["cost"].sum()
+        pad = info["outcomes"][i][n:]
+        if single.unwrapped.table.aggregator == "mv":
+            assert (pad[:, 0] == -1).all() and (pad[:, 1] == 0).all()
+        else:
+            assert (pad == -np.inf).all()
+
+
+def test_pad_outcomes_passes_the_checkers_and_budget_refusals() -> None:
+    from gymnasium.utils.env_checker import check_env as gym_check_env
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*different from the unwrapped")
+        gym_check_env(PadOutcomes(IAPOEnv(table=tiny_bon_table())), skip_render_check=True)
+    env = PadOutcomes(CompletionBudget(IAPOEnv(table=tiny_mv_table(n_max=6)), budget=5))
+    env.reset(seed=1)
+    *_, info = env.step((0, 4))
+    assert info["n"] == 4 and info["outcomes"].shape == (6, 2) and (info["outcomes"][4:] == [-1, 0]).all()
+    *_, refused = env.step((0, 4))  # over the remaining budget: nothing drawn, nothing to pad
+    assert refused["budget_refused"] and "outcomes" not in refused and "n" not in refused
 
 
 def test_flatten_env_rejects_unknown_action_kind() -> None:
