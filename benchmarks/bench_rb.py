@@ -54,10 +54,9 @@ def load_cells(out: str) -> Cells:
 
 def analyse(cells: Cells) -> str:
     """The Markdown table: regret of each agent and the paired gain of RB and the ceiling over blocks."""
-    keys = list(cells)
     rows = []
     p_values: dict[str, list[float]] = {RB: [], CEILING: []}
-    for key in keys:
+    for key in cells:
         acr = {label: cells[key][label][0] for label in LABELS}
         ceiling_acr = cells[key][BLOCKS][1]
         regret = {label: float(np.mean(ceiling_acr - acr[label])) for label in LABELS}

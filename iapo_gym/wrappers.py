@@ -5,8 +5,8 @@ Libraries without Tuple actions, or that ignore ``Discrete.start`` (SB3), use ``
 (one 0-based ``Discrete(P * N_max)``) or ``MultiDiscreteArm`` (0-based ``MultiDiscrete([P, N_max])``).
 ``CompletionBudget`` caps the completions a stream of episodes may draw; ``ContextOneHot``
 shows the context index instead of its weight vector; ``PadOutcomes`` gives the per-completion
-info arrays one shape, so vector envs whose sub-envs pick different N can batch them. None of them draws random numbers,
-so seeding and determinism are those of the base env.
+info arrays one shape, so vector envs whose sub-envs pick different N can batch them. None of
+them draws random numbers, so seeding and determinism are those of the base env.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 
 from agents.estimator import Estimator
 from iapo_gym import IAPOEnv
-from iapo_gym.utility import expected_task_reward
+from iapo_gym.oracle import q_table
 from tests.conftest import tiny_bon_table, tiny_mv_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -26,14 +26,8 @@ def _env(kind: str, seed: int) -> IAPOEnv:
 
 
 def _exact_utility(env: IAPOEnv, prompt: int, query: int, k: int) -> np.ndarray:
-    """(C,) exact expected utility of k completions of ``prompt`` on ``query``, cost included."""
-    table = env.table
-    reward = expected_task_reward(table)
-    if table.aggregator == "mv":
-        task = table.context_weights[:, 0] * reward[0, prompt, query, k - 1]
-    else:
-        task = reward[table._cache["task_reward_context_index"], prompt, query, k - 1]
-    return task + table.context_weights[:, -1] * table.cost_matrix()[prompt, query] * k
+    """(C,) exact expected utility of k completions of ``prompt`` on ``query``, cost included: Q on that one query."""
+    return q_table(env.table, np.array([query]))[:, prompt, k - 1]
 
 
 @pytest.mark.parametrize("kind", ["mv", "bon"])
