@@ -9,17 +9,24 @@ and the agents know about a task comes from here; the schema is documented in
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import h5py  # every environment reads a table file; imported with the package, not on the first gym.make
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 #: Schema versions this release can read (Minari's ``supported_dataset_versions``).
-SUPPORTED_SCHEMA_VERSIONS = (1,)
+#: Version 1 files lack the stored exact tensor (group ``exact``); it is computed on first use.
+SUPPORTED_SCHEMA_VERSIONS = (1, 2)
+#: Version of the exact expected-task-reward computation stored in ``exact``; bump it when
+#: ``iapo_gym.utility.expected_task_reward`` changes its values, so stored tensors are recomputed.
+EXACT_VERSION = 1
 PROB_TOLERANCE = 1e-6
 AGGREGATORS = ("bon", "mv")
 Aggregator = Literal["bon", "mv"]
@@ -236,14 +243,37 @@ def validate(table: OutcomeTable, where: str = "table") -> None:
 
 # ---- HDF5 ------------------------------------------------------------------------------
 def _h5py() -> Any:
-    import h5py
-
     return h5py
 
 
-def write_table(table: OutcomeTable, path: str | os.PathLike[str]) -> Path:
-    """Write ``table`` to ``path`` atomically: a temporary file in the same folder, then rename."""
+def exact_digest(table: OutcomeTable) -> str:
+    """sha256 of every array the exact task-reward tensor is computed from (probs, atoms/gold, objective weights)."""
+    h = hashlib.sha256()
+    h.update(f"{table.aggregator};{table.n_max};{EXACT_VERSION};{table.probs.shape}".encode())
+    arrays = [table.probs]
+    if table.aggregator == "bon":
+        assert table.atoms is not None
+        arrays += [table.atoms, np.ascontiguousarray(table.context_weights[:, :-1])]
+    else:
+        assert table.gold is not None
+        arrays.append(table.gold)
+    for a in arrays:
+        h.update(str(a.shape).encode())
+        h.update(np.ascontiguousarray(a).data)
+    return h.hexdigest()
+
+
+def write_table(table: OutcomeTable, path: str | os.PathLike[str], *, exact: bool = True) -> Path:
+    """Write ``table`` to ``path`` atomically: a temporary file in the same folder, then rename.
+
+    With ``exact`` (default) the exact expected task-reward tensor is stored too (group ``exact``,
+    with its digest), so a fresh process evaluates without recomputing it.
+    """
     h5py = _h5py()
+    if exact:
+        from iapo_gym.utility import expected_task_reward
+
+        reward = expected_task_reward(table)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -272,6 +302,13 @@ def write_table(table: OutcomeTable, path: str | os.PathLike[str]) -> Path:
                 f.create_dataset("gold", data=table.gold)
             if table.split is not None:
                 f.create_dataset("split", data=table.split)
+            if exact:
+                e = f.create_group("exact")
+                e.attrs["version"] = EXACT_VERSION
+                e.attrs["digest"] = exact_digest(table)
+                e.create_dataset("task_reward", data=reward)
+                if "task_reward_context_index" in table._cache:
+                    e.create_dataset("context_index", data=table._cache["task_reward_context_index"])
             f.flush()
         umask = os.umask(0)
         os.umask(umask)
@@ -331,6 +368,7 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
             "objective_names": list(_strings(f["objective_names"])),
             "context_names": list(_strings(f["contexts/names"])),
             "has_split": "split" in f,
+            "has_exact": "exact" in f,
         }
         for key, value in f.attrs.items():
             if key.startswith("prov_"):
@@ -369,9 +407,51 @@ def read_table(path: str | os.PathLike[str]) -> OutcomeTable:
                 "split": f["split"][()] if "split" in f else None,
                 "attrs": {k[5:]: _jsonable(v) for k, v in f.attrs.items() if k.startswith("prov_")},
             }
+            exact = _read_exact(f)
         except (OSError, KeyError) as exc:
             raise TableError(f"{path}: could not read the table (truncated or corrupted?): {exc}") from exc
     try:
-        return OutcomeTable(**kwargs)
+        table = OutcomeTable(**kwargs)
     except TableError as exc:
         raise TableError(f"{path}: {str(exc).removeprefix('table: ')}") from None
+    if exact is not None:
+        _attach_exact(table, path, *exact)
+    return table
+
+
+def _read_exact(f: Any) -> tuple[int, str, np.ndarray, np.ndarray | None] | None:
+    """The stored exact group (version, digest, tensor, context index), or None when absent."""
+    if "exact" not in f:
+        return None
+    e = f["exact"]
+    index = e["context_index"][()] if "context_index" in e else None
+    return int(e.attrs["version"]), str(_jsonable(e.attrs["digest"])), e["task_reward"][()], index
+
+
+def _attach_exact(table: OutcomeTable, path: Path, version: int, digest: str, reward: np.ndarray,
+                  index: np.ndarray | None) -> None:
+    """Put a stored exact tensor into the table's cache if its version and digest check out; else warn."""
+    n_rows = 1 if table.aggregator == "mv" else (int(index.max()) + 1 if index is not None and index.size else -1)
+    expected_shape = (n_rows, table.n_prompts, table.n_queries, table.n_max)
+    problem = None
+    if version != EXACT_VERSION:
+        problem = f"computed by exact version {version}, this iapo-gym computes version {EXACT_VERSION}"
+    elif table.aggregator == "bon" and (index is None or index.shape != (table.n_contexts,)):
+        problem = "its context index does not match the contexts"
+    elif reward.shape != expected_shape:
+        problem = f"its shape {reward.shape} does not match the table {expected_shape}"
+    elif digest != exact_digest(table):
+        problem = "its digest does not match the table's probabilities (the file was changed after it was written)"
+    if problem is not None:
+        warnings.warn(f"{path}: ignoring the stored exact expectations: {problem}; they are recomputed on first use. "
+                      f"Rewrite the file (e.g. `iapo-gym data fetch TASK --force`) to store them again.",
+                      TableWarning, stacklevel=3)
+        return
+    reward.setflags(write=False)
+    table._cache["task_reward"] = reward
+    if index is not None:
+        table._cache["task_reward_context_index"] = np.asarray(index, dtype=np.int64)
+
+
+class TableWarning(UserWarning):
+    """A table file is usable but not as written (e.g. its stored exact expectations were ignored)."""

@@ -89,3 +89,70 @@ def test_truncated_file_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(TableError, match="truncated or corrupted") as info:
         read_table(path)
     assert str(path) in str(info.value)
+
+
+# ---- stored exact expectations (schema 2) ---------------------------------------------
+def _fresh_reward(table):
+    from iapo_gym.utility import expected_task_reward
+
+    return expected_task_reward(replace(table))  # a copy with an empty cache: computed from scratch
+
+
+@pytest.mark.parametrize("make", [tiny_mv_table, tiny_bon_table])
+def test_stored_exact_tensor_is_loaded_and_equals_a_fresh_computation(tmp_path: Path, make) -> None:
+    table = make()
+    path = write_table(table, tmp_path / "t.h5")
+    assert read_metadata(path)["has_exact"]
+    back = read_table(path)
+    assert "task_reward" in back._cache  # nothing to compute on the first q_table
+    np.testing.assert_array_equal(back._cache["task_reward"], _fresh_reward(table))
+    from iapo_gym.oracle import q_table
+
+    np.testing.assert_array_equal(q_table(back, np.arange(4)), q_table(replace(table), np.arange(4)))
+
+
+@pytest.mark.parametrize("make", [tiny_mv_table, tiny_bon_table])
+def test_tampered_probabilities_ignore_the_stored_tensor_with_a_warning(tmp_path: Path, make) -> None:
+    from iapo_gym.tables import TableWarning
+
+    table = make()
+    path = write_table(table, tmp_path / "t.h5")
+    with h5py.File(path, "r+") as f:  # another distribution, rows still summing to 1
+        f["probs"][...] = f["probs"][()][:, :, ::-1]
+    with pytest.warns(TableWarning, match=r"t\.h5: ignoring the stored exact expectations: its digest does not match"):
+        back = read_table(path)
+    assert "task_reward" not in back._cache
+    expected = _fresh_reward(replace(table, probs=table.probs[:, :, ::-1],
+                                     atoms=None if table.atoms is None else table.atoms))
+    from iapo_gym.utility import expected_task_reward
+
+    np.testing.assert_allclose(expected_task_reward(back), expected, rtol=0, atol=0)
+
+
+def test_version_1_file_without_exact_group_still_reads_and_computes_on_first_use(tmp_path: Path) -> None:
+    table = tiny_mv_table()
+    path = write_table(table, tmp_path / "t.h5", exact=False)
+    with h5py.File(path, "r+") as f:
+        f.attrs["schema_version"] = 1
+    meta = read_metadata(path)
+    assert meta["schema_version"] == 1 and not meta["has_exact"]
+    back = read_table(path)
+    assert "task_reward" not in back._cache
+    from iapo_gym.utility import expected_task_reward
+
+    np.testing.assert_array_equal(expected_task_reward(back), _fresh_reward(table))
+
+
+def test_synthetic_cache_of_an_older_schema_is_upgraded_in_place(tmp_path: Path, monkeypatch) -> None:
+    from iapo_gym.tasks import load_synthetic, synthetic_cache_path
+
+    monkeypatch.setenv("IAPO_GYM_CACHE", str(tmp_path))
+    load_synthetic("synthetic_bernoulli", 3)
+    path = synthetic_cache_path("synthetic_bernoulli", 3)
+    old = read_table(path)
+    write_table(old, path, exact=False)
+    assert not read_metadata(path)["has_exact"]
+    upgraded = load_synthetic("synthetic_bernoulli", 3)
+    assert read_metadata(path)["has_exact"]
+    np.testing.assert_array_equal(upgraded._cache["task_reward"], _fresh_reward(old))
+    assert "task_reward" in load_synthetic("synthetic_bernoulli", 3)._cache

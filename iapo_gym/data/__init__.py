@@ -60,7 +60,8 @@ def _cached_table_ok(path: Path, entry: ReleaseEntry) -> bool:
         meta = read_metadata(path)
     except (TableError, OSError):
         return False
-    return bool(meta.get("verified")) and meta.get("source_git_blob") == entry.git_blob and meta["task"] == entry.name
+    return (bool(meta.get("verified")) and meta.get("source_git_blob") == entry.git_blob and meta["task"] == entry.name
+            and bool(meta.get("has_exact")))  # an older cache table (no stored exact tensor) is converted again
 
 
 def ensure_table(entry: ReleaseEntry, raw: Path | None = None, force: bool = False) -> Path:
@@ -68,12 +69,12 @@ def ensure_table(entry: ReleaseEntry, raw: Path | None = None, force: bool = Fal
 
     Serialized by a file lock in the cache, so concurrent callers convert once and all succeed.
     """
-    from iapo_gym.data.release import import_release
-
     folder = paths.cache_dir()
     target = folder / entry.table_file
     if not force and _cached_table_ok(target, entry):
-        return target
+        return target  # converted from the verified official bytes: ``raw`` need not be read again
+    from iapo_gym.data.release import import_release
+
     if raw is None:
         raw = fetch_release(entry)  # a verified copy in the cache is reused; offline is refused before any write
     else:

@@ -11,12 +11,14 @@ import hashlib
 import logging
 import os
 from pathlib import Path
-
-from filelock import FileLock
+from typing import TYPE_CHECKING
 
 from iapo_gym import paths
 from iapo_gym.data.registry import ReleaseEntry
 from iapo_gym.paths import OFFLINE_ENV
+
+if TYPE_CHECKING:
+    from filelock import FileLock
 
 logger = logging.getLogger(__name__)
 _CHUNK = 1 << 20
@@ -81,6 +83,8 @@ def is_verified(path: str | os.PathLike[str], entry: ReleaseEntry) -> bool:
 
 def folder_lock(folder: Path, name: str) -> FileLock:
     """A cross-process lock named after ``name`` in ``folder`` (created if needed)."""
+    from filelock import FileLock  # imported here: loading an already converted table takes no lock
+
     folder.mkdir(parents=True, exist_ok=True)
     return FileLock(str(folder / f".{name}.lock"))
 

@@ -66,12 +66,18 @@ def load_synthetic(name: str, instance: int = 0) -> OutcomeTable:
     if not isinstance(instance, int) or isinstance(instance, bool) or instance < 0:
         raise ValueError(f"instance must be an integer >= 0, got {instance!r}")
     path = synthetic_cache_path(name, instance)
+    table: OutcomeTable | None = None
     if path.is_file():
         try:
-            return read_table(path)
+            table = read_table(path)
         except TableError as exc:
             logger.warning("regenerating unreadable cached table %s: %s", path, exc)
-    table = GENERATORS[name](instance)
+        else:
+            if "task_reward" in table._cache:
+                return table
+            # an older cache file without the stored exact tensor (or a stale one): store it now
+    if table is None:
+        table = GENERATORS[name](instance)
     try:
         write_table(table, path)
     except OSError as exc:  # a read-only cache only costs the regeneration next time
