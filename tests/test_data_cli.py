@@ -9,7 +9,6 @@ import pytest
 
 from iapo_gym.cli import main
 from iapo_gym.tables import read_table
-from tests.test_data_release import write_mv_release
 
 
 @pytest.fixture
@@ -39,15 +38,6 @@ def test_import_then_list_and_show(math_release: Path, cache: Path, capsys: pyte
     assert shown["oracle"]["test"]["optimal_acr"] == pytest.approx(0.8625, abs=5e-4)
     assert shown["oracle"]["train_optimal_on_test"] == pytest.approx(0.8510, abs=5e-4)
     assert shown["oracle"]["test"]["best_n1_acr"] == pytest.approx(0.7817, abs=5e-4)
-
-
-def test_import_unofficial_copy_warns_and_marks_unverified(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
-    fake = tmp_path / "MATH_final.pkl"
-    write_mv_release(fake, monkeypatch)
-    assert main(["data", "import", str(fake), "--dest", str(tmp_path / "out")]) == 0
-    assert "does not match the registry" in capsys.readouterr().err
-    assert read_table(tmp_path / "out" / "math.h5").attrs["verified"] is False
 
 
 def test_failures_exit_1_with_a_message(tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:

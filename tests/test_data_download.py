@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -20,7 +21,6 @@ import iapo_gym.data as data
 from iapo_gym.data import ChecksumError, DownloadError, resolve_table
 from iapo_gym.data.download import fetch_release, git_blob_id, release_dir, verify_release_file
 from iapo_gym.data.registry import RELEASE_URL_ENV, ReleaseEntry, entries, get_entry
-from iapo_gym.data.release import import_release
 from iapo_gym.tables import TableError, read_table, write_table
 from iapo_gym.tasks import MissingTableError, TaskSpec, get_task
 from tests.conftest import tiny_mv_table
@@ -237,7 +237,7 @@ def test_truncated_table_in_data_folder_names_path_and_rebuild_command(tmp_path:
 def test_truncated_table_in_cache_names_fetch_force(release_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cache"
     monkeypatch.setenv("IAPO_GYM_CACHE", str(cache))
-    (path,) = import_release(release_file, task="math")
+    path = write_table(replace(tiny_mv_table(), task="math"), cache / "math.h5")
     _truncate(path)
     with pytest.raises(TableError) as info:
         resolve_table(get_task("math"))

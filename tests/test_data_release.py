@@ -170,11 +170,11 @@ def test_mv_release_with_other_cost_coeffs_is_rejected(tmp_path: Path, monkeypat
 def test_bon_release_written_by_the_test_goes_through_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "HH_final.pkl"
     arrays = write_bon_release(path, monkeypatch, n_envs=2)
-    out = import_release(path, dest=tmp_path / "tables")
-    assert [p.name for p in out] == ["helpful_harmless.h5", "helpful_harmless-i1.h5"]
+    out = import_release(path, task="hh_test", dest=tmp_path / "tables")  # not the official bytes: a name of its own
+    assert [p.name for p in out] == ["hh_test.h5", "hh_test-i1.h5"]
     for p, a in zip(out, arrays, strict=True):
         table = read_table(p)
-        assert table.aggregator == "bon" and table.task == "helpful_harmless"
+        assert table.aggregator == "bon" and table.task == "hh_test"
         # train has 4 atoms, test 3: the test rows are padded with a zero-probability atom
         assert table.probs.shape == (3, 7, 4) and table.atoms is not None and table.atoms.shape == (3, 7, 4, 2)
         np.testing.assert_array_equal(table.atoms[:, :5], a["outcome_vectors_train"])

@@ -92,8 +92,8 @@ def get_entry(name: str) -> ReleaseEntry:
 
     key = name.strip().lower()
     for entry in entries():
-        short = entry.file.lower().removesuffix(".pkl").removesuffix("_final")
-        if key in (entry.name, entry.file.lower(), entry.title.lower(), short):
+        stem = entry.file.lower().removesuffix(".pkl")
+        if key in (entry.name, entry.file.lower(), entry.title.lower(), stem, stem.removesuffix("_final")):
             return entry
     try:
         spec = get_task(name)

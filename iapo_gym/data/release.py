@@ -377,10 +377,15 @@ def import_release(path: str | os.PathLike[str], task: str | None = None,
         except RegistryError:
             entry = None
     name = task or (entry.name if entry is not None else None) or path.stem
-    tables = read_release(path, name)
+    registered, official = _registered_name(name)
+    if registered is not None:  # any accepted form of a registered task writes that task's one file
+        name, entry = registered, official
     blob, sha, _ = file_hashes(path)
-    extra = {"source_git_blob": blob, "source_sha256": sha,
-             "verified": bool(entry is not None and blob == entry.git_blob and (entry.sha256 in (None, sha)))}
+    verified = bool(entry is not None and blob == entry.git_blob and (entry.sha256 in (None, sha)))
+    if registered is not None and not verified:
+        raise ReleaseError(_unofficial_message(path, name, entry))
+    tables = read_release(path, name)
+    extra = {"source_git_blob": blob, "source_sha256": sha, "verified": verified}
     folder = Path(dest) if dest is not None else paths.cache_dir()
     out: list[Path] = []
     with folder_lock(folder, name):
@@ -388,6 +393,36 @@ def import_release(path: str | os.PathLike[str], task: str | None = None,
             table = replace(table, attrs={**table.attrs, **extra})
             out.append(write_table(table, folder / fname))
     return out
+
+
+def _registered_name(name: str) -> tuple[str | None, ReleaseEntry | None]:
+    """The short name of the registered task ``name`` names (any accepted form) and its release entry;
+    (None, None) when ``name`` is a name of its own."""
+    from iapo_gym.data.registry import RegistryError, entry_for_task
+    from iapo_gym.tasks import get_task
+
+    try:
+        spec = get_task(name)
+    except ValueError:
+        return None, None
+    try:
+        return spec.name, entry_for_task(spec.name)
+    except RegistryError:
+        return spec.name, None
+
+
+def _unofficial_message(path: Path, name: str, entry: ReleaseEntry | None) -> str:
+    """Why a file cannot be imported under a registered task's name, and how to use it instead."""
+    from iapo_gym.tasks import TASKS
+
+    spec = TASKS[name]
+    what = (f"is not the official release file of task {name!r} ({entry.file}, git blob {entry.git_blob})"
+            if entry is not None else f"cannot be imported as task {name!r}: its table is generated, not imported")
+    own = f"my_{name}"
+    return (f"{path} {what}; a table under a registered task's name must be the official one, so nothing was "
+            f"written. Import it under a name of its own (`iapo-gym data import {path} --task {own}`) and open "
+            f"it with `gym.make({spec.env_id!r}, path=<folder>/{own}.h5)` (or `--tasks <folder>/{own}.h5` "
+            f"in the leaderboard)")
 
 
 def describe(tables: Sequence[OutcomeTable]) -> str:

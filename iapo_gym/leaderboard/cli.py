@@ -52,12 +52,16 @@ def add_commands(subparsers: Any) -> None:
                     "instance r of a synthetic task), score the exact test ACR, and store one row per run in "
                     "OUT/results.sqlite. Rerunning the same command continues an interrupted sweep.",
         epilog="Agent specs: 'psst', 'psst_topk:k=4,rho=0.2', 'pkg.module:Class', 'pkg.module:Class:k=4'; "
-               "append '@label' for a display label. Tasks: short names, titles, Gymnasium ids or .h5 table files.")
+               "append '@label' for a display label. Tasks: short names, titles, Gymnasium ids or their middle part "
+               "(SyntheticBernoulli), release file stems (MATH_final), case-insensitive, or .h5 table files.")
     lb.add_argument("--tasks", nargs="+", metavar="TASK", help=f"default: all six ({', '.join(TASKS)}); "
                     "tasks whose table is missing are skipped")
     lb.add_argument("--agents", nargs="+", metavar="SPEC", help="default: the paper's ten agents")
     lb.add_argument("--agent", action="append", default=[], metavar="SPEC", help="add one agent spec (repeatable)")
-    lb.add_argument("--budgets", nargs="+", type=int, metavar="T", help=f"default: {' '.join(map(str, PAPER_BUDGETS))}")
+    lb.add_argument("--budgets", nargs="+", type=_budget_list, metavar="T",
+                    help="training budgets, space- or comma-separated (`--budgets 1000 3000` or `--budgets 1000,3000`); "
+                         f"default: {' '.join(map(str, PAPER_BUDGETS))}. (Commas inside one agent SPEC separate "
+                         "its parameters; agent specs themselves are space-separated.)")
     lb.add_argument("--runs", type=int, help=f"independent runs per cell (default: {PAPER_RUNS})")
     lb.add_argument("--jobs", "-j", type=int, default=1, help="local worker processes (default: 1)")
     lb.add_argument("--scheduler", metavar="ADDR",
@@ -85,6 +89,15 @@ def add_commands(subparsers: Any) -> None:
     rp.set_defaults(func=_report)
 
 
+def _budget_list(text: str) -> list[int]:
+    """One --budgets token: an integer or a comma-separated list of integers."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()] or [int(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budget {text!r} is not an integer or a comma-separated list of "
+                                         "integers (e.g. 1000,3000)") from None
+
+
 def _leaderboard(args: argparse.Namespace) -> int:
     from iapo_gym.leaderboard.report import build_report, markdown, write_report
     from iapo_gym.leaderboard.runner import run_sweep
@@ -92,7 +105,7 @@ def _leaderboard(args: argparse.Namespace) -> int:
     preset = QUICK if args.quick else PAPER
     task_names = args.tasks or list(preset.tasks)
     agent_texts = (args.agents or ([] if args.agent else list(preset.agents))) + args.agent
-    budgets = args.budgets or list(preset.budgets)
+    budgets = [t for group in args.budgets for t in group] if args.budgets else list(preset.budgets)
     runs = args.runs if args.runs is not None else preset.runs
     out = args.out or ("results/quick" if args.quick else DEFAULT_OUT)
     try:

@@ -47,13 +47,26 @@ class MissingTableError(FileNotFoundError):
     """A data-backed task's table is nowhere in the lookup path."""
 
 
+def task_names(spec: TaskSpec) -> tuple[str, ...]:
+    """Every accepted name of ``spec``, normalised: short name, Gymnasium id, its middle part, title, release stem."""
+    def norm(text: str) -> str:
+        return text.lower().replace("-", "_")
+
+    names = [spec.name, norm(spec.env_id), norm(spec.env_id.split("-")[1]), norm(spec.title)]
+    if spec.release_file:
+        names.append(norm(spec.release_file.removesuffix(".pkl")))
+    return tuple(names)
+
+
 def get_task(name: str) -> TaskSpec:
-    """The TaskSpec for a short name, title or Gymnasium id (case-insensitive)."""
-    key = name.strip().lower().replace("-", "_")
+    """The TaskSpec for any accepted name (case-insensitive): ``helpful_harmless``, ``IAPO-HelpfulHarmless-v0``,
+    ``HelpfulHarmless``, ``Helpful-Harmless`` or the release file stem ``HH_final``; else ValueError listing them."""
+    key = str(name).strip().lower().replace("-", "_")
     for spec in TASKS.values():
-        if key in (spec.name, spec.env_id.lower().replace("-", "_"), spec.title.lower().replace("-", "_")):
+        if key in task_names(spec):
             return spec
-    raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
+    known = "; ".join(f"{s.name} ({s.env_id})" for s in TASKS.values())
+    raise ValueError(f"unknown task {name!r}; known tasks: {known}")
 
 
 def synthetic_cache_path(name: str, instance: int) -> Path:
