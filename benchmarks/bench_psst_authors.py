@@ -1,0 +1,121 @@
+"""Benchmark: PSST on MATH at T=10K, ours against the paper authors' code, side by side in one run.
+
+One repeat of each side does what a user of that code does for one run of the paper's protocol:
+
+- ours: fresh ``gym.make("IAPO-MATH-v0")`` (reads the table file, with its stored exact
+  expectations), seeded 80/20 resplit, PSST training with budget T, exact test ACR;
+- the authors': a fresh ``CategoricalMVEnv`` from the release arrays, their
+  ``combine_and_resplit(0.8, seed)``, their ``PSSTAgent("mv").train(env, T)``, and their
+  10,000-sample test evaluation (``example_runner.evaluate``).
+
+Figures are medians of ``--repeats`` (default 5) runs with seeds 0.., interleaved so load changes
+hit both sides alike. The authors' code is not part of this repository; get it with
+``git clone https://github.com/IAPO-AAAI25/IAPO-PSST DIR`` and pass ``--authors-code DIR``
+(without it only our side is measured). Their release file is read with iapo-gym's safe
+unpickler (``iapo_gym.data.release.load_release_objects``), never with plain ``pickle.load``.
+Run::
+
+    IAPO_GYM_OFFLINE=1 IAPO_GYM_DATA=../shared/iapo-release \\
+        nice -n 10 .venv/bin/python benchmarks/bench_psst_authors.py --authors-code ../authors-psst
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+
+import iapo_gym
+from agents.psst import PSST
+from iapo_gym.data import resolve_table
+from iapo_gym.data.registry import get_entry
+from iapo_gym.data.release import load_release_objects
+from iapo_gym.tasks import get_task
+
+
+def ours(budget: int, seed: int) -> tuple[float, float]:
+    """Seconds and exact test ACR of one fresh make + resplit + PSST + exact evaluate."""
+    start = time.perf_counter()
+    env = gym.make("IAPO-MATH-v0")
+    env.unwrapped.resplit(0.8, seed=seed)
+    policy = PSST(seed=seed).train(env, budget)
+    acr = iapo_gym.evaluate(policy, env)
+    return time.perf_counter() - start, acr
+
+
+class Authors:
+    """The authors' env, agent and evaluation, imported from their checkout."""
+
+    def __init__(self, folder: Path, release_file: Path) -> None:
+        sys.path.insert(0, str(folder))
+        self.env_cls = importlib.import_module("Envs.catMV.catMV").CategoricalMVEnv
+        self.agent_cls = importlib.import_module("Agents.PSST").PSSTAgent
+        self.evaluate = importlib.import_module("example_runner").evaluate
+        (self.record,) = load_release_objects(release_file)
+
+    def run(self, budget: int, seed: int, n_samples: int) -> tuple[float, float]:
+        """Seconds and 10,000-sample test ACR of one fresh env + resplit + PSST + evaluation."""
+        r = self.record
+        start = time.perf_counter()
+        env = self.env_cls(cat_probs=r.cat_probs, answers=r.answers, cat_probs_test=r.cat_probs_te,
+                           answers_test=r.answers_te, cost_per_prompt=r.cost_per_prompt, cost_coeffs=r.cost_coeffs,
+                           context_distribution=r.context_distribution, N_max=r.N_max, rng=seed)
+        env.combine_and_resplit(train_frac=0.8, seed=seed)
+        agent = self.agent_cls(strategy="mv")
+        with contextlib.redirect_stdout(io.StringIO()):  # their agent prints its pull count
+            agent.train(env=env, budget=budget)
+        acr = self.evaluate(agent, env, n_samples)
+        return time.perf_counter() - start, acr
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--authors-code", type=Path, help="checkout of github.com/IAPO-AAAI25/IAPO-PSST")
+    parser.add_argument("--budget", type=int, default=10_000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--eval-samples", type=int, default=10_000, help="the authors' evaluation samples")
+    args = parser.parse_args()
+    table_path = resolve_table(get_task("math"))  # converts the release once, outside the timing
+    ours(args.budget, 99)  # warm: bytecode, lazy imports
+    authors: Any = None
+    if args.authors_code is None:
+        print("no --authors-code: measuring our side only "
+              "(git clone https://github.com/IAPO-AAAI25/IAPO-PSST DIR; --authors-code DIR)")
+    else:
+        entry = get_entry("math")
+        release = next((p for p in (args.authors_code / "data" / entry.file, table_path.parent / entry.file)
+                        if p.is_file()), None)
+        if release is None:
+            parser.error(f"no {entry.file} under {args.authors_code / 'data'}")
+        authors = Authors(args.authors_code, release)
+        authors.run(100, 99, 100)  # warm
+    mine, theirs, acr_mine, acr_theirs = [], [], [], []
+    for seed in range(args.repeats):
+        t, a = ours(args.budget, seed)
+        mine.append(t)
+        acr_mine.append(a)
+        if authors is not None:
+            t, a = authors.run(args.budget, seed, args.eval_samples)
+            theirs.append(t)
+            acr_theirs.append(a)
+    m = statistics.median(mine)
+    print(f"PSST on MATH, T={args.budget}, median of {args.repeats} (seeds 0..{args.repeats - 1})")
+    print(f"  ours   : fresh gym.make + resplit + train + exact evaluate      {m * 1e3:9.1f} ms   "
+          f"mean test ACR {statistics.fmean(acr_mine):.4f}")
+    if authors is not None:
+        t = statistics.median(theirs)
+        print(f"  authors: fresh env + resplit + train + {args.eval_samples}-sample evaluate {t * 1e3:9.1f} ms   "
+              f"mean test ACR {statistics.fmean(acr_theirs):.4f} (sampled)")
+        print(f"  speedup: {t / m:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
