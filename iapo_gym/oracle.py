@@ -11,7 +11,7 @@ import numpy as np
 
 from iapo_gym.policy import Policy, PolicyLike
 from iapo_gym.tables import OutcomeTable
-from iapo_gym.utility import block_utilities, expected_task_reward
+from iapo_gym.utility import block_utilities, expected_arm_reward, expected_task_reward
 
 
 def q_table(table: OutcomeTable, queries: np.ndarray | None = None) -> np.ndarray:
@@ -63,8 +63,25 @@ def acr_from_q(q: np.ndarray, arms: np.ndarray, context_probs: np.ndarray) -> fl
 
 
 def exact_acr(table: OutcomeTable, policy: PolicyLike, queries: np.ndarray | None = None) -> float:
-    """Exact Average Contextual Return of ``policy`` on ``queries``."""
-    return acr_from_q(q_table(table, queries), policy_arms(policy, table), table.context_probs)
+    """Exact Average Contextual Return of ``policy`` on ``queries``.
+
+    With the (C', P, Q, N_max) tensor at hand (stored in the file or computed before) it is a mean
+    over that tensor; otherwise only the policy's C arms are computed, never the whole Q-table.
+    """
+    arms = policy_arms(policy, table)
+    if "task_reward" in table._cache:
+        return acr_from_q(q_table(table, queries), arms, table.context_probs)
+    if queries is None:
+        queries = np.arange(table.n_queries)
+    queries = np.asarray(queries, dtype=np.int64)
+    if queries.size == 0:
+        raise ValueError("exact_acr needs at least one query")
+    reward = expected_arm_reward(table, arms, queries)
+    if table.aggregator == "mv":
+        reward = table.context_weights[:, 0] * reward
+    mean_cost = table.cost_matrix()[arms[:, 0]][:, queries].mean(axis=1)  # (C,)
+    values = reward + table.context_weights[:, -1] * mean_cost * arms[:, 1]
+    return float(np.dot(table.context_probs, values))
 
 
 def monte_carlo_acr(table: OutcomeTable, policy: PolicyLike, queries: np.ndarray | None,

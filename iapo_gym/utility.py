@@ -186,3 +186,32 @@ def expected_task_reward(table: OutcomeTable) -> np.ndarray:
     result.setflags(write=False)
     cache["task_reward"] = result
     return result
+
+
+def expected_arm_reward(table: OutcomeTable, arms: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """Exact expected task reward (C,) of context c's arm ``arms[c] = (p, N)``, averaged over ``queries``.
+
+    The same values as ``expected_task_reward`` (mv: the unscaled credit; bon: weighted by the
+    context's objectives) but only for the C asked arms, so a policy is evaluated without building
+    the (C', P, Q, N_max) tensor. Not cached: use ``expected_task_reward`` when many arms are needed.
+    """
+    arms = np.asarray(arms, dtype=np.int64)
+    queries = np.asarray(queries, dtype=np.int64)
+    prompts, ns = arms[:, 0], arms[:, 1]
+    n_top = int(ns.max())
+    if table.aggregator == "mv":
+        assert table.gold is not None
+        used, row_of = np.unique(prompts, return_inverse=True)
+        probs = table.probs[used][:, queries]  # (P_used, Q', M)
+        gold = np.broadcast_to(table.gold[queries][None, :], probs.shape[:2]).reshape(-1)
+        credit = mv_expected_credit(probs.reshape(-1, table.n_atoms), gold, n_top)
+        credit = credit.reshape(used.size, queries.size, n_top).mean(axis=1)  # (P_used, n_top)
+        return credit[row_of.reshape(-1), ns - 1]
+    assert table.atoms is not None
+    # one row per distinct (objective weighting, prompt) pair among the contexts
+    keys = np.column_stack([table.context_weights[:, :-1], prompts])
+    distinct, inverse = np.unique(keys, axis=0, return_inverse=True)
+    d_prompts = distinct[:, -1].astype(np.int64)
+    scores = np.einsum("dqmk,dk->dqm", table.atoms[d_prompts][:, queries], distinct[:, :-1])
+    best = bon_expected_max(scores, table.probs[d_prompts][:, queries], n_top).mean(axis=1)  # (D, n_top)
+    return best[inverse.reshape(-1), ns - 1]

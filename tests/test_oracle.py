@@ -126,3 +126,23 @@ def test_alias_tables_sample_exactly_the_table(seed: int, n_atoms: int, sparse: 
         probs[:, 0] += 1e-3
         probs /= probs.sum(axis=1, keepdims=True)
     np.testing.assert_allclose(AliasSampler(probs).implied_probs(), probs, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["mv", "bon"])
+@pytest.mark.parametrize("seed", range(4))
+def test_exact_acr_of_only_the_policys_arms_equals_the_full_q_table(seed: int, kind: str) -> None:
+    from dataclasses import replace
+
+    make = tiny_mv_table if kind == "mv" else tiny_bon_table
+    table = make(seed=seed, n_prompts=4, n_queries=12)
+    rng = np.random.default_rng(seed)
+    queries = np.sort(rng.choice(table.n_queries, size=7, replace=False))
+    for _ in range(5):
+        arms = [(int(rng.integers(table.n_prompts)), int(rng.integers(1, table.n_max + 1))) for _ in range(table.n_contexts)]
+        fresh = replace(table)  # empty cache: only the arms are computed
+        lazy = exact_acr(fresh, arms, queries)
+        assert "task_reward" not in fresh._cache  # the full tensor was never built
+        q = q_table(table, queries)
+        full = float(np.dot(table.context_probs, [q[c, p, n - 1] for c, (p, n) in enumerate(arms)]))
+        assert lazy == pytest.approx(full, abs=1e-12)
+        assert exact_acr(table, arms, queries) == pytest.approx(full, abs=1e-12)  # cached path
