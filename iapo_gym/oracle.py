@@ -11,7 +11,7 @@ import numpy as np
 
 from iapo_gym.policy import Policy, PolicyLike
 from iapo_gym.tables import OutcomeTable
-from iapo_gym.utility import block_utilities, expected_arm_reward, expected_task_reward
+from iapo_gym.utility import block_utilities, expected_arm_reward, mean_task_reward
 
 
 def q_table(table: OutcomeTable, queries: np.ndarray | None = None) -> np.ndarray:
@@ -21,9 +21,9 @@ def q_table(table: OutcomeTable, queries: np.ndarray | None = None) -> np.ndarra
     queries = np.asarray(queries, dtype=np.int64)
     if queries.size == 0:
         raise ValueError("q_table needs at least one query")
-    reward = expected_task_reward(table)[:, :, queries, :].mean(axis=2)  # (C', P, N)
+    reward, rows = mean_task_reward(table, queries)  # (C', P, N)
     if table.aggregator == "bon":
-        reward = reward[table._cache["task_reward_context_index"]]  # one row per context
+        reward = reward[rows]  # one row per context
     else:
         reward = table.context_weights[:, 0, None, None] * reward
     mean_cost = table.cost_matrix()[:, queries].mean(axis=1)  # (P,)

@@ -267,12 +267,15 @@ def write_table(table: OutcomeTable, path: str | os.PathLike[str], *, exact: boo
     """Write ``table`` to ``path`` atomically: a temporary file in the same folder, then rename.
 
     With ``exact`` (default) the exact expected task-reward tensor is stored too (group ``exact``,
-    with its digest), so a fresh process evaluates without recomputing it.
+    with its digest), so a fresh process evaluates without recomputing it; not when it exceeds
+    ``iapo_gym.utility.TENSOR_LIMIT_BYTES`` (then ``q_table`` streams it per use).
     """
     h5py = _h5py()
     if exact:
-        from iapo_gym.utility import expected_task_reward
+        from iapo_gym.utility import expected_task_reward, task_reward_fits
 
+        exact = "task_reward" in table._cache or task_reward_fits(table)  # too large: computed per use, streamed
+    if exact:
         reward = expected_task_reward(table)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

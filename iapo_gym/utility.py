@@ -156,6 +156,26 @@ def bon_expected_max(scores: np.ndarray, probs: np.ndarray, n_max: int) -> np.nd
     return out
 
 
+#: Largest (C', P, Q, N_max) task-reward tensor (bytes) that is built, cached and stored whole;
+#: above it ``mean_task_reward`` evaluates one objective weighting and a block of prompts at a time.
+TENSOR_LIMIT_BYTES = 1 << 30
+_BLOCK_ELEMENTS = 1 << 22  # prompts per block in the streamed path: about this many (query, atom) cells
+
+
+def objective_rows(table: OutcomeTable) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct objective weightings (C', K) and the row of each context (C,); mv: one row (the credit)."""
+    if table.aggregator == "mv":
+        return np.ones((1, 1)), np.zeros(table.n_contexts, dtype=np.int64)
+    weights, inverse = np.unique(table.context_weights[:, :-1], axis=0, return_inverse=True)
+    return weights, inverse.reshape(-1).astype(np.int64)
+
+
+def task_reward_fits(table: OutcomeTable) -> bool:
+    """True when the whole (C', P, Q, N_max) tensor is at most ``TENSOR_LIMIT_BYTES``."""
+    n_rows = objective_rows(table)[0].shape[0]
+    return n_rows * table.probs.shape[0] * table.probs.shape[1] * table.n_max * 8 <= TENSOR_LIMIT_BYTES
+
+
 def expected_task_reward(table: OutcomeTable) -> np.ndarray:
     """Exact expected weighted task reward (C', P, Q, N_max) of every arm on every query.
 
@@ -177,15 +197,45 @@ def expected_task_reward(table: OutcomeTable) -> np.ndarray:
     else:
         assert table.atoms is not None
         # Contexts that differ only in their cost weight share the task reward.
-        objective_weights, inverse = np.unique(table.context_weights[:, :-1], axis=0, return_inverse=True)
+        objective_weights, inverse = objective_rows(table)
         distinct = np.empty((objective_weights.shape[0], n_p, n_q, table.n_max))
         for i, w in enumerate(objective_weights):
             distinct[i] = bon_expected_max(table.atoms @ w, table.probs, table.n_max)
         result = distinct
-        cache["task_reward_context_index"] = inverse.reshape(-1)
+        cache["task_reward_context_index"] = inverse
     result.setflags(write=False)
     cache["task_reward"] = result
     return result
+
+
+def mean_task_reward(table: OutcomeTable, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Exact task reward (C', P, N_max) averaged over ``queries``, and the row of each context (C,).
+
+    Uses the cached/stored tensor when the table has it or it fits ``TENSOR_LIMIT_BYTES``; otherwise
+    streams one objective weighting and one block of prompts at a time (memory independent of C',
+    time linear in C'), so tables with many Best-of-N contexts never build the whole tensor.
+    """
+    queries = np.asarray(queries, dtype=np.int64)
+    if "task_reward" in table._cache or task_reward_fits(table):
+        reward = expected_task_reward(table)[:, :, queries, :].mean(axis=2)
+        return reward, table._cache.get("task_reward_context_index", np.zeros(table.n_contexts, dtype=np.int64))
+    weights, inverse = objective_rows(table)
+    n_p, _, n_m = table.probs.shape
+    block = max(1, _BLOCK_ELEMENTS // max(1, queries.size * n_m))
+    out = np.empty((weights.shape[0], n_p, table.n_max))
+    for start in range(0, n_p, block):
+        probs = table.probs[start : start + block][:, queries]  # (b, Q', M)
+        if table.aggregator == "mv":
+            assert table.gold is not None
+            gold = np.broadcast_to(table.gold[queries][None, :], probs.shape[:2]).reshape(-1)
+            credit = mv_expected_credit(probs.reshape(-1, n_m), gold, table.n_max)
+            out[0, start : start + block] = credit.reshape(*probs.shape[:2], table.n_max).mean(axis=1)
+            continue
+        assert table.atoms is not None
+        atoms = table.atoms[start : start + block][:, queries]  # (b, Q', M, K)
+        for i, w in enumerate(weights):
+            out[i, start : start + block] = bon_expected_max(atoms @ w, probs, table.n_max).mean(axis=1)
+    return out, inverse
 
 
 def expected_arm_reward(table: OutcomeTable, arms: np.ndarray, queries: np.ndarray) -> np.ndarray:

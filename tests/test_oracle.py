@@ -146,3 +146,21 @@ def test_exact_acr_of_only_the_policys_arms_equals_the_full_q_table(seed: int, k
         full = float(np.dot(table.context_probs, [q[c, p, n - 1] for c, (p, n) in enumerate(arms)]))
         assert lazy == pytest.approx(full, abs=1e-12)
         assert exact_acr(table, arms, queries) == pytest.approx(full, abs=1e-12)  # cached path
+
+
+@pytest.mark.parametrize("make", [tiny_mv_table, tiny_bon_table])
+def test_streamed_q_table_of_tables_too_large_to_hold_equals_the_tensor_path(make, monkeypatch, tmp_path) -> None:
+    from dataclasses import replace
+
+    import iapo_gym.utility as utility
+    from iapo_gym.tables import read_metadata, write_table
+
+    table = make(seed=3, n_prompts=5, n_queries=12)
+    queries = np.array([0, 2, 3, 7, 11])
+    expected = q_table(table, queries)  # whole tensor, cached
+    monkeypatch.setattr(utility, "TENSOR_LIMIT_BYTES", 0)
+    monkeypatch.setattr(utility, "_BLOCK_ELEMENTS", 2 * 5 * table.n_atoms)  # two prompts per block: three blocks
+    big = replace(table)
+    np.testing.assert_allclose(q_table(big, queries), expected, rtol=0, atol=1e-12)
+    assert "task_reward" not in big._cache  # never built whole
+    assert not read_metadata(write_table(big, tmp_path / "t.h5"))["has_exact"]  # nor stored
