@@ -46,6 +46,7 @@ def ours(budget: int, seed: int) -> tuple[float, float]:
     start = time.perf_counter()
     env = gym.make("IAPO-MATH-v0")
     env.unwrapped.resplit(0.8, seed=seed)
+    env.reset(seed=seed)  # the env's draws (queries, completions) from this run's seed
     policy = PSST(seed=seed).train(env, budget)
     acr = iapo_gym.evaluate(policy, env)
     return time.perf_counter() - start, acr
