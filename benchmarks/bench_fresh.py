@@ -41,9 +41,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env-id", default="IAPO-MATH-v0")
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--user-cache", action="store_true",
+                        help="use the user's cache ($IAPO_GYM_CACHE or the OS cache) instead of a private temporary one")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "IAPO_GYM_CACHE": cache}
+        env = dict(os.environ) if args.user_cache else {**os.environ, "IAPO_GYM_CACHE": cache}
         code = MEASURED.format(env_id=args.env_id)
         run(code, env)  # converts the table into the private cache, compiles bytecode
         run(BASELINE, env)
