@@ -139,9 +139,9 @@ class _Sequential(Agent):
                     c = int(self.rng.integers(n_contexts))  # the same draw as size=1, 4x cheaper
                     arm = self.choose(means[c], counts[c], feasible)
                     p, n = divmod(arm, n_max)
-                    pulls = base.pull(np.array([p]), np.array([n + 1]))
-                    spent += pulls.completions
-                    est.update(pulls)
+                    query, atoms = base.pull_one(p, n + 1)  # what pull draws, without a Pulls object
+                    spent += n + 1
+                    est.update_one(p, n + 1, query, atoms)
                     touched = slice(arm - n, arm + 1)  # arms (p, 1..N)
                     means[:, touched] = sums[:, touched] / counts[:, touched]
                     continue
