@@ -152,3 +152,25 @@ def test_update_one_refuses_subset_reuse() -> None:
     query, atoms = env.pull_one(0, 4)
     with pytest.raises(ValueError, match="reuse='blocks'"):
         Estimator(env, "all_subsets").update_one(0, 4, query, atoms)
+
+
+@pytest.mark.parametrize("name", ["softmax", "epsilon_greedy", "ucb"])
+def test_env_subclasses_see_every_draw(name: str) -> None:
+    from iapo_gym.leaderboard.runner import MeteredEnv
+
+    class CountingEnv(IAPOEnv):  # intercepts pull only: the agents must fall back to it
+        calls = 0
+
+        def pull(self, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray | None = None):  # type: ignore[no-untyped-def]
+            CountingEnv.calls += 1
+            return super().pull(prompts, ns, queries)
+
+    table = tiny_bon_table(seed=3, n_prompts=4, n_max=16)
+    metered, counting, plain = MeteredEnv(table, split="train"), CountingEnv(table=table, split="train"), IAPOEnv(table=table)
+    policies = []
+    for env in (metered, counting, plain):
+        env.reset(seed=1)
+        policies.append(agents.make(name, seed=2).train(env, 400).arms)
+    assert metered.completions_drawn == counting.budget_used == plain.budget_used == 400
+    assert CountingEnv.calls > 10
+    assert policies[0] == policies[1] == policies[2]
