@@ -234,7 +234,7 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
 
     def _pull_one(self, prompt: int, n: int) -> Pulls:
         """``pull`` for a single pull without the batch bookkeeping (draws as ``pull_one``)."""
-        query, atoms = self.pull_one(prompt, n)
+        query, atoms = self._draw_one(prompt, n)
         return Pulls(np.array([prompt]), np.array([n]), np.array([query]), atoms, np.array([0, n]))
 
     def pull_one(self, prompt: int, n: int) -> tuple[int, np.ndarray]:
@@ -243,6 +243,10 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         The sequential agents' hot path. Draws exactly what ``pull`` draws for a batch of one
         (the same generator calls in the same order) and spends ``n`` of the budget.
         """
+        return self._draw_one(prompt, n)
+
+    def _draw_one(self, prompt: int, n: int) -> tuple[int, np.ndarray]:
+        """The draws of one pull, shared by ``pull`` and ``pull_one`` (a subclass may wrap either)."""
         if not 0 <= prompt < self.n_prompts:
             raise ValueError(f"prompt p must be in [0, {self.n_prompts - 1}], got {prompt}")
         if not 1 <= n <= self.n_max:

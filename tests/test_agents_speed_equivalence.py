@@ -174,3 +174,14 @@ def test_env_subclasses_see_every_draw(name: str) -> None:
     assert metered.completions_drawn == counting.budget_used == plain.budget_used == 400
     assert CountingEnv.calls > 10
     assert policies[0] == policies[1] == policies[2]
+
+
+def test_metered_env_counts_single_pulls_once() -> None:
+    from iapo_gym.leaderboard.runner import MeteredEnv
+
+    env = MeteredEnv(tiny_mv_table(n_max=8))
+    env.reset(seed=0)
+    env.pull(np.array([1]), np.array([5]))  # a batch of one (the single-pull branch of pull)
+    env.pull_one(0, 3)
+    env.pull(np.array([0, 2]), np.array([2, 4]))
+    assert env.completions_drawn == env.budget_used == 14
