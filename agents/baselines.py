@@ -17,7 +17,7 @@ import numpy as np
 from agents.base import Agent
 from agents.estimator import REUSE_MODES, Estimator, Reuse
 from agents.psst import partial_allocation
-from iapo_gym import Policy
+from iapo_gym import IAPOEnv, Policy
 
 
 def _check_reuse(reuse: Any) -> None:
@@ -131,6 +131,8 @@ class _Sequential(Agent):
         means = np.zeros((n_contexts, arm_n.size))
         sums, counts = est.sums.reshape(n_contexts, -1), est.counts.reshape(n_contexts, -1)
         spent = 0
+        # The Pulls-free step, unless a subclass of the env intercepts pull but not pull_one.
+        lean = type(base).pull is IAPOEnv.pull or type(base).pull_one is not IAPOEnv.pull_one
         with np.errstate(divide="ignore", invalid="ignore"):
             while spent < budget:
                 remaining = budget - spent
@@ -139,9 +141,12 @@ class _Sequential(Agent):
                     c = int(self.rng.integers(n_contexts))  # the same draw as size=1, 4x cheaper
                     arm = self.choose(means[c], counts[c], feasible)
                     p, n = divmod(arm, n_max)
-                    pulls = base.pull(np.array([p]), np.array([n + 1]))
-                    spent += pulls.completions
-                    est.update(pulls)
+                    if lean:  # what pull draws, without a Pulls object
+                        query, atoms = base.pull_one(p, n + 1)
+                        est.update_one(p, n + 1, query, atoms)
+                    else:
+                        est.update(base.pull(np.array([p]), np.array([n + 1])))
+                    spent += n + 1
                     touched = slice(arm - n, arm + 1)  # arms (p, 1..N)
                     means[:, touched] = sums[:, touched] / counts[:, touched]
                     continue

@@ -202,31 +202,37 @@ class Estimator:
         return plan
 
     def _update_single(self, pulls: Pulls) -> None:
-        """``update`` of one pull with block reuse at every scale, on a precomputed block layout.
+        """``update`` of one pull with block reuse at every scale (see ``update_one``)."""
+        self.update_one(int(pulls.prompts[0]), int(pulls.ns[0]), int(pulls.queries[0]), pulls.atoms)
+
+    def update_one(self, p: int, n: int, q: int, atoms: np.ndarray) -> None:
+        """``update`` of one pull (prompt ``p``, ``n`` atoms on query ``q``) with block reuse at every scale.
 
         Computes exactly what the general path does (the same floating-point operations in
         the same order, so the sums are bit-identical) with a fixed handful of small array
-        operations: a pull of N touches the contiguous arms (p, 1..N) of every context.
+        operations on a precomputed block layout: a pull of N touches the contiguous arms
+        (p, 1..N) of every context. Needs ``reuse="blocks"`` and the base ``task_sums``.
         """
-        p, n, q = int(pulls.prompts[0]), int(pulls.ns[0]), int(pulls.queries[0])
+        if self.reuse != "blocks" or type(self).task_sums is not Estimator.task_sums:
+            raise ValueError(f"update_one needs reuse='blocks' and the built-in task_sums, got {self.reuse!r}")
         plan = self._plan(n)
         cost = self._cost[p, q] * plan.ks * plan.n_blocks
         if self.aggregator == "mv":
             # (M, blocks) votes (exact small integers); blocks along the fast axis throughout
-            counts = plan.one_hot.take(pulls.atoms, axis=1) @ plan.member_t
+            counts = plan.one_hot.take(atoms, axis=1) @ plan.member_t
             top = np.maximum.reduce(counts, axis=0)
             ties = np.add.reduce(counts == top, axis=0)
             gold = self.env.table.gold
             assert gold is not None
-            credit = np.where(counts[int(gold[q])] == top, 1.0 / ties, 0.0)
+            credit = (counts[int(gold[q])] == top) / ties  # = where(winner, 1.0 / ties, 0.0), bit for bit
             pair_credit = np.bincount(plan.block_pair, weights=credit, minlength=n)
             self.sums[:, p, :n] += self._weights[:, :1] * pair_credit[None, :] + self._weights[:, -1:] * cost[None, :]
         else:
-            atoms = self.env.table.atoms
-            assert atoms is not None
+            table_atoms = self.env.table.atoms
+            assert table_atoms is not None
             # The sparse table of _blocks_bon, flattened and transposed: (entries, C).
             levels = np.empty((plan.table_size, self.n_contexts))
-            levels[:n] = (self._weights[:, :-1] @ atoms[p, q, pulls.atoms].T).T  # as in _scores
+            levels[:n] = (self._weights[:, :-1] @ table_atoms[p, q, atoms].T).T  # as in _scores
             for src, width, half, dst in plan.levels:
                 np.maximum(levels[src:src + width], levels[src + half:src + half + width], out=levels[dst:dst + width])
             block_max = np.maximum(levels.take(plan.first, axis=0), levels.take(plan.last, axis=0))

@@ -6,6 +6,9 @@ Parts (``--part``):
   agent, the train- and test-optimal policies for reference, and paired two-sided
   Wilcoxon signed-rank tests (psst vs triple_n1, psst_rb vs psst, ...).
 * ``time``: median training time over ``--runs`` runs at T = ``--budget`` for every agent.
+* ``speedup``: old/new training-time ratios against another checkout (``--baseline``, e.g.
+  the main branch), timed alternately in subprocesses of one invocation, and a check that
+  both train identical policies with identical env draws.
 * ``estimator``: time of one PSST-round update (T / 9 completions at N_max) at T = 40,000
   for both reuse modes on MATH and the two synthetic tasks.
 
@@ -17,7 +20,10 @@ Bernoulli task. All seeds come from ``iapo_gym.seeding.derive_seed(--seed, ...)`
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -76,22 +82,60 @@ def acr_part(env: IAPOEnv, names: list[str], runs: int, budget: int, seed: int) 
     return "\n".join(lines), scores
 
 
-def time_part(env: IAPOEnv, names: list[str], runs: int, budget: int, seed: int) -> str:
-    """Median (and quartiles of) wall-clock training time at ``budget`` for every agent."""
-    lines = [f"| agent | median train time at T = {budget:,} | IQR |", "|---|---|---|"]
+def train_times(env: IAPOEnv, names: list[str], runs: int, budget: int, seed: int) -> dict[str, dict[str, list]]:
+    """Per agent: wall-clock training times (s) and the trained policies' arms of ``runs`` seeded runs."""
     env.resplit(0.8, seed=derive_seed(seed, "resplit", 0))
     env.reset(seed=0)
     env.pull(np.array([0]), np.array([1]))  # build the sampler once, outside the timings
+    out: dict[str, dict[str, list]] = {}
     for name in names:
-        times = np.empty(runs)
+        times, policies = [], []
         for i in range(runs):
             env.reset(seed=derive_seed(seed, "time", i))
             agent = agents.make(name, seed=derive_seed(seed, "agent", name, i))
             start = time.perf_counter()
-            agent.train(env, budget)
-            times[i] = time.perf_counter() - start
-        q1, med, q3 = np.percentile(times * 1000, [25, 50, 75])
+            policy = agent.train(env, budget)
+            times.append(time.perf_counter() - start)
+            policies.append([list(arm) for arm in policy.arms] + [[env.budget_used, float(env.np_random.random())]])
+        out[name] = {"times": times, "policies": policies}
+    return out
+
+
+def time_part(env: IAPOEnv, names: list[str], runs: int, budget: int, seed: int) -> str:
+    """Median (and quartiles of) wall-clock training time at ``budget`` for every agent."""
+    lines = [f"| agent | median train time at T = {budget:,} | IQR |", "|---|---|---|"]
+    for name, rec in train_times(env, names, runs, budget, seed).items():
+        q1, med, q3 = np.percentile(np.asarray(rec["times"]) * 1000, [25, 50, 75])
         lines.append(f"| {name} | {med:.1f} ms | {q1:.1f}-{q3:.1f} ms |")
+    return "\n".join(lines)
+
+
+def speedup_part(baseline: Path, release: Path, names: list[str], runs: int, budget: int, seed: int,
+                 rounds: int) -> str:
+    """Old/new training-time ratio per agent, measured in one invocation, and a check of identical results.
+
+    Each round times every agent in two fresh subprocesses, one importing ``baseline``'s
+    checkout (e.g. the main branch) and one this checkout, alternately (so machine load hits
+    both alike); ratios are of the medians over all rounds. The trained policies, the budget
+    spent and the env generator's next draw must be identical for every agent and run.
+    """
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--part", "time", "--json", "--runs", str(runs),
+           "--budget", str(budget), "--seed", str(seed), "--release", str(release), "--agents", *names]
+    times: dict[str, dict[str, list[float]]] = {"old": {n: [] for n in names}, "new": {n: [] for n in names}}
+    policies: dict[str, dict[str, list]] = {}
+    for _ in range(rounds):
+        for label, root in (("old", baseline.resolve()), ("new", ROOT)):
+            env = {**os.environ, "PYTHONPATH": str(root)}
+            rec = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout)
+            for name in names:
+                times[label][name] += rec[name]["times"]
+                policies.setdefault(label, {})[name] = rec[name]["policies"]
+    lines = [f"| agent | old median ({baseline.name}) | new median | old/new | identical policies and draws |",
+             "|---|---|---|---|---|"]
+    for name in names:
+        old, new = np.median(times["old"][name]) * 1000, np.median(times["new"][name]) * 1000
+        same = policies["old"][name] == policies["new"][name]
+        lines.append(f"| {name} | {old:.1f} ms | {new:.1f} ms | {old / new:.1f}x | {'yes' if same else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -130,15 +174,31 @@ def write_docs(section: str, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the requested parts, print markdown tables, optionally write them into docs/agents.md."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["acr", "time", "estimator", "all"], default="all")
+    parser.add_argument("--part", choices=["acr", "time", "speedup", "estimator", "all"], default="all")
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--budget", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=2025)
     parser.add_argument("--release", type=Path, default=DEFAULT_RELEASE)
     parser.add_argument("--agents", nargs="*", default=[n for n in agents.available() if n != "sb3"])
     parser.add_argument("--write-docs", action="store_true", help="write the tables into docs/agents.md")
+    parser.add_argument("--json", action="store_true", help="time part: print raw times and policies as JSON")
+    parser.add_argument("--baseline", type=Path, help="speedup part: the checkout to compare with (e.g. main's)")
+    parser.add_argument("--rounds", type=int, default=3, help="speedup part: alternating subprocess rounds")
     args = parser.parse_args(argv)
     env, label = load_env(args.release)
+    if args.part == "time" and args.json:
+        print(json.dumps(train_times(env, args.agents, args.runs, args.budget, args.seed)))
+        return 0
+    if args.part == "speedup":
+        if args.baseline is None:
+            parser.error("--part speedup needs --baseline DIR (a checkout of the code to compare with)")
+        text = (f"{label}, T = {args.budget:,}, {args.rounds} rounds x {args.runs} runs per agent:\n\n"
+                + speedup_part(args.baseline, args.release, args.agents, args.runs, args.budget, args.seed,
+                               args.rounds))
+        print(text, "\n")
+        if args.write_docs:
+            write_docs("speedup", text)
+        return 0
     if args.part in ("acr", "all"):
         report, _ = acr_part(env, args.agents, args.runs, args.budget, args.seed)
         text = f"{label}, T = {args.budget:,}, seed {args.seed}:\n\n{report}"

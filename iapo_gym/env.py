@@ -233,20 +233,30 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         return Pulls(prompts, ns, queries, atoms, offsets)
 
     def _pull_one(self, prompt: int, n: int) -> Pulls:
-        """``pull`` for a single pull without the batch bookkeeping (sequential agents' hot path).
+        """``pull`` for a single pull without the batch bookkeeping (draws as ``pull_one``)."""
+        query, atoms = self._draw_one(prompt, n)
+        return Pulls(np.array([prompt]), np.array([n]), np.array([query]), atoms, np.array([0, n]))
 
-        Draws exactly what the batch path draws: the same generator calls in the same order.
+    def pull_one(self, prompt: int, n: int) -> tuple[int, np.ndarray]:
+        """One pull of ``n`` completions of ``prompt``: (query, atoms), without building a ``Pulls``.
+
+        The sequential agents' hot path. Draws exactly what ``pull`` draws for a batch of one
+        (the same generator calls in the same order) and spends ``n`` of the budget.
         """
+        return self._draw_one(prompt, n)
+
+    def _draw_one(self, prompt: int, n: int) -> tuple[int, np.ndarray]:
+        """The draws of one pull, shared by ``pull`` and ``pull_one`` (a subclass may wrap either)."""
         if not 0 <= prompt < self.n_prompts:
             raise ValueError(f"prompt p must be in [0, {self.n_prompts - 1}], got {prompt}")
         if not 1 <= n <= self.n_max:
             raise ValueError(f"N must be in [1, {self.n_max}], got {n}")
-        pool = self.queries()
-        query = int(pool[self.np_random.integers(pool.size)])
-        rows = np.full(n, prompt * self.table.n_queries + query, dtype=np.int64)
-        atoms = self._get_sampler().sample(rows, self.np_random)
+        pool = self._split_queries[self.split]
+        rng = self.np_random
+        query = int(pool[rng.integers(pool.size)])
+        atoms = self._get_sampler().sample_row(prompt * self.table.n_queries + query, n, rng)
         self.budget_used += n
-        return Pulls(np.array([prompt]), np.array([n]), np.array([query]), atoms, np.array([0, n]))
+        return query, atoms
 
     def utilities(self, pulls: Pulls) -> np.ndarray:
         """Utilities (C, n) of every pull under every context (the paper's cross-context reuse)."""

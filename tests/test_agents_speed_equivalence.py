@@ -8,12 +8,18 @@
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
+import gymnasium as gym
 import numpy as np
 import pytest
 
+import agents
 from agents.baselines import UCB, EpsilonGreedy, Softmax
 from agents.estimator import Estimator
 from iapo_gym import IAPOEnv
+from iapo_gym.sampling import AliasSampler
 from tests.conftest import tiny_bon_table, tiny_mv_table
 
 TABLES = {"mv": tiny_mv_table, "bon": tiny_bon_table}
@@ -63,3 +69,119 @@ def test_sequential_baselines_match_frozen_reference(key: tuple[str, str, int]) 
     arms, next_draw = FROZEN[key]
     assert policy.arms == arms
     assert round(float(env.np_random.random()), 12) == next_draw
+
+
+# (task, agent, seed) -> (sha256[:16] of the policy's arms, env.np_random.random() after training);
+# recorded from the code before the Pulls-free step (main at 7128145), resplit(seed), reset(100 + seed), T = 3000.
+RECORDED = {
+    ("math", "softmax", 0): ("12c0a42941d8f68d", 0.266942618635),
+    ("math", "softmax", 1): ("43b061d8edeb68b3", 0.958691191801),
+    ("math", "epsilon_greedy", 0): ("77f06841a869768d", 0.903084789892),
+    ("math", "epsilon_greedy", 1): ("b8ead5a53bd01cae", 0.434734668337),
+    ("math", "ucb", 0): ("207ca7b6be1b1ee0", 0.849870921451),
+    ("math", "ucb", 1): ("5e3078d4b72c6489", 0.511166830997),
+    ("categorical", "softmax", 0): ("550f73962d2fe2e5", 0.858084775304),
+    ("categorical", "softmax", 1): ("8fc79a04cc23feef", 0.692627158897),
+    ("categorical", "epsilon_greedy", 0): ("831c59fdf1b03f57", 0.867700818784),
+    ("categorical", "epsilon_greedy", 1): ("04383063567aa405", 0.830378363342),
+    ("categorical", "ucb", 0): ("eab2efaa129d7fbe", 0.274533684174),
+    ("categorical", "ucb", 1): ("20c27c68ba171a96", 0.068870451061),
+}
+
+
+def _recorded_env(task: str, math_release: Path) -> IAPOEnv:
+    if task == "categorical":
+        return gym.make("IAPO-SyntheticCategorical-v0", instance=0).unwrapped
+    if not math_release.is_file():
+        pytest.skip("the MATH release file is not present")
+    from iapo_gym.data.release import read_release
+
+    return IAPOEnv(table=read_release(str(math_release))[0])
+
+
+@pytest.mark.parametrize("key", sorted(RECORDED))
+def test_sequential_baselines_match_recorded_outputs(key: tuple[str, str, int], math_release: Path) -> None:
+    task, name, seed = key
+    env = _recorded_env(task, math_release)
+    env.resplit(0.8, seed=seed)
+    env.reset(seed=100 + seed)
+    policy = agents.make(name, seed=seed).train(env, 3000)
+    assert env.budget_used == 3000
+    digest, next_draw = RECORDED[key]
+    assert hashlib.sha256(repr(policy.arms).encode()).hexdigest()[:16] == digest
+    assert round(float(env.np_random.random()), 12) == next_draw
+
+
+def test_sample_row_is_sample_of_a_repeated_row() -> None:
+    probs = np.random.default_rng(0).dirichlet(np.full(7, 0.3), size=5)
+    sampler = AliasSampler(probs)
+    a, b = np.random.default_rng(9), np.random.default_rng(9)
+    for row, n in [(0, 1), (3, 17), (4, 64), (2, 5)]:
+        assert np.array_equal(sampler.sample_row(row, n, a), sampler.sample(np.full(n, row), b))
+    assert a.random() == b.random()
+    counts = np.bincount(sampler.sample_row(1, 200_000, a), minlength=7) / 200_000
+    assert np.abs(counts - probs[1]).max() < 0.005  # and it samples row 1, not another row
+
+
+@pytest.mark.parametrize("aggregator", ["mv", "bon"])
+def test_pull_one_draws_what_a_batch_of_one_draws(aggregator: str) -> None:
+    table = TABLES[aggregator](seed=4, n_prompts=4, n_max=16)
+    one = IAPOEnv(table=table)
+    one.reset(seed=7)
+    rng = np.random.default_rng()
+    rng.bit_generator.state = one.np_random.bit_generator.state  # a copy of the env's generator
+    sampler, pool = AliasSampler(table.probs.reshape(-1, table.n_atoms)), one.queries()
+    for p, n in [(0, 1), (3, 16), (1, 9), (2, 2)]:
+        query, atoms = one.pull_one(p, n)
+        # the general batch path of IAPOEnv.pull for one pull, spelled out
+        ref_query = pool[rng.integers(pool.size, size=1)]
+        ref_atoms = sampler.sample(np.repeat(p * table.n_queries + ref_query, [n]), rng)
+        assert query == int(ref_query[0])
+        assert np.array_equal(atoms, ref_atoms)
+    assert one.budget_used == 28
+    assert one.np_random.random() == rng.random()
+    with pytest.raises(ValueError, match="N must be in"):
+        one.pull_one(0, 17)
+    with pytest.raises(ValueError, match="prompt p must be in"):
+        one.pull_one(4, 1)
+
+
+def test_update_one_refuses_subset_reuse() -> None:
+    env = IAPOEnv(table=tiny_mv_table(n_max=8))
+    env.reset(seed=0)
+    query, atoms = env.pull_one(0, 4)
+    with pytest.raises(ValueError, match="reuse='blocks'"):
+        Estimator(env, "all_subsets").update_one(0, 4, query, atoms)
+
+
+@pytest.mark.parametrize("name", ["softmax", "epsilon_greedy", "ucb"])
+def test_env_subclasses_see_every_draw(name: str) -> None:
+    from iapo_gym.leaderboard.runner import MeteredEnv
+
+    class CountingEnv(IAPOEnv):  # intercepts pull only: the agents must fall back to it
+        calls = 0
+
+        def pull(self, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray | None = None):  # type: ignore[no-untyped-def]
+            CountingEnv.calls += 1
+            return super().pull(prompts, ns, queries)
+
+    table = tiny_bon_table(seed=3, n_prompts=4, n_max=16)
+    metered, counting, plain = MeteredEnv(table, split="train"), CountingEnv(table=table, split="train"), IAPOEnv(table=table)
+    policies = []
+    for env in (metered, counting, plain):
+        env.reset(seed=1)
+        policies.append(agents.make(name, seed=2).train(env, 400).arms)
+    assert metered.completions_drawn == counting.budget_used == plain.budget_used == 400
+    assert CountingEnv.calls > 10
+    assert policies[0] == policies[1] == policies[2]
+
+
+def test_metered_env_counts_single_pulls_once() -> None:
+    from iapo_gym.leaderboard.runner import MeteredEnv
+
+    env = MeteredEnv(tiny_mv_table(n_max=8))
+    env.reset(seed=0)
+    env.pull(np.array([1]), np.array([5]))  # a batch of one (the single-pull branch of pull)
+    env.pull_one(0, 3)
+    env.pull(np.array([0, 2]), np.array([2, 4]))
+    assert env.completions_drawn == env.budget_used == 14

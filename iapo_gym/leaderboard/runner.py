@@ -93,6 +93,12 @@ class MeteredEnv(IAPOEnv):
         self.completions_drawn += pulls.completions
         return pulls
 
+    def pull_one(self, prompt: int, n: int) -> tuple[int, np.ndarray]:
+        """``IAPOEnv.pull_one``, metered."""
+        drawn = super().pull_one(prompt, n)
+        self.completions_drawn += n
+        return drawn
+
 
 # ---- worker side ----------------------------------------------------------------------------
 
