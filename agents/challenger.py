@@ -231,16 +231,19 @@ class PlugInEstimator(Estimator):
 class PlugInHalving(Agent):
     """Successive halving over prompts on common queries, read through ``PlugInEstimator``.
 
-    R = ceil(log2 P) rounds; round r spends floor(remaining / rounds left) completions: every
-    prompt live in some context gets the same ``m`` new train queries (without replacement),
-    n completions each, n the largest value <= N_max with n * m_min * live <= the round's
-    budget. After a round each context drops the bottom ceil(|L_c| / 2) of its live prompts by
-    max_N of the estimate; the policy takes, per context, the best (p, N) of its survivors.
+    floor(log2 (P / keep_last)) trimming rounds and a last one; round r spends floor(remaining /
+    rounds left) completions: every prompt live in some context gets the same ``m`` new train
+    queries (without replacement), n completions each, n = min(N_max, floor(b / (m_min * live)))
+    and m = floor(b / (n * live)). After each round but the last, each context keeps the top
+    max(keep_last, floor(|L_c| / 2)) of its live prompts by max_N of the estimate; the policy
+    takes, per context, the best (p, N) of its survivors. ``common=False`` (an ablation) lets
+    the env draw every pull's query independently instead.
     """
 
     name = "plugin_halving"
 
-    def __init__(self, seed: int | None = None, m_min: int = 8, alpha: float = 4.0, keep_last: int = 1) -> None:
+    def __init__(self, seed: int | None = None, m_min: int = 16, alpha: float = 4.0, keep_last: int = 1,
+                 common: bool = True) -> None:
         """``m_min`` queries per live prompt and round at least; ``alpha`` the estimator's smoothing."""
         super().__init__(seed)
         if isinstance(m_min, bool) or not isinstance(m_min, (int, np.integer)) or m_min < 1:
@@ -250,10 +253,11 @@ class PlugInHalving(Agent):
         self.m_min = int(m_min)
         self.alpha = float(alpha)
         self.keep_last = int(keep_last)
+        self.common = bool(common)
 
     def params(self) -> dict[str, Any]:
         """Hyper-parameters recorded with results."""
-        return {"m_min": self.m_min, "alpha": self.alpha, "keep_last": self.keep_last}
+        return {"m_min": self.m_min, "alpha": self.alpha, "keep_last": self.keep_last, "common": self.common}
 
     def train(self, env: Any, budget: int) -> Policy:
         """Spend at most ``budget`` completions of ``env``; the best surviving arm per context."""
@@ -272,8 +276,8 @@ class PlugInHalving(Agent):
                 break
             n = int(min(n_max, max(1, b // (live.size * self.m_min))))
             m = b // (live.size * n)
-            queries = stream.take(m)
-            pulls = base.pull(np.repeat(live, m), np.full(live.size * m, n), queries=np.tile(queries, live.size))
+            queries = np.tile(stream.take(m), live.size) if self.common else None
+            pulls = base.pull(np.repeat(live, m), np.full(live.size * m, n), queries=queries)
             spent += pulls.completions
             est.update(pulls)
             if r < rounds_total - 1:

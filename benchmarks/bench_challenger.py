@@ -146,6 +146,7 @@ def main() -> None:
     parser.add_argument("--challengers", nargs="+", default=["auto"], help="leaderboard agent specs")
     parser.add_argument("--runs", default="200")
     parser.add_argument("--jobs", default="2")
+    parser.add_argument("--seed", default="0", help="the leaderboard's root seed (screen on another than the table's)")
     parser.add_argument("--markdown", type=Path, help="also write the table into this Markdown file")
     parser.add_argument("--plot", type=Path, help="also draw the regret against the budget into this PNG")
     parser.add_argument("--analyse-only", action="store_true", help="only read the results already in --out")
@@ -153,7 +154,7 @@ def main() -> None:
     if not args.analyse_only:
         status = cli_main(["leaderboard", "--tasks", *args.tasks, "--agents", *BASELINES, *args.challengers,
                            "--budgets", *args.budgets, "--runs", args.runs, "--jobs", args.jobs,
-                           "--out", args.out, "--no-table"])
+                           "--seed", args.seed, "--out", args.out, "--no-table"])
         if status != 0:
             raise SystemExit(status)
     challengers = [label_of(s) for s in args.challengers]
