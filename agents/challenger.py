@@ -242,7 +242,7 @@ class PlugInHalving(Agent):
 
     name = "plugin_halving"
 
-    def __init__(self, seed: int | None = None, m_min: int = 16, alpha: float = 4.0, keep_last: int = 1,
+    def __init__(self, seed: int | None = None, m_min: int = 8, alpha: float = 4.0, keep_last: int = 1,
                  common: bool = True) -> None:
         """``m_min`` queries per live prompt and round at least; ``alpha`` the estimator's smoothing."""
         super().__init__(seed)
