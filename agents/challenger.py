@@ -1,13 +1,17 @@
-"""Issue 14: PSST with paired comparisons on common queries (``psst_cq``).
+"""Issue 14: agents that compare prompts on common queries (``plugin_halving``/``auto``, ``psst_cq``).
 
 PSST draws an independent query for every pull, so two prompts' estimates differ by the
 difficulty of the queries each happened to see as well as by their quality; on MATH and the
-synthetic tasks query difficulty varies far more than prompt quality. ``psst_cq`` runs PSST's
-rounds unchanged (budget, scales, trimming, cross-context and nested reuse) but gives every
-live prompt the *same* queries in a round, drawn from the train split without replacement
-(a fresh shuffle once it is used up). Every surviving prompt's running estimate is then an
-average over one common query set, so comparisons between prompts are paired differences.
-Queries are chosen with the public ``env.pull(prompts, ns, queries=...)``.
+synthetic tasks query difficulty varies far more than prompt quality. Both agents here give
+every live prompt the *same* train queries in a round, drawn without replacement (a fresh
+shuffle once the split is used up), through the public ``env.pull(prompts, ns, queries=...)``:
+
+* ``PlugInHalving`` (``plugin_halving``, the recommended ``auto``): successive halving over
+  prompts, many common queries per round at a small N, and ``PlugInEstimator``, which reads
+  Q(c, p, N) for every N from empirical outcome distributions through the oracle's exact
+  formulas. It beats PSST and PSST+K4 at small budgets (docs/agents.md).
+* ``CommonQueryPSST`` (``psst_cq``): PSST's rounds unchanged on common queries; a measured
+  negative result kept for the record (docs/agents.md).
 """
 
 from __future__ import annotations
