@@ -20,5 +20,9 @@ register("triple_n1", "agents.triple:Triple", n_mode="one")
 register("triple_random_n", "agents.triple:Triple", n_mode="random")
 register("sequential_halving", "agents.sequential_halving:SequentialHalving")
 register("sb3", "agents.sb3:SB3Agent")
+register("psst_cq", "agents.challenger:CommonQueryPSST")
+register("plugin_halving", "agents.challenger:PlugInHalving")
+#: The recommended agent: the strongest measured one (docs/agents.md, "auto").
+register("auto", "agents.challenger:PlugInHalving")
 
 __all__ = ["REGISTRY", "Agent", "AgentLike", "available", "make", "register"]

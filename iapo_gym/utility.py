@@ -101,8 +101,8 @@ def vote_credit_series(gold_terms: np.ndarray, other_terms: np.ndarray, n_max: i
                 span = min(width, new.shape[2] - s)
                 new[:, :, s : s + span] += coeffs[:, :, s, None] * poly[:, :, :span]
             poly = new
-        poly = np.pad(poly, ((0, 0), (0, 0), (0, degree + 1 - poly.shape[2])))
-        inner = np.einsum("rgd,g->rd", poly, qweights)
+        inner = np.zeros((n_rows, degree + 1))
+        inner[:, : poly.shape[2]] = np.einsum("rgd,g->rd", poly, qweights)  # zero-padded to degree + 1
         series[:, k:] += gold_terms[:, k, None] * inner
     return series
 
