@@ -48,10 +48,10 @@ def _task_view(report: Report, task: str) -> dict[str, Any]:
         for b in budgets:
             s = by_budget.get(b)
             if s is None:
-                budget_cells.append({"text": "–", "sort": "", "n": 0})
+                budget_cells.append({"mean": "–", "sem": "", "sort": "", "n": 0})
             else:
-                text = _fmt(s.acr_mean) + (f" ± {_fmt(s.acr_sem)}" if math.isfinite(s.acr_sem) else "")
-                budget_cells.append({"text": text, "sort": repr(s.acr_mean), "n": s.n_runs})
+                sem = _fmt(s.acr_sem) if math.isfinite(s.acr_sem) else ""
+                budget_cells.append({"mean": _fmt(s.acr_mean), "sem": sem, "sort": repr(s.acr_mean), "n": s.n_runs})
         rows.append({"rank": r.rank, "label": r.label, "budgets": budget_cells,
                      "acr": _fmt(r.acr_mean_over_budgets), "acr_sort": repr(r.acr_mean_over_budgets),
                      "regret": _fmt(r.regret_mean_over_budgets), "regret_sort": repr(r.regret_mean_over_budgets),
