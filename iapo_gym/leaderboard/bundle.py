@@ -26,7 +26,7 @@ import tarfile
 import tempfile
 import time
 import zipfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path, PurePosixPath
 from types import ModuleType
 from typing import Any
@@ -410,7 +410,7 @@ def validate_manifest(manifest: Any, where: str = "bundle") -> dict[str, Any]:
 
 
 def _parse_rows(where: str, member: str, data: bytes, cls: type) -> list[Any]:
-    names = {f for f in cls.__dataclass_fields__}
+    names = {f.name for f in fields(cls)}
     rows = []
     for lineno, line in enumerate(data.decode("utf-8", errors="strict").splitlines(), 1):
         if not line.strip():

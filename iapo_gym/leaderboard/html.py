@@ -74,7 +74,7 @@ def _task_view(report: Report, task: str) -> dict[str, Any]:
     train_opt = sum(s.train_optimal_acr_mean for s in task_cells) / len(task_cells)
     best = rows[0] if rows else None
     last = budgets[-1]
-    best_last = next((s for s in cells[best["label"]] if s.budget == last), None) if best else None
+    best_last = next((s for s in cells[str(best["label"])] if s.budget == last), None) if best else None
     alt = (f"Line chart of test ACR against training budget T ({', '.join(map(str, budgets))} completions) for "
            f"{len(labels)} agents on {info.title if info else task}, with bands of one standard error and the "
            f"optimal test ACR {optimal:.4f} dashed.")

@@ -94,9 +94,9 @@ def _check_protocol(bundles: Sequence[Bundle]) -> None:
     sources: dict[tuple[str, str], tuple[str, str]] = {}
     for bundle in bundles:
         for agent in bundle.manifest["agents"]:
-            key = (agent["name"], json.dumps(agent["params"], sort_keys=True))
-            digest = agent["source"]["sha256"]
-            seen = sources.setdefault(key, (digest, bundle.name))
+            agent_key = (str(agent["name"]), json.dumps(agent["params"], sort_keys=True))
+            digest = str(agent["source"]["sha256"])
+            seen = sources.setdefault(agent_key, (digest, bundle.name))
             if seen[0] != digest:
                 raise MergeError(f"agent {agent['spec']!r} has source digest {seen[0][:12]}... in {seen[1]} but "
                                  f"{digest[:12]}... in {bundle.name}: its code differs, so its runs are not merged")

@@ -123,7 +123,9 @@ def verify_bundle(path: str | os.PathLike[str], sample: int | None = None, seed:
     start = time.monotonic()
     bundle = read_bundle(path)
     if seed is None:
-        seed = int(np.random.SeedSequence().entropy) % (1 << 63)  # fresh, so submitters cannot predict it
+        entropy = np.random.SeedSequence().entropy
+        assert isinstance(entropy, int)
+        seed = entropy % (1 << 63)  # fresh, so submitters cannot predict it
     chosen = choose_sample(bundle.results, sample, seed)
     outcome = VerifyOutcome(bundle.name, str(bundle.sha256), seed, len(chosen), len(bundle.results))
     outcome.agent_problems = check_agent_sources(bundle)
