@@ -299,3 +299,21 @@ def test_display_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert display_path(tmp_path / "inner" / "results.sqlite") == "inner/results.sqlite"
     assert display_path("/elsewhere/run/results.sqlite") == "results.sqlite"
+
+
+def test_merge_refuses_changed_agent_source_and_cli(setup: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    """Two bundles whose agent code differs are not merged; the CLI paths of bundle/merge/report --html work."""
+    out = sweep(setup, setup["tmp"] / "out")
+    first = setup["tmp"] / "first.iapo.tar.gz"
+    assert main(["bundle", str(out), "-o", str(first)]) == 0
+    setup["source"].write_text(TOY_SOURCE + "\n# changed\n")
+    second = write_bundle(out, setup["tmp"] / "second.iapo.zip")
+    module = setup["source"].stem
+    assert main(["leaderboard", "merge", str(first), str(second), "--out", str(setup["tmp"] / "m")]) == 1
+    assert f"agent '{module}:Toy@toy' has source digest" in capsys.readouterr().err
+    assert not (setup["tmp"] / "m").exists()
+    assert main(["leaderboard", "merge", str(second), str(out), "--out", str(setup["tmp"] / "m")]) == 0
+    assert main(["report", str(setup["tmp"] / "m"), "--html", "--no-plots", "--quiet"]) == 0
+    index = setup["tmp"] / "m" / "report" / "site" / "index.html"
+    html = index.read_text()
+    assert "second.iapo.zip" in html and "not verified" in html and 'id="task-tiny"' in html
