@@ -85,7 +85,7 @@ def _verify(args: argparse.Namespace) -> int:
     for problem in outcome.agent_problems:
         print(f"AGENT SOURCE DIFFERS: {problem}")
     for problem in outcome.table_problems:
-        print(f"TABLE DIGEST DIFFERS: {problem}")
+        print(f"TABLE PROBLEM: {problem}")
     for check in outcome.checks:
         acr = "-" if check.acr is None else repr(check.acr)
         mark = "match" if check.match else "MISMATCH"

@@ -92,8 +92,11 @@ def _task_view(report: Report, task: str) -> dict[str, Any]:
 def _provenance(out_dir: str | Path) -> list[dict[str, Any]]:
     """The inputs merged into ``out_dir`` (provenance.json), or the folder itself described as a bundle."""
     from iapo_gym.leaderboard.bundle import BundleError, load
-    from iapo_gym.leaderboard.merge import provenance_entries
+    from iapo_gym.leaderboard.merge import provenance_entries, read_provenance
 
+    merged = read_provenance(out_dir)
+    if merged:
+        return merged
     try:
         return provenance_entries(load(out_dir))
     except BundleError as exc:

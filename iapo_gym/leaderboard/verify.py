@@ -23,7 +23,7 @@ import numpy as np
 from iapo_gym.leaderboard.bundle import Bundle, agent_source_digest, read_bundle
 from iapo_gym.leaderboard.merge import run_name, verify_record_path
 from iapo_gym.leaderboard.runner import WorkUnit, run_unit
-from iapo_gym.leaderboard.specs import AgentSpec, TaskRef, resolve_task
+from iapo_gym.leaderboard.specs import AgentSpec, TaskRef, resolve_task, task_available
 from iapo_gym.leaderboard.store import RunResult
 from iapo_gym.seeding import derive_rng
 
@@ -135,6 +135,11 @@ def verify_bundle(path: str | os.PathLike[str], sample: int | None = None, seed:
     for r in chosen:
         groups[(r.task, r.run)].append(r)
     for (task, run), rows in sorted(groups.items()):
+        missing = task_available(refs[task])
+        if missing is not None:
+            outcome.table_problems.append(f"task {task!r} run {run}: no table here to re-run it ({missing})")
+            outcome.checks += [RunCheck(run_name(r), r.acr, None, False, "no table") for r in rows]
+            continue
         jobs = tuple((AgentSpec(r.agent, json.loads(r.params), r.label), r.budget) for r in rows)
         unit = WorkUnit(refs[task], run, jobs, int(protocol["root_seed"]), float(protocol["train_fraction"]))
         result = run_unit(unit)
