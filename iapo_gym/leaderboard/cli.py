@@ -77,6 +77,7 @@ def add_commands(subparsers: Any) -> None:
     lb.add_argument("--report", action="store_true", help="also write the full report (iapo-gym report OUT)")
     _stats_options(lb)
     lb.set_defaults(func=_leaderboard)
+    _add_submission_commands(lb)
 
     rp = subparsers.add_parser("report", help="leaderboard tables, statistics and plots of a results directory",
                                description="Write OUT/report/{leaderboard.md, summary.csv, pairwise.csv, "
@@ -85,6 +86,8 @@ def add_commands(subparsers: Any) -> None:
     rp.add_argument("--report-dir", help="where to write (default: DIR/report)")
     rp.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     rp.add_argument("--quiet", action="store_true", help="do not print the leaderboard")
+    rp.add_argument("--html", action="store_true",
+                    help="also write the static site REPORT_DIR/site/index.html (opens from disk, no server)")
     _stats_options(rp)
     rp.set_defaults(func=_report)
 
@@ -96,6 +99,13 @@ def _budget_list(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"budget {text!r} is not an integer or a comma-separated list of "
                                          "integers (e.g. 1000,3000)") from None
+
+
+def _add_submission_commands(lb: argparse.ArgumentParser) -> None:
+    """``leaderboard merge`` (see iapo_gym.leaderboard.bundle_cli, which also adds ``bundle`` and ``verify``)."""
+    from iapo_gym.leaderboard.bundle_cli import add_merge_command
+
+    add_merge_command(lb)
 
 
 def _leaderboard(args: argparse.Namespace) -> int:
@@ -141,7 +151,7 @@ def _report(args: argparse.Namespace) -> int:
 
     try:
         written = write_report(args.dir, args.report_dir, plots=not args.no_plots, test=args.test,
-                               correction=args.correction, alpha=args.alpha)
+                               correction=args.correction, alpha=args.alpha, html=args.html)
     except (FileNotFoundError, ValueError) as exc:
         print(f"iapo-gym report: error: {exc}", file=sys.stderr)
         return 1

@@ -45,7 +45,7 @@ def build_report(out_dir: str | Path, test: str = "wilcoxon", correction: str = 
         results = store.results()
         infos = {t.task: t for t in store.tasks()}
         meta: dict[str, Any] = {"root_seed": store.get_meta("root_seed"), "train_fraction": store.get_meta("train_fraction"),
-                "database": str(store.path)}
+                "database": display_path(store.path)}
     if tasks:
         wanted = set(tasks)
         results = [r for r in results if r.task in wanted]
@@ -55,6 +55,16 @@ def build_report(out_dir: str | Path, test: str = "wilcoxon", correction: str = 
     meta["n_runs"] = len(results)
     meta["checksums"] = {t: sorted({r.table_sha256 for r in results if r.task == t}) for t in sorted({r.task for r in results})}
     return Report(results, infos, summary, pairs, rank_agents(summary, pairs), test, correction, alpha, meta)
+
+
+def display_path(path: str | Path) -> str:
+    """How a report names a file: relative to the current directory when inside it, else by its name
+    only (never the absolute path of the machine that made it)."""
+    resolved = Path(path).resolve()
+    try:
+        return resolved.relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return resolved.name
 
 
 def _pm(mean: float, sem: float, digits: int = 4) -> str:
@@ -164,8 +174,10 @@ def _write_csv(path: Path, rows: Sequence[Any], cls: type) -> None:
 
 
 def write_report(out_dir: str | Path, report_dir: str | Path | None = None, *, plots: bool = True,
-                 test: str = "wilcoxon", correction: str = "holm", alpha: float = DEFAULT_ALPHA) -> dict[str, Path]:
-    """Write leaderboard.md, summary.csv, pairwise.csv, leaderboard.json and the PNG plots.
+                 test: str = "wilcoxon", correction: str = "holm", alpha: float = DEFAULT_ALPHA,
+                 html: bool = False) -> dict[str, Path]:
+    """Write leaderboard.md, summary.csv, pairwise.csv, leaderboard.json and the PNG plots
+    (``html``: also the static site ``site/index.html``, see ``iapo_gym.leaderboard.html``).
 
     Returns the written paths by kind; ``report_dir`` defaults to ``out_dir/report``.
     """
@@ -199,6 +211,10 @@ def write_report(out_dir: str | Path, report_dir: str | Path | None = None, *, p
             path = plot_best_policy(report, task, target / f"best_policy_{task}.png")
             if path is not None:
                 written[f"best_policy_{task}"] = path
+    if html:
+        from iapo_gym.leaderboard.html import write_site
+
+        written["html"] = write_site(report, out_dir, target / "site")
     return written
 
 

@@ -1,0 +1,469 @@
+"""Result bundles: one archive with a sweep's runs and the provenance needed to trust and re-run them.
+
+A bundle (``NAME.iapo.zip`` or ``NAME.iapo.tar.gz``) holds exactly three members:
+
+- ``manifest.json``  the provenance (schema ``docs/bundle-schema.json``, ``BUNDLE_SCHEMA_VERSION``):
+  software versions, protocol parameters (root seed, train fraction, budgets, runs), per task its
+  table digests (``table_checksum``) and the release file's git blob id, per agent its spec,
+  parameters and a sha256 of its source modules, and the sha256 of the two other members;
+- ``results.jsonl``  one ``RunResult`` per line, as stored in ``results.sqlite``;
+- ``tasks.jsonl``    one ``TaskInfo`` per line.
+
+Bundles are read in memory, never extracted: members with unsafe names (``../x``, absolute
+paths), unknown members, a newer schema version or digests that do not match are refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import io
+import json
+import os
+import platform
+import sys
+import tarfile
+import tempfile
+import time
+import zipfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path, PurePosixPath
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from iapo_gym._version import __version__
+from iapo_gym.leaderboard.specs import AgentSpec
+from iapo_gym.leaderboard.store import DB_NAME, ResultStore, RunResult, TaskInfo
+
+BUNDLE_FORMAT = "iapo-gym-bundle"
+#: Version of the manifest schema this iapo-gym writes and the newest it reads.
+BUNDLE_SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+RESULTS = "results.jsonl"
+TASKS = "tasks.jsonl"
+MEMBERS = (MANIFEST, RESULTS, TASKS)
+SUFFIXES = (".zip", ".tar.gz", ".tgz")
+#: Refuse members larger than this (a bundle of 10^6 runs is about 1 GB).
+MAX_MEMBER_BYTES = 2 << 30
+
+
+class BundleError(ValueError):
+    """A bundle that cannot be read or trusted; the message names the file and the cause."""
+
+
+@dataclass
+class Bundle:
+    """A sweep's runs with their provenance: read from a bundle file or collected from a results folder."""
+
+    manifest: dict[str, Any]
+    results: list[RunResult]
+    tasks: list[TaskInfo]
+    source: str  # the bundle file or folder it came from (as given)
+    sha256: str | None = None  # of the bundle file (None for a folder)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """The file or folder name (not the machine's path)."""
+        return Path(self.source).name
+
+
+def sha256_bytes(data: bytes) -> str:
+    """Hex sha256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---- agent sources ---------------------------------------------------------------------------
+
+
+def agent_class(name: str) -> type:
+    """The class of a registered agent name or a ``module:Class`` path."""
+    from agents.base import REGISTRY, load_class
+
+    return load_class(REGISTRY[name][0] if name in REGISTRY else name)
+
+
+def _source_modules(cls: type) -> list[ModuleType]:
+    """The modules whose code defines the agent: the class's module, those of its base classes in the
+    same top-level package, and every module of that package they reference (transitively)."""
+    packages = {cls.__module__.split(".")[0]}
+    roots = [sys.modules[k.__module__] for k in inspect.getmro(cls)
+             if k.__module__ in sys.modules and k.__module__.split(".")[0] in packages]
+    seen: dict[str, ModuleType] = {}
+    todo = list(roots)
+    while todo:
+        module = todo.pop()
+        if module.__name__ in seen or not getattr(module, "__file__", None):
+            continue
+        seen[module.__name__] = module
+        for value in list(vars(module).values()):
+            ref = value if isinstance(value, ModuleType) else sys.modules.get(getattr(value, "__module__", "") or "")
+            if isinstance(ref, ModuleType) and ref.__name__.split(".")[0] in packages and ref.__name__ not in seen:
+                todo.append(ref)
+    return [seen[k] for k in sorted(seen)]
+
+
+def agent_source_digest(name: str) -> dict[str, Any]:
+    """``{"sha256": combined, "modules": {module: sha256 of its file}}`` of an agent's source modules."""
+    modules = {}
+    for module in _source_modules(agent_class(name)):
+        modules[module.__name__] = sha256_file(str(module.__file__))
+    combined = sha256_bytes(json.dumps(modules, sort_keys=True).encode())
+    return {"sha256": combined, "modules": modules}
+
+
+# ---- tables ----------------------------------------------------------------------------------
+
+
+def _release_blob(task: str, digests: set[str]) -> str | None:
+    """The git blob id of the release file the task's table here was converted from, if that table
+    is the one the runs used (its digest is among ``digests``); None otherwise."""
+    from iapo_gym.tasks import TASKS
+
+    spec = TASKS.get(task)
+    if spec is None or spec.synthetic:
+        return None
+    try:
+        from iapo_gym.data import resolve_table
+        from iapo_gym.leaderboard.specs import table_checksum
+        from iapo_gym.tables import read_metadata, read_table
+
+        path = resolve_table(spec)
+        blob = read_metadata(path).get("source_git_blob")
+        if not blob or table_checksum(read_table(path)) not in digests:
+            return None
+        return str(blob)
+    except (OSError, ValueError, LookupError):
+        return None
+
+
+# ---- building --------------------------------------------------------------------------------
+
+
+def _utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def build_manifest(results: list[RunResult], tasks: list[TaskInfo], meta: dict[str, str | None],
+                   files: dict[str, str]) -> dict[str, Any]:
+    """The provenance of ``results`` (see the module docstring); ``files`` maps member name -> sha256."""
+    if not results:
+        raise BundleError("no runs to bundle")
+    if meta.get("root_seed") is None or meta.get("train_fraction") is None:
+        raise BundleError("the results database records no root seed or train fraction")
+    infos = {t.task: t for t in tasks}
+    task_entries = []
+    for task in sorted({r.task for r in results}):
+        rows = [r for r in results if r.task == task]
+        digests = sorted({r.table_sha256 for r in rows})
+        info = infos.get(task)
+        synthetic = all(r.split_seed is None for r in rows)
+        task_entries.append({
+            "name": task, "title": info.title if info else task, "synthetic": synthetic,
+            "table_sha256": digests, "release_git_blob": _release_blob(task, set(digests)),
+            "runs": sorted({r.run for r in rows}), "budgets": sorted({r.budget for r in rows}), "n_results": len(rows),
+        })
+    agent_entries = []
+    for name, params, label in sorted({(r.agent, r.params, r.label) for r in results}):
+        spec = AgentSpec(name, json.loads(params), label)
+        try:
+            source = agent_source_digest(name)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise BundleError(f"cannot read the source of agent {spec.spec!r}: {exc}") from None
+        agent_entries.append({"name": name, "params": spec.params, "label": label, "spec": spec.spec, "source": source})
+    return {
+        "format": BUNDLE_FORMAT, "schema_version": BUNDLE_SCHEMA_VERSION, "created_at": _utc_now(),
+        "software": {"iapo_gym": __version__, "python": platform.python_version(), "numpy": np.__version__,
+                     "platform": platform.platform(terse=True), "result_versions": sorted({r.version for r in results})},
+        "protocol": {"root_seed": int(str(meta["root_seed"])), "train_fraction": float(str(meta["train_fraction"])),
+                     "budgets": sorted({r.budget for r in results}), "runs": len({r.run for r in results})},
+        "n_results": len(results), "tasks": task_entries, "agents": agent_entries, "files": files,
+    }
+
+
+def _results_jsonl(results: list[RunResult]) -> bytes:
+    return "".join(json.dumps(asdict(r), sort_keys=True) + "\n" for r in results).encode()
+
+
+def _tasks_jsonl(tasks: list[TaskInfo]) -> bytes:
+    return "".join(json.dumps(asdict(t), sort_keys=True) + "\n" for t in tasks).encode()
+
+
+def collect(out_dir: str | os.PathLike[str]) -> Bundle:
+    """The runs of a results folder with a freshly built manifest (what ``bundle`` would write)."""
+    with ResultStore(out_dir, create=False) as store:
+        results = store.results()
+        tasks = store.tasks()
+        meta = {"root_seed": store.get_meta("root_seed"), "train_fraction": store.get_meta("train_fraction")}
+    files = {RESULTS: sha256_bytes(_results_jsonl(results)), TASKS: sha256_bytes(_tasks_jsonl(tasks))}
+    return Bundle(build_manifest(results, tasks, meta, files), results, tasks, str(out_dir))
+
+
+def archive_kind(path: str | os.PathLike[str]) -> str:
+    """``"zip"`` or ``"tar"`` from the file name; a ValueError names the expected suffixes."""
+    name = Path(path).name.lower()
+    if name.endswith(".zip"):
+        return "zip"
+    if name.endswith((".tar.gz", ".tgz")):
+        return "tar"
+    raise BundleError(f"bundle name {Path(path).name!r} must end in .zip or .tar.gz (e.g. NAME.iapo.zip)")
+
+
+def write_bundle(out_dir: str | os.PathLike[str], target: str | os.PathLike[str]) -> Path:
+    """Bundle the results folder ``out_dir`` into ``target`` (.zip or .tar.gz), written atomically."""
+    kind = archive_kind(target)
+    bundle = collect(out_dir)
+    members = {MANIFEST: json.dumps(bundle.manifest, indent=1, sort_keys=True).encode() + b"\n",
+               RESULTS: _results_jsonl(bundle.results), TASKS: _tasks_jsonl(bundle.tasks)}
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            if kind == "zip":
+                with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+                    for name, data in members.items():
+                        info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+                        info.compress_type = zipfile.ZIP_DEFLATED
+                        zf.writestr(info, data)
+            else:
+                with tarfile.open(fileobj=fh, mode="w:gz") as tf:
+                    for name, data in members.items():
+                        tinfo = tarfile.TarInfo(name)
+                        tinfo.size = len(data)
+                        tinfo.mode = 0o644
+                        tf.addfile(tinfo, io.BytesIO(data))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+
+def _check_member_name(path: Path, name: str) -> None:
+    pure = PurePosixPath(name.replace("\\", "/"))
+    if pure.is_absolute() or ".." in pure.parts or (len(name) > 1 and name[1] == ":"):
+        raise BundleError(f"{path.name}: refusing unsafe member name {name!r} (absolute or containing '..')")
+
+
+def _read_members(path: Path) -> dict[str, bytes]:
+    """The members of a bundle file, read in memory after checking their names and sizes."""
+    kind = archive_kind(path)
+    out: dict[str, bytes] = {}
+    try:
+        if kind == "zip":
+            with zipfile.ZipFile(path) as zf:
+                infos = zf.infolist()
+                for info in infos:
+                    _check_member_name(path, info.filename)
+                _check_member_set(path, [i.filename for i in infos if not i.is_dir()])
+                for info in infos:
+                    if info.is_dir():
+                        continue
+                    if info.file_size > MAX_MEMBER_BYTES:
+                        raise BundleError(f"{path.name}: member {info.filename!r} is {info.file_size} bytes, "
+                                          f"more than the limit of {MAX_MEMBER_BYTES}")
+                    out[info.filename] = zf.read(info)
+        else:
+            with tarfile.open(path, mode="r:gz") as tf:
+                tinfos = tf.getmembers()
+                for tinfo in tinfos:
+                    _check_member_name(path, tinfo.name)
+                    if not (tinfo.isfile() or tinfo.isdir()):
+                        raise BundleError(f"{path.name}: refusing member {tinfo.name!r}: not a regular file")
+                _check_member_set(path, [t.name for t in tinfos if t.isfile()])
+                for tinfo in tinfos:
+                    if not tinfo.isfile():
+                        continue
+                    if tinfo.size > MAX_MEMBER_BYTES:
+                        raise BundleError(f"{path.name}: member {tinfo.name!r} is too large ({tinfo.size} bytes)")
+                    fh = tf.extractfile(tinfo)
+                    assert fh is not None
+                    out[tinfo.name] = fh.read()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, tarfile.TarError, EOFError, OSError) as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise BundleError(f"no bundle at {path}") from None
+        raise BundleError(f"{path.name} is not a readable {kind} archive (truncated or corrupt?): {exc}") from None
+    return out
+
+
+def _check_member_set(path: Path, names: list[str]) -> None:
+    if MANIFEST not in names:
+        raise BundleError(f"{path.name} is not an iapo-gym bundle: it has no {MANIFEST} "
+                          f"(members: {', '.join(sorted(names)[:5]) or 'none'})")
+    unknown = sorted(set(names) - set(MEMBERS))
+    if unknown:
+        raise BundleError(f"{path.name}: unexpected member(s) {', '.join(map(repr, unknown))}; "
+                          f"a bundle holds only {', '.join(MEMBERS)}")
+    missing = [m for m in MEMBERS if m not in names]
+    if missing:
+        raise BundleError(f"{path.name}: missing member(s) {', '.join(missing)}")
+    if len(names) != len(set(names)):
+        raise BundleError(f"{path.name}: duplicate member names")
+
+
+_HEX64 = "0123456789abcdef"
+
+
+def _fail(where: str, message: str) -> None:
+    raise BundleError(f"{where}: manifest field {message}")
+
+
+def _is_hex(value: Any, length: int) -> bool:
+    return isinstance(value, str) and len(value) == length and all(c in _HEX64 for c in value)
+
+
+def _need(obj: Any, key: str, types: type | tuple[type, ...], where: str, path: str) -> Any:
+    if not isinstance(obj, dict) or key not in obj:
+        _fail(where, f"{path}{key!r} is missing")
+    value = obj[key]
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        _fail(where, f"{path}{key!r} must be {types}, got {value!r}")
+    if not isinstance(value, types):
+        names = "/".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        _fail(where, f"{path}{key!r} must be {names}, got {type(value).__name__} {value!r}"[:300])
+    return value
+
+
+#: Required fields (checked by ``validate_manifest``; the same as docs/bundle-schema.json requires).
+REQUIRED = {
+    "": ("format", "schema_version", "created_at", "software", "protocol", "n_results", "tasks", "agents", "files"),
+    "software": ("iapo_gym", "python", "numpy"),
+    "protocol": ("root_seed", "train_fraction", "budgets", "runs"),
+    "tasks[]": ("name", "title", "synthetic", "table_sha256", "release_git_blob", "runs", "budgets", "n_results"),
+    "agents[]": ("name", "params", "label", "spec", "source"),
+    "agents[].source": ("sha256", "modules"),
+    "files": (RESULTS, TASKS),
+}
+
+
+def validate_manifest(manifest: Any, where: str = "bundle") -> dict[str, Any]:
+    """Check the manifest's structure; a BundleError names the first bad field and what was expected."""
+    if not isinstance(manifest, dict):
+        raise BundleError(f"{where}: {MANIFEST} must hold a JSON object")
+    fmt = manifest.get("format")
+    if fmt != BUNDLE_FORMAT:
+        raise BundleError(f"{where} is not an iapo-gym bundle: manifest format {fmt!r}, expected {BUNDLE_FORMAT!r}")
+    version = _need(manifest, "schema_version", int, where, "")
+    if version > BUNDLE_SCHEMA_VERSION:
+        raise BundleError(f"{where}: manifest schema version {version} is newer than this iapo-gym "
+                          f"({__version__}) reads (up to {BUNDLE_SCHEMA_VERSION}); upgrade iapo-gym")
+    if version < 1:
+        _fail(where, f"'schema_version' must be >= 1, got {version}")
+    _need(manifest, "created_at", str, where, "")
+    software = _need(manifest, "software", dict, where, "")
+    for key in REQUIRED["software"]:
+        _need(software, key, str, where, "software.")
+    protocol = _need(manifest, "protocol", dict, where, "")
+    _need(protocol, "root_seed", int, where, "protocol.")
+    _need(protocol, "train_fraction", float, where, "protocol.")
+    budgets = _need(protocol, "budgets", list, where, "protocol.")
+    if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in budgets):
+        _fail(where, f"'protocol.budgets' must be integers >= 1, got {budgets!r}")
+    _need(protocol, "runs", int, where, "protocol.")
+    _need(manifest, "n_results", int, where, "")
+    for i, task in enumerate(_need(manifest, "tasks", list, where, "")):
+        p = f"tasks[{i}]."
+        _need(task, "name", str, where, p)
+        _need(task, "title", str, where, p)
+        _need(task, "synthetic", bool, where, p)
+        digests = _need(task, "table_sha256", list, where, p)
+        if not digests or not all(_is_hex(d, 64) for d in digests):
+            _fail(where, f"'{p}table_sha256' must be a non-empty list of sha256 hex digests, got {digests!r}"[:300])
+        blob = task.get("release_git_blob", "missing")
+        if blob is not None and not _is_hex(blob, 40):
+            _fail(where, f"'{p}release_git_blob' must be a 40-hex git blob id or null, got {blob!r}")
+        for key in ("runs", "budgets"):
+            _need(task, key, list, where, p)
+        _need(task, "n_results", int, where, p)
+    for i, agent in enumerate(_need(manifest, "agents", list, where, "")):
+        p = f"agents[{i}]."
+        for key in ("name", "label", "spec"):
+            _need(agent, key, str, where, p)
+        _need(agent, "params", dict, where, p)
+        source = _need(agent, "source", dict, where, p)
+        if not _is_hex(source.get("sha256"), 64):
+            _fail(where, f"'{p}source.sha256' must be a sha256 hex digest, got {source.get('sha256')!r}")
+        modules = _need(source, "modules", dict, where, p + "source.")
+        if not modules or not all(_is_hex(v, 64) for v in modules.values()):
+            _fail(where, f"'{p}source.modules' must map module names to sha256 hex digests")
+    files = _need(manifest, "files", dict, where, "")
+    for key in REQUIRED["files"]:
+        if not _is_hex(files.get(key), 64):
+            _fail(where, f"'files.{key}' must be the member's sha256 hex digest, got {files.get(key)!r}")
+    return manifest
+
+
+def _parse_rows(where: str, member: str, data: bytes, cls: type) -> list[Any]:
+    names = {f.name for f in fields(cls)}
+    rows = []
+    for lineno, line in enumerate(data.decode("utf-8", errors="strict").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BundleError(f"{where}: {member} line {lineno} is not JSON ({exc})") from None
+        if not isinstance(obj, dict) or set(obj) != names:
+            got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+            raise BundleError(f"{where}: {member} line {lineno} must have the fields {sorted(names)}, got {got}")
+        if cls is TaskInfo:
+            obj["context_names"] = tuple(obj["context_names"])
+        rows.append(cls(**obj))
+    return rows
+
+
+def read_bundle(path: str | os.PathLike[str]) -> Bundle:
+    """Read and check a bundle file (never extracted); a BundleError says what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise BundleError(f"no bundle file at {path}")
+    members = _read_members(path)
+    where = path.name
+    try:
+        manifest = json.loads(members[MANIFEST])
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BundleError(f"{where}: {MANIFEST} is not JSON ({exc})") from None
+    validate_manifest(manifest, where)
+    for member in (RESULTS, TASKS):
+        digest = sha256_bytes(members[member])
+        if digest != manifest["files"][member]:
+            raise BundleError(f"{where}: {member} has sha256 {digest}, but the manifest records "
+                              f"{manifest['files'][member]} (the member was changed after bundling)")
+    try:
+        results = _parse_rows(where, RESULTS, members[RESULTS], RunResult)
+        tasks = _parse_rows(where, TASKS, members[TASKS], TaskInfo)
+    except UnicodeDecodeError as exc:
+        raise BundleError(f"{where}: a member is not UTF-8 text ({exc})") from None
+    if len(results) != manifest["n_results"]:
+        raise BundleError(f"{where}: {RESULTS} has {len(results)} runs, the manifest says {manifest['n_results']}")
+    return Bundle(manifest, results, tasks, str(path), sha256_file(path))
+
+
+def load(source: str | os.PathLike[str]) -> Bundle:
+    """A bundle file, or a results folder (``DIR`` holding results.sqlite) collected as if bundled."""
+    path = Path(source)
+    if path.is_dir():
+        if not (path / DB_NAME).is_file():
+            raise BundleError(f"{path} is a folder without {DB_NAME}: not a leaderboard results folder")
+        bundle = collect(path)
+        from iapo_gym.leaderboard.merge import read_provenance
+
+        bundle.extra["provenance"] = read_provenance(path)
+        return bundle
+    return read_bundle(path)

@@ -1,0 +1,167 @@
+"""``iapo-gym leaderboard merge``: combine result folders and bundles from several machines into one store.
+
+Runs are identified by (task, agent, params, budget, run). A run present in several inputs is
+kept once, after checking that everything it computed (table digest, seeds, ACRs, policies,
+completions spent) agrees exactly; any disagreement is an error naming the run. Inputs of
+different protocol parameters (root seed, train fraction), different tables for a (task, run),
+or different source code for one agent are refused, never mixed. The output folder gets
+``results.sqlite`` and ``provenance.json`` (every merged input's manifest and verify status).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from iapo_gym.leaderboard.bundle import Bundle, BundleError, load
+from iapo_gym.leaderboard.specs import AgentSpec, check_unique_labels
+from iapo_gym.leaderboard.store import ResultStore, RunResult, TaskInfo
+
+PROVENANCE = "provenance.json"
+#: Fields of a run that a re-run reproduces exactly (everything but wall time, label and bookkeeping).
+COMPUTED = ("table_sha256", "root_seed", "split_seed", "env_seed", "agent_seed", "acr", "optimal_acr",
+            "train_optimal_acr", "regret", "arms", "optimal_arms", "budget_spent")
+
+
+class MergeError(ValueError):
+    """Inputs that cannot be merged without mixing or losing results; the message names the cause."""
+
+
+def run_name(r: RunResult) -> str:
+    """A run as people read it: ``task/label budget=T run=r``."""
+    return f"{r.task}/{r.label} budget={r.budget} run={r.run}"
+
+
+def verify_record_path(bundle_path: str | os.PathLike[str]) -> Path:
+    """Where ``iapo-gym verify`` records its outcome for a bundle: ``BUNDLE.verify.json`` beside it."""
+    p = Path(bundle_path)
+    return p.with_name(p.name + ".verify.json")
+
+
+def read_verify_record(bundle: Bundle) -> dict[str, Any] | None:
+    """The verify record of a bundle file, if one exists beside it and is about this very file."""
+    if bundle.sha256 is None:
+        return None
+    path = verify_record_path(bundle.source)
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(record, dict) or record.get("bundle_sha256") != bundle.sha256:
+        return None
+    return record
+
+
+def read_provenance(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]] | None:
+    """The inputs recorded in ``out_dir/provenance.json`` by a merge (None if there is none)."""
+    path = Path(out_dir) / PROVENANCE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise MergeError(f"{path} is not JSON ({exc})") from None
+    inputs = data.get("inputs") if isinstance(data, dict) else None
+    if not isinstance(inputs, list):
+        raise MergeError(f"{path} has no list 'inputs'")
+    return inputs
+
+
+def provenance_entries(bundle: Bundle) -> list[dict[str, Any]]:
+    """What a report shows about where ``bundle``'s runs came from (a merged folder: its own inputs)."""
+    carried = bundle.extra.get("provenance")
+    if carried:
+        return list(carried)
+    manifest = {k: v for k, v in bundle.manifest.items() if k != "files"}
+    kind = "bundle" if bundle.sha256 else "folder"
+    return [{"name": bundle.name, "kind": kind, "sha256": bundle.sha256, "manifest": manifest,
+             "verify": read_verify_record(bundle)}]
+
+
+def _check_protocol(bundles: Sequence[Bundle]) -> None:
+    first = bundles[0]
+    for key in ("root_seed", "train_fraction"):
+        for other in bundles[1:]:
+            a, b = first.manifest["protocol"][key], other.manifest["protocol"][key]
+            if a != b:
+                raise MergeError(f"{first.name} was run with {key}={a}, {other.name} with {key}={b}; "
+                                 "runs of different protocol parameters are not merged")
+    sources: dict[tuple[str, str], tuple[str, str]] = {}
+    for bundle in bundles:
+        for agent in bundle.manifest["agents"]:
+            agent_key = (str(agent["name"]), json.dumps(agent["params"], sort_keys=True))
+            digest = str(agent["source"]["sha256"])
+            seen = sources.setdefault(agent_key, (digest, bundle.name))
+            if seen[0] != digest:
+                raise MergeError(f"agent {agent['spec']!r} has source digest {seen[0][:12]}... in {seen[1]} but "
+                                 f"{digest[:12]}... in {bundle.name}: its code differs, so its runs are not merged")
+
+
+def merge_results(bundles: Sequence[Bundle]) -> tuple[list[RunResult], list[TaskInfo], int]:
+    """The union of the bundles' runs with duplicates checked and dropped: (runs, task infos, duplicates)."""
+    if not bundles:
+        raise MergeError("nothing to merge")
+    _check_protocol(bundles)
+    by_key: dict[tuple[str, str, str, int, int], tuple[RunResult, str]] = {}
+    tables: dict[tuple[str, int], tuple[str, str]] = {}
+    duplicates = 0
+    for bundle in bundles:
+        for r in bundle.results:
+            table = tables.setdefault((r.task, r.run), (r.table_sha256, bundle.name))
+            if table[0] != r.table_sha256:
+                raise MergeError(f"run {run_name(r)}: table digest {r.table_sha256[:12]}... in {bundle.name} but "
+                                 f"{table[0][:12]}... in {table[1]} (task {r.task!r} run {r.run} used different tables)")
+            seen = by_key.get(r.key)
+            if seen is None:
+                by_key[r.key] = (r, bundle.name)
+                continue
+            other, where = seen
+            differ = [f for f in COMPUTED if getattr(r, f) != getattr(other, f)]
+            if other.label != r.label:
+                differ.append("label")
+            if differ:
+                detail = ", ".join(f"{f} {getattr(other, f)!r} vs {getattr(r, f)!r}"[:160] for f in differ)
+                raise MergeError(f"run {run_name(r)} disagrees between {where} and {bundle.name}: {detail}")
+            duplicates += 1
+    results = [v[0] for _, v in sorted(by_key.items())]
+    check_unique_labels([AgentSpec(r.agent, json.loads(r.params), r.label) for r in results])
+    infos: dict[tuple[str, str], TaskInfo] = {}
+    for bundle in bundles:
+        for info in bundle.tasks:
+            infos.setdefault((info.task, info.table_sha256), info)
+    return results, list(infos.values()), duplicates
+
+
+def merge(sources: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Merge result folders and bundle files into the new folder ``out_dir`` (written atomically:
+    a failure leaves nothing behind). Returns counts: inputs, runs, duplicates."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise MergeError(f"--out {out} exists and is not empty; merge writes a new folder")
+    try:
+        bundles = [load(s) for s in sources]
+    except BundleError as exc:
+        raise MergeError(str(exc)) from None
+    results, infos, duplicates = merge_results(bundles)
+    provenance = [entry for b in bundles for entry in provenance_entries(b)]
+    protocol = bundles[0].manifest["protocol"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent))
+    try:
+        with ResultStore(tmp) as store:
+            store.claim_meta("root_seed", str(protocol["root_seed"]))
+            store.claim_meta("train_fraction", repr(float(protocol["train_fraction"])))
+            store.add(results, infos)
+        (tmp / PROVENANCE).write_text(json.dumps({"inputs": provenance}, indent=1, sort_keys=True) + "\n")
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"inputs": len(bundles), "runs": len(results), "duplicates": duplicates}

@@ -1,0 +1,175 @@
+"""``iapo-gym verify BUNDLE``: re-run a seeded random sample of a bundle's runs here and compare exactly.
+
+Every run is seeded and scored exactly, so a re-run on any machine must give the bundled ACR bit
+for bit. Before re-running, each agent's source digest is compared with the bundle's (a change
+names the agent and module). Runs are re-run by the runner's own ``run_unit``, grouped by
+(task, run); a table whose digest differs from the bundle's fails that (task, run) without
+comparing ACRs. The sample seed is drawn fresh unless given, and recorded with the outcome in
+``BUNDLE.verify.json`` (read by ``merge`` and the HTML report).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from iapo_gym.leaderboard.bundle import Bundle, agent_source_digest, read_bundle
+from iapo_gym.leaderboard.merge import run_name, verify_record_path
+from iapo_gym.leaderboard.runner import WorkUnit, run_unit
+from iapo_gym.leaderboard.specs import AgentSpec, TaskRef, resolve_task, task_available
+from iapo_gym.leaderboard.store import RunResult
+from iapo_gym.seeding import derive_rng
+
+
+@dataclass
+class RunCheck:
+    """One re-run: the bundled and the re-computed ACR, and whether they match exactly."""
+
+    run: str
+    bundled_acr: float
+    acr: float | None
+    match: bool
+    note: str = ""
+
+
+@dataclass
+class VerifyOutcome:
+    """What verify found: agent source changes, table digest changes, per-run checks."""
+
+    bundle: str
+    bundle_sha256: str
+    sample_seed: int
+    sample: int
+    total: int
+    seconds: float = 0.0
+    agent_problems: list[str] = field(default_factory=list)
+    table_problems: list[str] = field(default_factory=list)
+    checks: list[RunCheck] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing differs."""
+        return not self.agent_problems and not self.table_problems and all(c.match for c in self.checks)
+
+    @property
+    def status(self) -> str:
+        """``verified`` or ``FAILED``."""
+        return "verified" if self.ok else "FAILED"
+
+    def record(self) -> dict[str, Any]:
+        """The JSON record written beside the bundle."""
+        out = asdict(self)
+        out["status"] = self.status
+        out["matched"] = sum(c.match for c in self.checks)
+        out["verified_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        return out
+
+
+def check_agent_sources(bundle: Bundle) -> list[str]:
+    """One message per agent whose source here differs from the bundle's (naming agent and modules)."""
+    problems = []
+    for agent in bundle.manifest["agents"]:
+        try:
+            here = agent_source_digest(agent["name"])
+        except (ImportError, AttributeError, ValueError) as exc:
+            problems.append(f"agent {agent['spec']!r}: cannot import it here ({exc})")
+            continue
+        if here["sha256"] != agent["source"]["sha256"]:
+            old, new = agent["source"]["modules"], here["modules"]
+            changed = sorted(m for m in set(old) | set(new) if old.get(m) != new.get(m))
+            problems.append(f"agent {agent['spec']!r}: source differs from the bundle's "
+                            f"(module(s) {', '.join(changed)})")
+    return problems
+
+
+def choose_sample(results: list[RunResult], k: int | None, seed: int) -> list[RunResult]:
+    """``k`` runs (all if None or k >= len) drawn without replacement by a generator from ``seed``."""
+    ordered = sorted(results, key=lambda r: r.key)
+    if k is None or k >= len(ordered):
+        return ordered
+    if k < 1:
+        raise ValueError(f"--sample must be >= 1 or 'all', got {k}")
+    rng = derive_rng(seed, "verify-sample")
+    picked = np.sort(rng.choice(len(ordered), size=k, replace=False))
+    return [ordered[i] for i in picked]
+
+
+def _task_refs(bundle: Bundle, tables: dict[str, str]) -> dict[str, TaskRef]:
+    refs = {}
+    for task in bundle.manifest["tasks"]:
+        name = task["name"]
+        if name in tables:
+            ref = resolve_task(tables[name])
+            refs[name] = TaskRef(name=name, path=ref.path, title=task["title"])
+            continue
+        try:
+            refs[name] = resolve_task(name)
+        except ValueError:
+            raise ValueError(f"task {name!r} is not a registered task here; give its table file with "
+                             f"--table {name}=PATH.h5") from None
+    return refs
+
+
+def verify_bundle(path: str | os.PathLike[str], sample: int | None = None, seed: int | None = None,
+                  tables: dict[str, str] | None = None) -> VerifyOutcome:
+    """Re-run ``sample`` runs (None: all) of the bundle at ``path`` and compare them exactly."""
+    start = time.monotonic()
+    bundle = read_bundle(path)
+    if seed is None:
+        entropy = np.random.SeedSequence().entropy
+        assert isinstance(entropy, int)
+        seed = entropy % (1 << 63)  # fresh, so submitters cannot predict it
+    chosen = choose_sample(bundle.results, sample, seed)
+    outcome = VerifyOutcome(bundle.name, str(bundle.sha256), seed, len(chosen), len(bundle.results))
+    outcome.agent_problems = check_agent_sources(bundle)
+    refs = _task_refs(bundle, tables or {})
+    protocol = bundle.manifest["protocol"]
+    groups: dict[tuple[str, int], list[RunResult]] = defaultdict(list)
+    for r in chosen:
+        groups[(r.task, r.run)].append(r)
+    for (task, run), rows in sorted(groups.items()):
+        missing = task_available(refs[task])
+        if missing is not None:
+            outcome.table_problems.append(f"task {task!r} run {run}: no table here to re-run it ({missing})")
+            outcome.checks += [RunCheck(run_name(r), r.acr, None, False, "no table") for r in rows]
+            continue
+        jobs = tuple((AgentSpec(r.agent, json.loads(r.params), r.label), r.budget) for r in rows)
+        unit = WorkUnit(refs[task], run, jobs, int(protocol["root_seed"]), float(protocol["train_fraction"]))
+        result = run_unit(unit)
+        digest = result.task_info.table_sha256 if result.task_info else None
+        bundled = {r.table_sha256 for r in rows}
+        if digest not in bundled:
+            outcome.table_problems.append(f"task {task!r} run {run}: table digest here {digest}, "
+                                          f"the bundle's {', '.join(sorted(bundled))}")
+            outcome.checks += [RunCheck(run_name(r), r.acr, None, False, "table differs") for r in rows]
+            continue
+        fresh = {(x.agent, x.params, x.budget): x for x in result.results}
+        failed = {(f.label, f.budget): f.message for f in result.failures}
+        for r in rows:
+            x = fresh.get((r.agent, r.params, r.budget))
+            if x is None:
+                note = failed.get((r.label, r.budget), "no result")
+                outcome.checks.append(RunCheck(run_name(r), r.acr, None, False, f"re-run failed: {note}"))
+                continue
+            note = "" if x.acr == r.acr else f"differs by {x.acr - r.acr:+.3g}"
+            if x.arms != r.arms:
+                note += ("; " if note else "") + "policy differs"
+            outcome.checks.append(RunCheck(run_name(r), r.acr, x.acr, x.acr == r.acr and x.arms == r.arms, note))
+    outcome.seconds = time.monotonic() - start
+    return outcome
+
+
+def write_record(path: str | os.PathLike[str], outcome: VerifyOutcome) -> Path:
+    """Write the outcome to ``BUNDLE.verify.json`` (atomically) and return its path."""
+    target = verify_record_path(path)
+    tmp = target.with_name(target.name + ".part")
+    tmp.write_text(json.dumps(outcome.record(), indent=1) + "\n")
+    os.replace(tmp, target)
+    return target
