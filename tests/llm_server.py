@@ -185,7 +185,7 @@ def write_spec(folder: Path, port: int, *, aggregator: str = "mv", n_max: int = 
         "task": "tiny", "aggregator": aggregator, "n_max": n_max,
         "endpoint": {"base_url": f"http://127.0.0.1:{port}/v1", "model": "tiny", "concurrency": 4, "timeout": 20,
                      "backoff": 0.05, "max_backoff": 0.5, **(endpoint or {})},
-        "sampling": {"temperature": 0.0, "max_tokens": 6, "seed": 1, **(sampling or {})},
+        "sampling": {"temperature": 0.0, "max_tokens": 6, **(sampling or {})},
         "budget": budget or {},
         "prompts": [{"id": "plain", "template": "Q: {query}\nA:"}, {"id": "short", "template": "{query} ->"}],
         "queries": {"path": "queries.jsonl"},

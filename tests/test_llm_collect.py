@@ -116,7 +116,7 @@ def test_full_collect_both_aggregators_then_psst(tmp_path: Path, llama_server: i
 
 
 def test_kill_9_then_resume_matches_an_uninterrupted_run(tmp_path: Path, llama_server: int) -> None:  # noqa: F811
-    spec = write_spec(tmp_path, llama_server, n_max=16, endpoint={"concurrency": 1})
+    spec = write_spec(tmp_path, llama_server, n_max=16, endpoint={"concurrency": 1, "use_n": "no"})
     proc = _collector(spec, tmp_path / "a")
     log = tmp_path / "a" / "tiny.jsonl"
     _wait_lines(log, 20, proc)
@@ -195,7 +195,7 @@ def test_spending_cap_holds_under_16_concurrent_requests(tmp_path: Path, llama_s
     proxy = start_proxy(llama_server, port)
     try:
         spec_path = write_spec(tmp_path, port, n_max=16, endpoint={"concurrency": 16},
-                               sampling={"max_tokens": 6, "temperature": 0.9}, budget={"max_tokens_total": 100})
+                               sampling={"max_tokens": 6, "temperature": 0.0}, budget={"max_tokens_total": 100})
         result = collect(load_spec(spec_path), tmp_path / "out", progress=False)
         stats = proxy_stats(port)
         assert result.budget_exhausted and not result.complete and result.table is None
@@ -204,12 +204,12 @@ def test_spending_cap_holds_under_16_concurrent_requests(tmp_path: Path, llama_s
         assert sum(r["tokens"] for r in _lines(result.log)) <= 100
         # a request cap too, then resume with the cap lifted: exactly every completion, none twice
         spec2 = write_spec(tmp_path, port, n_max=16, endpoint={"concurrency": 16},
-                           sampling={"max_tokens": 6, "temperature": 0.9}, budget={"max_requests": 10}, name="s2.json")
+                           sampling={"max_tokens": 6, "temperature": 0.0}, budget={"max_requests": 10}, name="s2.json")
         before = proxy_stats(port)["posts"]
         capped = collect(load_spec(spec2), tmp_path / "out", progress=False)
         assert capped.budget_exhausted and proxy_stats(port)["posts"] - before <= 10 and capped.requests <= 10
         final = collect(load_spec(write_spec(tmp_path, port, n_max=16, endpoint={"concurrency": 16},
-                                             sampling={"max_tokens": 6, "temperature": 0.9}, name="s3.json")),
+                                             sampling={"max_tokens": 6, "temperature": 0.0}, name="s3.json")),
                         tmp_path / "out", progress=False)
     finally:
         stop(proxy)
