@@ -17,7 +17,13 @@ HERE = Path(__file__).resolve().parent
 
 
 def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
-    """A 2-layer llama (embedding 64, 4 heads, 259 byte-level tokens) with random float32 weights."""
+    """A 2-layer llama (embedding 64, 4 heads, 259 byte-level tokens) with random float32 weights.
+
+    It never emits a byte >= 0x80: llama.cpp keeps generating past ``max_tokens`` while a UTF-8
+    character is unfinished, so such bytes could make a request run to the end of the context.
+    Residual dimension 0 is a constant 1 (no layer writes to it), so after the final norm it is
+    positive, and those tokens' output rows weigh it by a large negative number.
+    """
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -48,17 +54,30 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     def t(name: str, *shape: int, scale: float = 0.2) -> None:
         w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
 
-    t("token_embd.weight", vocab, n_embd, scale=1.0)
+    def rand(*shape: int, scale: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    embd = rand(vocab, n_embd, scale=1.0)
+    embd[:, 0] = 1.0
+    w.add_tensor("token_embd.weight", embd)
     for i in range(n_layer):
-        for x in ("q", "k", "v", "output"):
+        for x in ("q", "k", "v"):
             t(f"blk.{i}.attn_{x}.weight", n_embd, n_embd)
+        attn_out = rand(n_embd, n_embd)
+        attn_out[0] = 0.0  # nothing writes residual dimension 0
+        w.add_tensor(f"blk.{i}.attn_output.weight", attn_out)
         t(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
         t(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
-        t(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
+        down = rand(n_embd, n_ff)
+        down[0] = 0.0
+        w.add_tensor(f"blk.{i}.ffn_down.weight", down)
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, np.float32))
     w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
-    t("output.weight", vocab, n_embd, scale=1.0)
+    out = rand(vocab, n_embd, scale=1.0)
+    out[:, 0] = 0.0
+    out[3 + 0x80:, 0] = -1e4  # bytes >= 0x80 are never the likeliest, nor sampled in practice
+    w.add_tensor("output.weight", out)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -73,13 +92,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _log_file(name: str) -> object:
+    """An unnamed temporary file for a server's output (a pipe nobody reads would fill and stall it)."""
+    import tempfile
+
+    return tempfile.TemporaryFile(prefix=f"iapo-{name}-")
+
+
+def _output(proc: subprocess.Popen[bytes]) -> str:
+    log = getattr(proc, "log_file", None)
+    if log is None:
+        return ""
+    log.seek(0)
+    return str(log.read().decode(errors="replace"))
+
+
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
     """Poll ``url`` until it answers 200, or fail with the process's output."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-            raise RuntimeError(f"server exited with {proc.returncode}: {out[-2000:]}")
+            raise RuntimeError(f"server exited with {proc.returncode}: {_output(proc)[-2000:]}")
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:
@@ -92,10 +125,12 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -
 
 def start_llama_server(model: Path, port: int) -> subprocess.Popen[bytes]:
     """``python -m llama_cpp.server`` on 127.0.0.1:port, ready to answer."""
+    log = _log_file("llama")
     proc = subprocess.Popen(
         [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
          "--n_ctx", "512", "--model_alias", "tiny", "--n_threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OPENAI_API_KEY": ""})
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OPENAI_API_KEY": ""})
+    proc.log_file = log  # type: ignore[attr-defined]
     try:
         wait_ready(f"http://127.0.0.1:{port}/v1/models", proc)
     except BaseException:
@@ -109,7 +144,9 @@ def start_proxy(upstream_port: int, port: int, schedule: list[str] | None = None
     cmd = [sys.executable, str(HERE / "llm_proxy.py"), "--port", str(port), "--upstream", str(upstream_port)]
     if schedule:
         cmd += ["--schedule", ",".join(schedule)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = _log_file("proxy")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc.log_file = log  # type: ignore[attr-defined]
     try:
         wait_ready(f"http://127.0.0.1:{port}/__stats", proc, timeout=20)
     except BaseException:
@@ -134,6 +171,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    log = getattr(proc, "log_file", None)
+    if log is not None:
+        log.close()
 
 
 # ---- pytest fixtures (imported by the tests/test_llm_*.py modules) ------------------------------
@@ -185,7 +225,7 @@ def write_spec(folder: Path, port: int, *, aggregator: str = "mv", n_max: int = 
         "task": "tiny", "aggregator": aggregator, "n_max": n_max,
         "endpoint": {"base_url": f"http://127.0.0.1:{port}/v1", "model": "tiny", "concurrency": 4, "timeout": 20,
                      "backoff": 0.05, "max_backoff": 0.5, **(endpoint or {})},
-        "sampling": {"temperature": 0.0, "max_tokens": 6, **(sampling or {})},
+        "sampling": {"temperature": 0.0, "max_tokens": 6, "seed": 1, **(sampling or {})},
         "budget": budget or {},
         "prompts": [{"id": "plain", "template": "Q: {query}\nA:"}, {"id": "short", "template": "{query} ->"}],
         "queries": {"path": "queries.jsonl"},

@@ -101,7 +101,7 @@ def test_full_collect_both_aggregators_then_psst(tmp_path: Path, llama_server: i
         assert result.complete and result.total == 2 * 3 * 4 and result.table is not None
         lines = _lines(result.log)
         assert len({line["key"] for line in lines}) == 24
-        assert all(1 <= line["tokens"] <= 6 + 3 for line in lines)  # usage from the server (+ a UTF-8 tail)
+        assert all(1 <= line["tokens"] <= 6 for line in lines)  # usage from the server
         env = IAPOEnv(path=str(result.table))
         assert env.table.aggregator == aggregator and env.n_prompts == 2 and env.table.n_queries == 3
         assert env.table.attrs["completions"] == 24 and "tiny" in env.table.attrs["collected"]
@@ -116,7 +116,7 @@ def test_full_collect_both_aggregators_then_psst(tmp_path: Path, llama_server: i
 
 
 def test_kill_9_then_resume_matches_an_uninterrupted_run(tmp_path: Path, llama_server: int) -> None:  # noqa: F811
-    spec = write_spec(tmp_path, llama_server, n_max=16, endpoint={"concurrency": 1, "use_n": "no"})
+    spec = write_spec(tmp_path, llama_server, n_max=16, endpoint={"concurrency": 1})
     proc = _collector(spec, tmp_path / "a")
     log = tmp_path / "a" / "tiny.jsonl"
     _wait_lines(log, 20, proc)
@@ -164,7 +164,7 @@ def test_injected_errors_are_retried_with_backoff(tmp_path: Path, llama_server: 
     port = free_port()
     proxy = start_proxy(llama_server, port, ["429", "500", "drop", "slow"])
     try:
-        spec = load_spec(write_spec(tmp_path, port, n_max=2, endpoint={"concurrency": 1, "timeout": 1.0}))
+        spec = load_spec(write_spec(tmp_path, port, n_max=2, endpoint={"concurrency": 1, "timeout": 0.5}))
         t0 = time.monotonic()
         result = collect(spec, tmp_path / "out", progress=False)
         elapsed = time.monotonic() - t0
@@ -173,7 +173,7 @@ def test_injected_errors_are_retried_with_backoff(tmp_path: Path, llama_server: 
         stop(proxy)
     assert result.complete and result.retries == 4
     assert stats["injected"] == 4 and stats["forwarded"] >= 12
-    assert elapsed >= 1.0 + 1.0  # Retry-After: 1 was honoured, and the slow answer waited out its 1 s timeout
+    assert elapsed >= 1.0  # Retry-After: 1 was honoured (the backoff alone waits under 0.1 s, the timeout 0.5 s)
     assert result.requests == 12 + 4
 
 
@@ -195,7 +195,7 @@ def test_spending_cap_holds_under_16_concurrent_requests(tmp_path: Path, llama_s
     proxy = start_proxy(llama_server, port)
     try:
         spec_path = write_spec(tmp_path, port, n_max=16, endpoint={"concurrency": 16},
-                               sampling={"max_tokens": 6, "temperature": 0.0}, budget={"max_tokens_total": 100})
+                               sampling={"max_tokens": 6, "temperature": 0.9}, budget={"max_tokens_total": 100})
         result = collect(load_spec(spec_path), tmp_path / "out", progress=False)
         stats = proxy_stats(port)
         assert result.budget_exhausted and not result.complete and result.table is None
@@ -204,12 +204,12 @@ def test_spending_cap_holds_under_16_concurrent_requests(tmp_path: Path, llama_s
         assert sum(r["tokens"] for r in _lines(result.log)) <= 100
         # a request cap too, then resume with the cap lifted: exactly every completion, none twice
         spec2 = write_spec(tmp_path, port, n_max=16, endpoint={"concurrency": 16},
-                           sampling={"max_tokens": 6, "temperature": 0.0}, budget={"max_requests": 10}, name="s2.json")
+                           sampling={"max_tokens": 6, "temperature": 0.9}, budget={"max_requests": 10}, name="s2.json")
         before = proxy_stats(port)["posts"]
         capped = collect(load_spec(spec2), tmp_path / "out", progress=False)
         assert capped.budget_exhausted and proxy_stats(port)["posts"] - before <= 10 and capped.requests <= 10
         final = collect(load_spec(write_spec(tmp_path, port, n_max=16, endpoint={"concurrency": 16},
-                                             sampling={"max_tokens": 6, "temperature": 0.0}, name="s3.json")),
+                                             sampling={"max_tokens": 6, "temperature": 0.9}, name="s3.json")),
                         tmp_path / "out", progress=False)
     finally:
         stop(proxy)

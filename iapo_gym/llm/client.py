@@ -75,6 +75,12 @@ class SpendingCap:
         self.requests += 1
         self.reserved_tokens += tokens
 
+    def fits(self, tokens: int) -> bool:
+        """Whether one more request of at most ``tokens`` completion tokens would fit under the cap now."""
+        if self.max_requests is not None and self.requests + 1 > self.max_requests:
+            return False
+        return self.max_tokens_total is None or self.tokens + self.reserved_tokens + tokens <= self.max_tokens_total
+
     def settle(self, reserved: int, used: int) -> None:
         """Replace a reservation by what the server reported."""
         self.reserved_tokens -= reserved
@@ -100,6 +106,7 @@ class LLMClient:
         self._client: Any = None
         self._sem: asyncio.Semaphore | None = None
         self.retries = 0
+        self.failed: EndpointError | None = None  # after a refusal, nothing more is sent
 
     async def __aenter__(self) -> LLMClient:
         openai = require_openai()
@@ -137,7 +144,8 @@ class LLMClient:
                     text, tokens, finish = hits[k]
                     found[i] = Completion(text, tokens, finish, cached=True)
         missing = [i for i in indices if i not in found]
-        if len(missing) > 1 and self.n_supported is not False:
+        per = self.spec.sampling.max_tokens + OVERSHOOT_TOKENS
+        if len(missing) > 1 and self.n_supported is not False and self.cap.fits(len(missing) * per):
             got = await self._request(prompt, missing)
             if len(got) < len(missing):
                 self.n_supported = False  # the server ignored n: one request per completion from now on
@@ -149,7 +157,11 @@ class LLMClient:
         if missing:
             async def one(i: int) -> None:
                 found[i] = self._store(prompt, i, (await self._request(prompt, [i]))[0])
-            await asyncio.gather(*(one(i) for i in missing))  # each completion is cached as soon as it arrives
+            # each completion is cached as it arrives; a failure waits for the requests already in flight
+            outcomes = await asyncio.gather(*(one(i) for i in missing), return_exceptions=True)
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
         return [found[i] for i in indices]
 
     def _store(self, prompt: Any, index: int, completion: Completion) -> Completion:
@@ -173,6 +185,8 @@ class LLMClient:
         attempt = 0
         while True:
             async with self._sem:
+                if self.failed is not None:
+                    raise self.failed
                 self.cap.reserve(worst)
                 used = worst  # a request whose usage is unknown (timeout, dropped) counts its worst case
                 try:
@@ -192,8 +206,9 @@ class LLMClient:
                     used = 0  # the server answered with an error: no completion tokens were produced
                     status = exc.status_code
                     if status != 429 and status < 500:
-                        raise EndpointError(f"the endpoint {self.base_url} refused the request with HTTP {status}"
-                                            f"{_hint(status)}: {_message(exc)}") from None
+                        self.failed = EndpointError(f"the endpoint {self.base_url} refused the request with HTTP "
+                                                    f"{status}{_hint(status)}: {_message(exc)}")
+                        raise self.failed from None
                     error: Exception = exc
                     retry_after = _retry_after(exc)
                 except (openai.APIConnectionError, openai.APITimeoutError) as exc:
