@@ -88,6 +88,7 @@ class LiveEnv(IAPOEnv):
         self.client = LLMClient(self.llm_spec, self.response_cache)
         self._loop.run_until_complete(self.client.__aenter__())
         self._last_tokens = np.zeros(0, dtype=np.int64)
+        self._last_texts: list[str] = []
         if self.llm_spec.aggregator == "bon":
             sc = self.llm_spec.scorer
             assert sc.grid is not None and sc.score_range is not None
@@ -124,25 +125,27 @@ class LiveEnv(IAPOEnv):
             starts[i] = self._drawn[p, q]
             self._drawn[p, q] += n
         results = self._loop.run_until_complete(self._fetch(prompts, queries, ns, starts))
-        atoms = np.concatenate([a for a, _ in results]) if results else np.zeros(0, dtype=np.int64)
-        self._last_tokens = np.concatenate([t for _, t in results]) if results else np.zeros(0, dtype=np.int64)
+        atoms = np.concatenate([a for a, _, _ in results]) if results else np.zeros(0, dtype=np.int64)
+        self._last_tokens = np.concatenate([t for _, t, _ in results]) if results else np.zeros(0, dtype=np.int64)
+        self._last_texts = [text for _, _, texts in results for text in texts]
         offsets = np.zeros(prompts.size + 1, dtype=np.int64)
         np.cumsum(ns, out=offsets[1:])
         self.budget_used += int(offsets[-1])
         return Pulls(prompts, ns, queries, atoms.astype(np.int64), offsets)
 
     async def _fetch(self, prompts: np.ndarray, queries: np.ndarray, ns: np.ndarray,
-                     starts: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        async def one(p: int, q: int, n: int, start: int) -> tuple[np.ndarray, np.ndarray]:
+                     starts: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, list[str]]]:
+        async def one(p: int, q: int, n: int, start: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
             query = self.llm_spec.queries[q]
             comps = await self.client.complete(self.llm_spec.prompts[p].render(query.text), list(range(start, start + n)))
             tokens = np.array([c.tokens for c in comps], dtype=np.int64)
+            texts = [c.text for c in comps]
             if self._extract is not None:
-                return self._mv_atoms([self._extract(c.text) for c in comps], query.gold), tokens
+                return self._mv_atoms([self._extract(t) for t in texts], query.gold), tokens, texts
             assert self._score is not None
             score = self._score
             scores = await asyncio.gather(*(asyncio.to_thread(score, c.text, query.text) for c in comps))
-            return self._bon_atoms(scores), tokens
+            return self._bon_atoms(scores), tokens, texts
         return list(await asyncio.gather(*(one(int(p), int(q), int(n), int(s))
                                            for p, q, n, s in zip(prompts, queries, ns, starts, strict=True))))
 
@@ -172,9 +175,10 @@ class LiveEnv(IAPOEnv):
         return np.ravel_multi_index(tuple(steps.T), (self._grid_n,) * len(sc.objectives)).astype(np.int64)
 
     def step(self, action: tuple[int, int]) -> tuple[np.ndarray, SupportsFloat, bool, bool, dict[str, Any]]:
-        """As ``IAPOEnv.step``; ``info["tokens"]`` adds the completions' real token counts."""
+        """As ``IAPOEnv.step``; ``info`` adds the completions' ``texts`` and real token counts (``tokens``)."""
         obs, reward, terminated, truncated, info = super().step(action)
         info["tokens"] = self._last_tokens.copy()
+        info["texts"] = list(self._last_texts)
         return obs, reward, terminated, truncated, info
 
     # ---- no exact oracle -----------------------------------------------------------------
