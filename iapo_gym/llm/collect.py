@@ -25,6 +25,10 @@ from iapo_gym.llm.scoring import make_extractor, make_scorer
 from iapo_gym.llm.spec import Query, Spec, SpecError
 from iapo_gym.tables import OutcomeTable, write_table
 
+#: Seconds between fsyncs of the log (every line is flushed to the OS at once, which a killed process
+#: cannot undo; a power failure can lose the last FSYNC_EVERY seconds, which the rerun requests again).
+FSYNC_EVERY = 1.0
+
 
 @dataclass
 class CollectResult:
@@ -179,6 +183,7 @@ class Collector:
         cache = ResponseCache(self.cache_path)
         exhausted: list[str] = []
         new = cached = 0
+        synced = [time.monotonic()]
         handle = self.log.open("a", encoding="utf-8")
         try:
             async with LLMClient(spec, cache) as client:
@@ -194,8 +199,10 @@ class Collector:
                         return
                     outs = await self.outcomes(comps, q)
                     handle.write("".join(self._line(p.id, q, s, c, o) for s, c, o in zip(samples, comps, outs, strict=True)))
-                    handle.flush()
-                    os.fsync(handle.fileno())
+                    handle.flush()  # in the OS from here on: a killed process loses nothing written
+                    if time.monotonic() - synced[0] >= FSYNC_EVERY:  # and on disk at least every FSYNC_EVERY s
+                        os.fsync(handle.fileno())
+                        synced[0] = time.monotonic()
                     new += len(comps)
                     cached += sum(c.cached for c in comps)
                     progress.update(len(comps))
@@ -210,6 +217,8 @@ class Collector:
                     raise
                 requests, tokens, retries = client.cap.requests, client.cap.tokens, client.retries
         finally:
+            handle.flush()
+            os.fsync(handle.fileno())
             handle.close()
             cache.close()
             progress.close()
