@@ -232,3 +232,55 @@ def test_openai_env_vars_override_the_spec(tmp_path: Path, llama_server: int,  #
     assert result.complete
     for path in (tmp_path / "out").iterdir():
         assert b"sk-secret-test-key" not in path.read_bytes(), path
+
+
+def test_reward_endpoint_scorer_and_chat_api(tmp_path: Path, llama_server: int) -> None:  # noqa: F811
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tests.llm_scorer import score
+
+    seen: list[dict] = []
+
+    class Reward(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            data = json.dumps({"scores": score(body["completion"], body["query"])}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Reward)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        spec_path = write_spec(tmp_path, llama_server, aggregator="bon", n_max=2,
+                               endpoint={"api": "chat"},
+                               scorer={"reward_url": f"http://127.0.0.1:{server.server_port}/score",
+                                       "objectives": ["length", "digits"]})
+        doc = json.loads(spec_path.read_text())
+        doc["prompts"] = [{"id": "sys", "messages": [{"role": "system", "content": "Be brief."},
+                                                     {"role": "user", "content": "{query}"}]},
+                          {"id": "bare", "messages": [{"role": "user", "content": "Q: {query}"}]}]
+        spec_path.write_text(json.dumps(doc))
+        result = collect(load_spec(spec_path), tmp_path / "out", progress=False)
+    finally:
+        server.shutdown()
+    assert result.complete and len(seen) == 2 * 3 * 2
+    lines = _lines(result.log)
+    assert all(r["scores"] == score(r["text"], "") for r in lines)  # what the endpoint answered, logged as is
+    assert {s["query"] for s in seen} == {"1 + 1 =", "What is 7 times 6?", "Name a letter:"}
+    env = IAPOEnv(path=str(result.table))
+    assert env.table.objective_names == ("length", "digits")
+
+
+def test_missing_openai_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from iapo_gym.llm.client import require_openai
+
+    monkeypatch.setitem(sys.modules, "openai", None)  # what an install without the [llm] extra sees
+    with pytest.raises(ImportError, match=r'pip install "iapo-gym\[llm\]"'):
+        require_openai()
