@@ -3,8 +3,9 @@
 For concurrency 1, 4 and 16, the same completions (prompts x queries x N_max, one request per
 completion, the same sampling parameters and seeds) are requested by (a) ``AsyncOpenAI`` alone
 with a semaphore, and (b) the collector end to end (cache, spending cap, log with fsync, table
-build), alternating, best of ``--repeats``. Prints requests per second and the collector's
-overhead per completion. Needs ``pip install "iapo-gym[llm]"``.
+build), alternating, best of ``--repeats``. Prints requests per second (wall clock) and the
+client process's CPU time per completion of each side: on a shared machine the CPU time is the
+steady measure of what the collector adds per completion. Needs ``pip install "iapo-gym[llm]"``.
 Run: ``nice -n 10 python benchmarks/bench_collect.py``.
 """
 
@@ -64,24 +65,28 @@ def main() -> None:
     port = free_port()
     server = start_llama_server(model, port)
     try:
-        print(f"{'concurrency':>11} {'raw req/s':>10} {'collect req/s':>14} {'overhead/completion':>20} {'overhead':>9}")
+        print(f"{'concurrency':>11} {'raw req/s':>10} {'collect req/s':>14} {'wall overhead':>14} "
+              f"{'raw CPU/compl':>14} {'collect CPU/compl':>18} {'CPU overhead':>13}")
         for conc in (1, 4, 16):
             spec_path = write_spec(work / f"c{conc}", port, n_max=opts.n_max, queries=queries(opts.queries),
                                    endpoint={"concurrency": conc},
                                    sampling={"temperature": 0.9, "max_tokens": opts.max_tokens})
             spec = load_spec(spec_path)
-            t_raw, t_col = [], []
+            t_raw, t_col, c_raw, c_col = [], [], [], []
             for r in range(opts.repeats):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 n = asyncio.run(raw(spec))
                 t_raw.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
+                c_raw.append(time.process_time() - c0)
+                t0, c0 = time.perf_counter(), time.process_time()
                 result = collect(spec, work / f"c{conc}" / f"out{r}", progress=False)
                 t_col.append(time.perf_counter() - t0)
+                c_col.append(time.process_time() - c0)
                 assert result.complete and result.requests == n, result
             raw_t, col_t = min(t_raw), min(t_col)
-            per = (col_t - raw_t) / n
-            print(f"{conc:>11} {n / raw_t:>10.1f} {n / col_t:>14.1f} {per * 1e3:>17.3f} ms {100 * (col_t / raw_t - 1):>8.1f}%")
+            raw_c, col_c = min(c_raw) / n, min(c_col) / n
+            print(f"{conc:>11} {n / raw_t:>10.1f} {n / col_t:>14.1f} {100 * (col_t / raw_t - 1):>13.1f}% "
+                  f"{raw_c * 1e3:>11.3f} ms {col_c * 1e3:>15.3f} ms {100 * (col_c / raw_c - 1):>12.1f}%")
     finally:
         stop(server)
 

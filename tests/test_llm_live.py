@@ -109,3 +109,22 @@ def test_monte_carlo_evaluation_is_reproducible_from_the_cache(tmp_path: Path, p
     (mean, se), first_requests = results[0]
     assert np.isfinite(mean) and se >= 0 and first_requests > 0
     assert results[1] == ((mean, se), 0)
+
+
+def test_bad_pulls_and_the_cap_stop_before_sending(tmp_path: Path, proxy: int) -> None:
+    from iapo_gym.llm.client import BudgetExhausted
+
+    spec = write_spec(tmp_path, proxy, n_max=4, sampling={"temperature": 0.9, "max_tokens": 4},
+                      endpoint={"concurrency": 8}, budget={"max_requests": 3})
+    env = LiveEnv(spec, cache=tmp_path / "cache.sqlite")
+    env.reset(seed=0)
+    with pytest.raises(ValueError, match=r"N must be in \[1, 4\], got 5"):
+        env.step((0, 5))
+    with pytest.raises(ValueError, match=r"prompt p must be in \[0, 1\], got 2"):
+        env.pull(np.array([2]), np.array([1]))
+    assert proxy_stats(proxy)["posts"] == 0
+    with pytest.raises(BudgetExhausted, match="max_requests = 3"):
+        env.pull(np.array([0, 1]), np.array([4, 4]))
+    assert env.requests == 3 and proxy_stats(proxy)["posts"] == 3
+    assert env._drawn.sum() == 0  # the failed pull used up no sample index
+    env.close()

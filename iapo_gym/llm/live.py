@@ -113,25 +113,39 @@ class LiveEnv(IAPOEnv):
         if queries is None:
             pool = self.queries()
             queries = pool[self.np_random.integers(pool.size, size=prompts.size)]
-        shape_check = super().pull  # argument checks without sampling: an empty batch of the same shapes
-        if prompts.shape != ns.shape or np.asarray(queries).size != prompts.size:
-            shape_check(prompts, ns, queries)  # raises the table env's message
         queries = np.asarray(queries, dtype=np.int64).reshape(-1)
-        if prompts.size and (prompts.min() < 0 or prompts.max() >= self.n_prompts or ns.min() < 1 or ns.max() > self.n_max
-                             or queries.min() < 0 or queries.max() >= self.table.n_queries):
-            shape_check(prompts, ns, queries)
+        self._check(prompts, ns, queries)
+        drawn = self._drawn.copy()
         starts = np.empty(prompts.size, dtype=np.int64)
         for i, (p, q, n) in enumerate(zip(prompts.tolist(), queries.tolist(), ns.tolist(), strict=True)):
-            starts[i] = self._drawn[p, q]
-            self._drawn[p, q] += n
+            starts[i] = drawn[p, q]
+            drawn[p, q] += n
         results = self._loop.run_until_complete(self._fetch(prompts, queries, ns, starts))
         atoms = np.concatenate([a for a, _, _ in results]) if results else np.zeros(0, dtype=np.int64)
         self._last_tokens = np.concatenate([t for _, t, _ in results]) if results else np.zeros(0, dtype=np.int64)
         self._last_texts = [text for _, _, texts in results for text in texts]
+        self._drawn = drawn  # only a pull that completed uses up its sample indices
         offsets = np.zeros(prompts.size + 1, dtype=np.int64)
         np.cumsum(ns, out=offsets[1:])
         self.budget_used += int(offsets[-1])
         return Pulls(prompts, ns, queries, atoms.astype(np.int64), offsets)
+
+    def _check(self, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray) -> None:
+        """The table env's argument checks, with its messages."""
+        if prompts.shape != ns.shape:
+            raise ValueError(f"prompts and ns must have the same length, got {prompts.size} and {ns.size}")
+        if queries.shape != prompts.shape:
+            raise ValueError(f"queries must have one entry per pull ({prompts.size}), got {queries.size}")
+        if prompts.size == 0:
+            return
+        if prompts.min() < 0 or prompts.max() >= self.n_prompts:
+            bad = prompts[(prompts < 0) | (prompts >= self.n_prompts)][0]
+            raise ValueError(f"prompt p must be in [0, {self.n_prompts - 1}], got {int(bad)}")
+        if ns.min() < 1 or ns.max() > self.n_max:
+            bad = ns[(ns < 1) | (ns > self.n_max)][0]
+            raise ValueError(f"N must be in [1, {self.n_max}], got {int(bad)}")
+        if queries.min() < 0 or queries.max() >= self.table.n_queries:
+            raise ValueError(f"query indices must be in [0, {self.table.n_queries - 1}]")
 
     async def _fetch(self, prompts: np.ndarray, queries: np.ndarray, ns: np.ndarray,
                      starts: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, list[str]]]:
