@@ -139,9 +139,11 @@ def start_llama_server(model: Path, port: int) -> subprocess.Popen[bytes]:
     return proc
 
 
-def start_proxy(upstream_port: int, port: int, schedule: list[str] | None = None) -> subprocess.Popen[bytes]:
+def start_proxy(upstream_port: int, port: int, schedule: list[str] | None = None,
+                slow: float = 3.0) -> subprocess.Popen[bytes]:
     """The error-injecting proxy (tests/llm_proxy.py) in front of the server, ready to answer."""
-    cmd = [sys.executable, str(HERE / "llm_proxy.py"), "--port", str(port), "--upstream", str(upstream_port)]
+    cmd = [sys.executable, str(HERE / "llm_proxy.py"), "--port", str(port), "--upstream", str(upstream_port),
+           "--slow", str(slow)]
     if schedule:
         cmd += ["--schedule", ",".join(schedule)]
     log = _log_file("proxy")

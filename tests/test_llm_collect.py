@@ -162,19 +162,31 @@ def test_server_killed_and_restarted_mid_run(tmp_path: Path, tiny_model: Path) -
 
 def test_injected_errors_are_retried_with_backoff(tmp_path: Path, llama_server: int) -> None:  # noqa: F811
     port = free_port()
-    proxy = start_proxy(llama_server, port, ["429", "500", "drop", "slow"])
+    proxy = start_proxy(llama_server, port, ["429", "500", "drop", "slow"], slow=6.0)
     try:
-        spec = load_spec(write_spec(tmp_path, port, n_max=2, endpoint={"concurrency": 1, "timeout": 0.5}))
-        t0 = time.monotonic()
+        spec = load_spec(write_spec(tmp_path, port, n_max=2, endpoint={"concurrency": 1, "timeout": 2.0}))
         result = collect(spec, tmp_path / "out", progress=False)
-        elapsed = time.monotonic() - t0
         stats = proxy_stats(port)
     finally:
         stop(proxy)
-    assert result.complete and result.retries == 4
-    assert stats["injected"] == 4 and stats["forwarded"] >= 12
-    assert elapsed >= 1.0  # Retry-After: 1 was honoured (the backoff alone waits under 0.1 s, the timeout 0.5 s)
-    assert result.requests == 12 + 4
+    assert result.complete and len(_lines(result.log)) == 12
+    assert stats["injected"] == 4 and result.retries >= 4  # (more if a loaded machine passes the timeout)
+    assert result.requests == 12 + result.retries
+
+
+def test_retry_after_is_honoured(tmp_path: Path, llama_server: int) -> None:  # noqa: F811
+    port = free_port()
+    proxy = start_proxy(llama_server, port, ["429"])
+    try:
+        spec = load_spec(write_spec(tmp_path, port, n_max=1, endpoint={"concurrency": 1},
+                                    queries=[{"id": "a", "text": "x", "gold": "1"}]))
+        t0 = time.monotonic()
+        result = collect(spec, tmp_path / "out", progress=False)
+        elapsed = time.monotonic() - t0
+    finally:
+        stop(proxy)
+    assert result.complete and result.retries == 1
+    assert elapsed >= 1.0  # Retry-After: 1 (the backoff alone would wait under 0.1 s)
 
 
 @pytest.mark.parametrize(("status", "words"), [("400", "HTTP 400"), ("401", "HTTP 401 (unauthorized")])
