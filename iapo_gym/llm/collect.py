@@ -1,0 +1,253 @@
+"""Resumable collection: N_max completions per (prompt, query) into a completion log, then the table.
+
+The log (``OUT/<task>.jsonl``) is in the format of ``docs/log-format.md`` with two extra fields,
+``key`` ("prompt/query/sample") and ``text``; each line is appended whole and flushed, so a crash
+or ``kill -9`` loses at most the in-flight requests (whose answers the response cache usually keeps),
+and a rerun skips every key already logged. The table is built by ``iapo_gym.data.build``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from iapo_gym.llm.cache import ResponseCache
+from iapo_gym.llm.client import BudgetExhausted, Completion, LLMClient
+from iapo_gym.llm.scoring import make_extractor, make_scorer
+from iapo_gym.llm.spec import Query, Spec, SpecError
+from iapo_gym.tables import OutcomeTable, write_table
+
+#: Seconds between fsyncs of the log (every line is flushed to the OS at once, which a killed process
+#: cannot undo; a power failure can lose the last FSYNC_EVERY seconds, which the rerun requests again).
+FSYNC_EVERY = 1.0
+
+
+@dataclass
+class CollectResult:
+    """What a collect run did: completions logged now and in total, requests, tokens, and the table path."""
+
+    log: Path
+    table: Path | None
+    new: int
+    total: int
+    expected: int
+    requests: int
+    tokens: int
+    cached: int
+    retries: int
+    budget_exhausted: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Every (prompt, query, sample) completion is in the log."""
+        return self.total == self.expected
+
+
+def line_key(prompt: str, query: str, sample: int) -> str:
+    """The per-line key of completion ``sample`` of (prompt, query) in the log."""
+    return f"{prompt}/{query}/{sample}"
+
+
+def spec_fingerprint(spec: Spec) -> dict[str, Any]:
+    """What a resumed log must share with the spec (model, prompts, sampling, scorer, N_max)."""
+    prompts = [[p.id, p.text, [list(m) for m in p.messages]] for p in spec.prompts]
+    return {"model": spec.endpoint.model, "api": spec.endpoint.api, "aggregator": spec.aggregator,
+            "n_max": spec.n_max, "sampling": spec.sampling.as_dict(),
+            "scorer": dataclasses.asdict(spec.scorer),
+            "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()}
+
+
+def read_done(log: Path) -> set[str]:
+    """Keys already logged; a last line cut short by a crash is removed from the file."""
+    done: set[str] = set()
+    if not log.exists():
+        return done
+    data = log.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):  # an unfinished last line: the process died while writing it
+        with log.open("r+b") as f:
+            f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
+    for lineno, line in enumerate(data[:end].splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            key = json.loads(line)["key"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise SpecError(f"{log}:{lineno}: not a line written by iapo-gym collect; use a new --out folder") from None
+        if key in done:
+            raise SpecError(f"{log}:{lineno}: key {key!r} appears twice; the log was edited by hand")
+        done.add(key)
+    return done
+
+
+class _Progress:
+    """A one-line progress report on stderr: done / total, rate and ETA."""
+
+    def __init__(self, total: int, done: int, stream: TextIO | None) -> None:
+        self.total, self.start_done, self.done = total, done, done
+        self.stream = stream
+        self.t0 = self.last = time.monotonic()
+
+    def update(self, k: int) -> None:
+        self.done += k
+        now = time.monotonic()
+        if self.stream is not None and (now - self.last >= 0.5 or self.done == self.total):
+            self.last = now
+            rate = (self.done - self.start_done) / max(now - self.t0, 1e-9)
+            eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+            self.stream.write(f"\rcollect: {self.done}/{self.total} completions, {rate:.1f}/s, ETA {eta:.0f}s   ")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.stream is not None and self.done > self.start_done:
+            self.stream.write("\n")
+
+
+class Collector:
+    """Collect the spec's completions into ``out`` (resuming what is there), then build the table."""
+
+    def __init__(self, spec: Spec, out: str | os.PathLike[str], *, progress: bool = True) -> None:
+        """``out`` holds the log, the table, the response cache (unless the spec names one) and a manifest."""
+        self.spec = spec
+        self.out = Path(out)
+        self.log = self.out / f"{spec.task}.jsonl"
+        self.table_path = self.out / f"{spec.task}.h5"
+        self.cache_path = spec.cache or self.out / "cache.sqlite"
+        self.progress = progress
+        self.extract = make_extractor(spec.scorer) if spec.aggregator == "mv" else None
+        self.score = make_scorer(spec.scorer, spec.endpoint.timeout) if spec.aggregator == "bon" else None
+
+    def _check_manifest(self) -> None:
+        manifest = self.out / "collect.json"
+        mine = json.loads(json.dumps(spec_fingerprint(self.spec)))  # as stored (tuples become lists)
+        if manifest.exists():
+            theirs = json.loads(manifest.read_text(encoding="utf-8"))
+            diff = sorted(k for k in mine if theirs.get(k) != mine[k])
+            if diff:
+                raise SpecError(f"{self.out} holds a collection made with a different {', '.join(diff)}; "
+                                "resume with the same spec or use a new --out folder")
+            return
+        tmp = manifest.with_suffix(".tmp")
+        tmp.write_text(json.dumps(mine, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, manifest)
+
+    def run(self) -> CollectResult:
+        """Collect what is missing, then build and write the table if every completion is logged."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._check_manifest()
+        return asyncio.run(self._run())
+
+    def _line(self, prompt: str, query: Query, sample: int, c: Completion, outcome: Any) -> str:
+        rec: dict[str, Any] = {"key": line_key(prompt, query.id, sample), "prompt": prompt, "query": query.id,
+                               "sample": sample, "tokens": c.tokens}
+        if self.spec.aggregator == "mv":
+            rec["answer"], rec["gold"] = outcome, query.gold
+        else:
+            rec["scores"] = outcome
+        if query.split:
+            rec["split"] = query.split
+        rec["finish"] = c.finish
+        rec["text"] = c.text
+        return json.dumps(rec, ensure_ascii=False) + "\n"
+
+    async def outcomes(self, completions: list[Completion], query: Query) -> list[Any]:
+        """Extracted answers (mv) or objective scores (bon) of the completions of one query."""
+        if self.extract is not None:
+            return [self.extract(c.text) for c in completions]
+        assert self.score is not None
+        score = self.score
+        return list(await asyncio.gather(*(asyncio.to_thread(score, c.text, query.text) for c in completions)))
+
+    async def _run(self) -> CollectResult:
+        spec = self.spec
+        done = read_done(self.log)
+        work: list[tuple[int, int, list[int]]] = []
+        for pi, p in enumerate(spec.prompts):
+            for qi, q in enumerate(spec.queries):
+                missing = [s for s in range(spec.n_max) if line_key(p.id, q.id, s) not in done]
+                if missing:
+                    work.append((pi, qi, missing))
+        expected = len(spec.prompts) * len(spec.queries) * spec.n_max
+        stream = sys.stderr if self.progress else None
+        progress = _Progress(expected, len(done), stream)
+        cache = ResponseCache(self.cache_path)
+        exhausted: list[str] = []
+        new = cached = 0
+        synced = [time.monotonic()]
+        handle = self.log.open("a", encoding="utf-8")
+        try:
+            async with LLMClient(spec, cache) as client:
+                async def pair(pi: int, qi: int, samples: list[int]) -> None:
+                    nonlocal new, cached
+                    if exhausted:
+                        return
+                    p, q = spec.prompts[pi], spec.queries[qi]
+                    try:
+                        comps = await client.complete(p.render(q.text), samples)
+                    except BudgetExhausted as exc:
+                        exhausted.append(str(exc))
+                        return
+                    outs = await self.outcomes(comps, q)
+                    handle.write("".join(self._line(p.id, q, s, c, o) for s, c, o in zip(samples, comps, outs, strict=True)))
+                    handle.flush()  # in the OS from here on: a killed process loses nothing written
+                    if time.monotonic() - synced[0] >= FSYNC_EVERY:  # and on disk at least every FSYNC_EVERY s
+                        os.fsync(handle.fileno())
+                        synced[0] = time.monotonic()
+                    new += len(comps)
+                    cached += sum(c.cached for c in comps)
+                    progress.update(len(comps))
+
+                tasks = [asyncio.ensure_future(pair(pi, qi, samples)) for pi, qi, samples in work]
+                try:
+                    await asyncio.gather(*tasks)
+                except BaseException:  # the first failure stops the run: cancel the rest, then report it
+                    for t in tasks:
+                        t.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    raise
+                requests, tokens, retries = client.cap.requests, client.cap.tokens, client.retries
+        finally:
+            handle.flush()
+            os.fsync(handle.fileno())
+            handle.close()
+            cache.close()
+            progress.close()
+        total = len(done) + new
+        table = None
+        if total == expected:
+            table = self.table_path
+            write_table(self.build_table(), table)
+        return CollectResult(log=self.log, table=table, new=new, total=total, expected=expected, requests=requests,
+                             tokens=tokens, cached=cached, retries=retries,
+                             budget_exhausted=exhausted[0] if exhausted else None)
+
+    def build_table(self) -> OutcomeTable:
+        """The table of the finished log, through ``iapo_gym.data.build`` (the one table builder)."""
+        from iapo_gym.data.build import build_table
+
+        spec, b = self.spec, self.spec.build
+        options: dict[str, Any] = {"task": spec.task, "n_max": spec.n_max, "cost_scale": b.cost_scale,
+                                   "test_fraction": b.test_fraction, "seed": b.seed}
+        if spec.aggregator == "mv":
+            options["top_k"] = b.top_k
+        else:
+            options["grid"] = spec.scorer.grid
+        table = build_table(self.log, spec.aggregator, **options)
+        attrs = {**table.attrs, "collected": f"iapo-gym collect, model {spec.endpoint.model!r} "
+                                             f"({spec.endpoint.api} API), sampling {json.dumps(spec.sampling.as_dict())}"}
+        return dataclasses.replace(table, attrs=attrs)
+
+
+def collect(spec: Spec, out: str | os.PathLike[str], *, progress: bool = True) -> CollectResult:
+    """Collect ``spec`` into ``out`` (resuming), and build the table when complete."""
+    return Collector(spec, out, progress=progress).run()
