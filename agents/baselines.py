@@ -10,6 +10,7 @@ arm among those whose N fits the remaining budget, pull it and update at once; s
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -118,35 +119,69 @@ class _Sequential(Agent):
         return int(ties[0] if ties.size == 1 else ties[rng.integers(ties.size)])
 
     def train(self, env: Any, budget: int) -> Policy:
-        """Step until the budget is spent (N = 1 always fits, so it is spent exactly).
+        """Step until the budget is spent (N = 1 always fits, so it is spent exactly)."""
+        budget = self.check_budget(budget)
+        run = _Trajectory(self, self.base_env(env))
+        self._advance(run, budget, stop=budget)
+        return run.est.best_arms(self.rng)
+
+    @property
+    def anytime(self) -> bool:
+        """Whether ``train_budgets`` shares one trajectory (the exact sequential algorithm only)."""
+        return self.batch_size == 1
+
+    def train_budgets(self, env: Any, budgets: Sequence[int]) -> Iterator[tuple[int, Policy]]:
+        """(budget, policy) for each budget in increasing order, from one trajectory.
+
+        Each policy is bit-identical to ``train(env, budget)`` by a fresh agent with the same
+        seed on an env reset with the same seed: the runs of a smaller and a larger budget
+        take the same steps until the smaller one has fewer than N_max completions left,
+        where its own tail branches off (the env's and the agent's generators are saved and
+        restored around it). The protocol's budgets 3K..40K then cost one 40K run, not 108K.
+        Needs ``self.anytime`` and an env with ``snapshot``/``restore``.
+        """
+        if not self.anytime:
+            raise ValueError(f"train_budgets needs batch_size=1 (the exact sequential algorithm), got {self.batch_size}")
+        checked = sorted({self.check_budget(b) for b in budgets})
+        if not checked:
+            return
+        base = self.base_env(env)
+        run = _Trajectory(self, base)
+        top = checked[-1]
+        for budget in checked[:-1]:
+            self._advance(run, top, stop=budget - base.n_max)  # the steps both runs take
+            saved = (base.snapshot(), self.rng.bit_generator.state, run.save())
+            self._advance(run, budget, stop=budget)
+            yield budget, run.est.best_arms(self.rng)
+            env_state, rng_state, run_state = saved
+            base.restore(env_state)
+            self.rng.bit_generator.state = rng_state
+            run.load(run_state)
+        self._advance(run, top, stop=top)
+        yield top, run.est.best_arms(self.rng)
+
+    def _advance(self, run: _Trajectory, budget: int, stop: int) -> None:
+        """Take the steps of a run with ``budget`` while completions spent <= ``stop`` (and < budget).
 
         The flat estimates (0 where unsampled) are kept up to date incrementally: a pull
         of (p, N) changes only the arms (p, 1..N) of every context.
         """
-        base = self.base_env(env)
-        budget = self.check_budget(budget)
-        est = Estimator(base, self.reuse)
-        n_max, n_contexts = base.n_max, base.n_contexts
-        arm_n = np.tile(np.arange(1, n_max + 1), base.n_prompts)
-        means = np.zeros((n_contexts, arm_n.size))
-        sums, counts = est.sums.reshape(n_contexts, -1), est.counts.reshape(n_contexts, -1)
-        spent = 0
-        # The Pulls-free step, unless a subclass of the env intercepts pull but not pull_one.
-        lean = type(base).pull is IAPOEnv.pull or type(base).pull_one is not IAPOEnv.pull_one
+        base, est, n_max, n_contexts = run.base, run.est, run.n_max, run.n_contexts
+        means, sums, counts, arm_n = run.means, run.sums, run.counts, run.arm_n
         with np.errstate(divide="ignore", invalid="ignore"):
-            while spent < budget:
-                remaining = budget - spent
+            while run.spent < budget and run.spent <= stop:
+                remaining = budget - run.spent
                 feasible = None if remaining >= n_max else arm_n <= remaining
                 if self.batch_size == 1:  # the exact sequential algorithm
                     c = int(self.rng.integers(n_contexts))  # the same draw as size=1, 4x cheaper
                     arm = self.choose(means[c], counts[c], feasible)
                     p, n = divmod(arm, n_max)
-                    if lean:  # what pull draws, without a Pulls object
+                    if run.lean:  # what pull draws, without a Pulls object
                         query, atoms = base.pull_one(p, n + 1)
                         est.update_one(p, n + 1, query, atoms)
                     else:
                         est.update(base.pull(np.array([p]), np.array([n + 1])))
-                    spent += n + 1
+                    run.spent += n + 1
                     touched = slice(arm - n, arm + 1)  # arms (p, 1..N)
                     means[:, touched] = sums[:, touched] / counts[:, touched]
                     continue
@@ -158,10 +193,36 @@ class _Sequential(Agent):
                 fits[0] = True  # the first step was chosen among feasible arms
                 arms, ns = arms[fits], ns[fits]
                 pulls = base.pull(arms // n_max, ns)
-                spent += pulls.completions
+                run.spent += pulls.completions
                 est.update(pulls)
-                means = est.mean(unseen=0.0).reshape(n_contexts, -1)
-        return est.best_arms(self.rng)
+                means[...] = est.mean(unseen=0.0).reshape(n_contexts, -1)
+
+
+class _Trajectory:
+    """The state of one sequential run: its estimator, flat means (C, P * N_max) and spend."""
+
+    def __init__(self, agent: _Sequential, base: IAPOEnv) -> None:
+        self.base = base
+        self.est = Estimator(base, agent.reuse)
+        self.n_max, self.n_contexts = base.n_max, base.n_contexts
+        self.arm_n = np.tile(np.arange(1, base.n_max + 1), base.n_prompts)
+        self.means = np.zeros((base.n_contexts, self.arm_n.size))
+        self.sums = self.est.sums.reshape(base.n_contexts, -1)  # views: updated with the estimator
+        self.counts = self.est.counts.reshape(base.n_contexts, -1)
+        self.spent = 0
+        # The Pulls-free step, unless a subclass of the env intercepts pull but not pull_one.
+        self.lean = type(base).pull is IAPOEnv.pull or type(base).pull_one is not IAPOEnv.pull_one
+
+    def save(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Copies of what the steps change."""
+        return self.est.sums.copy(), self.est.counts.copy(), self.means.copy(), self.spent
+
+    def load(self, state: tuple[np.ndarray, np.ndarray, np.ndarray, int]) -> None:
+        """Back to a ``save``d state (in place: the views stay valid)."""
+        sums, counts, means, self.spent = state
+        self.est.sums[...] = sums
+        self.est.counts[...] = counts
+        self.means[...] = means
 
 
 class EpsilonGreedy(_Sequential):

@@ -258,6 +258,19 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         self.budget_used += n
         return query, atoms
 
+    def snapshot(self) -> dict[str, Any]:
+        """The env's mutable sampling state (generator state, ``budget_used``), for ``restore``.
+
+        Lets an anytime agent branch one trajectory into several budgets: restoring a
+        snapshot replays exactly the draws that followed it. The current context is not included.
+        """
+        return {"rng": self.np_random.bit_generator.state, "budget_used": self.budget_used}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Return to a state taken by ``snapshot`` (the same draws follow)."""
+        self.np_random.bit_generator.state = snapshot["rng"]
+        self.budget_used = int(snapshot["budget_used"])
+
     def utilities(self, pulls: Pulls) -> np.ndarray:
         """Utilities (C, n) of every pull under every context (the paper's cross-context reuse)."""
         out = np.empty((self.n_contexts, len(pulls)))

@@ -99,6 +99,15 @@ class MeteredEnv(IAPOEnv):
         self.completions_drawn += n
         return drawn
 
+    def snapshot(self) -> dict[str, Any]:
+        """``IAPOEnv.snapshot`` plus the meter, so a restored branch is metered as a fresh run."""
+        return {**super().snapshot(), "completions_drawn": self.completions_drawn}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """``IAPOEnv.restore``, meter included."""
+        super().restore(snapshot)
+        self.completions_drawn = int(snapshot["completions_drawn"])
+
 
 # ---- worker side ----------------------------------------------------------------------------
 
@@ -168,32 +177,106 @@ def run_unit(unit: WorkUnit) -> UnitOutcome:
     train_optimal_acr = acr_from_q(q_test, np.array(greedy_policy(q_train).arms, dtype=np.int64), probs)
     optimal_json = json.dumps(optimal.tolist())
     env_seed = derive_seed(unit.root_seed, "env", task.name, unit.run)
+    context = _UnitContext(task.name, checksum, unit, split_seed, env_seed, run_table, q_test, probs,
+                           optimal_acr, train_optimal_acr, optimal_json)
+    by_label: dict[str, tuple[AgentSpec, list[int]]] = {}  # labels are unique in a sweep
     for spec, budget in unit.jobs:
+        by_label.setdefault(spec.label, (spec, []))[1].append(budget)
+    for spec, budgets in by_label.values():
         agent_seed = derive_seed(unit.root_seed, "agent", task.name, unit.run, spec.key)
         try:
-            env = MeteredEnv(run_table)
-            env.reset(seed=env_seed)
-            agent = build_agent(spec, agent_seed)
-            start = time.perf_counter()
-            policy = agent.train(env, budget)
-            seconds = time.perf_counter() - start
-            spent = env.completions_drawn
-            if spent > budget:
-                raise BudgetExceededError(f"drew {spent} completions with a budget of {budget}")
-            arms = policy_arms(policy, run_table)
-            acr = acr_from_q(q_test, arms, probs)
-        except Exception as exc:  # one broken agent must not stop the sweep
+            probe = build_agent(spec, agent_seed)
+            shared = len(budgets) > 1 and getattr(probe, "anytime", False) and hasattr(probe, "train_budgets")
+        except Exception as exc:
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            outcome.failures.append(Failure(task.name, spec.label, budget, unit.run, detail))
+            outcome.failures.extend(Failure(task.name, spec.label, b, unit.run, detail) for b in budgets)
             continue
-        outcome.results.append(RunResult(
-            task=task.name, table_sha256=checksum, agent=spec.name, params=spec.params_json, label=spec.label,
-            budget=budget, run=unit.run, root_seed=unit.root_seed, split_seed=split_seed, env_seed=env_seed,
-            agent_seed=agent_seed, acr=acr, optimal_acr=optimal_acr, train_optimal_acr=train_optimal_acr,
-            regret=optimal_acr - acr, arms=json.dumps(arms.tolist()), optimal_arms=optimal_json,
-            train_seconds=seconds, budget_spent=spent, version=__version__,
-        ))
+        if shared:
+            _run_shared(context, spec, budgets, agent_seed, outcome)
+        else:
+            for budget in budgets:
+                _run_one(context, spec, budget, agent_seed, outcome)
     return outcome
+
+
+@dataclass(frozen=True)
+class _UnitContext:
+    """What every (agent, budget) of one (task, run) is evaluated against."""
+
+    task: str
+    checksum: str
+    unit: WorkUnit
+    split_seed: int | None
+    env_seed: int
+    table: OutcomeTable
+    q_test: np.ndarray
+    probs: np.ndarray
+    optimal_acr: float
+    train_optimal_acr: float
+    optimal_json: str
+
+    def result(self, spec: AgentSpec, budget: int, agent_seed: int, policy: Any, seconds: float,
+               spent: int) -> RunResult:
+        """The stored row of one trained policy (the budget is checked against the meter first)."""
+        if spent > budget:
+            raise BudgetExceededError(f"drew {spent} completions with a budget of {budget}")
+        arms = policy_arms(policy, self.table)
+        acr = acr_from_q(self.q_test, arms, self.probs)
+        return RunResult(
+            task=self.task, table_sha256=self.checksum, agent=spec.name, params=spec.params_json, label=spec.label,
+            budget=budget, run=self.unit.run, root_seed=self.unit.root_seed, split_seed=self.split_seed,
+            env_seed=self.env_seed, agent_seed=agent_seed, acr=acr, optimal_acr=self.optimal_acr,
+            train_optimal_acr=self.train_optimal_acr, regret=self.optimal_acr - acr, arms=json.dumps(arms.tolist()),
+            optimal_arms=self.optimal_json, train_seconds=seconds, budget_spent=spent, version=__version__,
+        )
+
+
+def _failure(context: _UnitContext, spec: AgentSpec, budget: int, exc: BaseException) -> Failure:
+    detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    return Failure(context.task, spec.label, budget, context.unit.run, detail)
+
+
+def _run_one(context: _UnitContext, spec: AgentSpec, budget: int, agent_seed: int, outcome: UnitOutcome) -> None:
+    """A fresh agent on a freshly seeded env, trained for one budget."""
+    try:
+        env = MeteredEnv(context.table)
+        env.reset(seed=context.env_seed)
+        agent = build_agent(spec, agent_seed)
+        start = time.perf_counter()
+        policy = agent.train(env, budget)
+        seconds = time.perf_counter() - start
+        outcome.results.append(context.result(spec, budget, agent_seed, policy, seconds, env.completions_drawn))
+    except Exception as exc:  # one broken agent must not stop the sweep
+        outcome.failures.append(_failure(context, spec, budget, exc))
+
+
+def _run_shared(context: _UnitContext, spec: AgentSpec, budgets: list[int], agent_seed: int,
+                outcome: UnitOutcome) -> None:
+    """An anytime agent's budgets from one trajectory (``train_budgets``): the same rows as fresh runs.
+
+    Each row's ``train_seconds`` is the trajectory's time up to that budget's policy; the
+    meter is restored with the env around each branch, so ``budget_spent`` is the branch's own.
+    """
+    env = MeteredEnv(context.table)
+    env.reset(seed=context.env_seed)
+    pending = sorted(budgets)
+    seconds = 0.0
+    try:
+        agent = build_agent(spec, agent_seed)
+        policies = iter(agent.train_budgets(env, pending))
+        while pending:
+            start = time.perf_counter()
+            budget, policy = next(policies)
+            seconds += time.perf_counter() - start
+            if budget != pending[0]:
+                raise RuntimeError(f"train_budgets returned budget {budget}, expected {pending[0]}")
+            pending.pop(0)
+            try:
+                outcome.results.append(context.result(spec, budget, agent_seed, policy, seconds, env.completions_drawn))
+            except Exception as exc:
+                outcome.failures.append(_failure(context, spec, budget, exc))
+    except Exception as exc:  # the budgets not reached fail with the trajectory's error
+        outcome.failures.extend(_failure(context, spec, b, exc) for b in pending)
 
 
 def _run_unit_safely(unit: WorkUnit) -> UnitOutcome:

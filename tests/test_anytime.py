@@ -1,0 +1,97 @@
+"""Anytime training: one sequential trajectory serves several budgets with fresh-run results.
+
+``train_budgets`` must give, for every budget, exactly what ``train`` gives a fresh agent
+on a freshly seeded env (policy, completions drawn, the env's generator afterwards), and
+the leaderboard's shared path must store the same rows as one run per budget.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import agents
+from agents.baselines import _Sequential
+from iapo_gym.leaderboard.runner import MeteredEnv, run_sweep
+from iapo_gym.leaderboard.specs import parse_agent_spec, resolve_task
+from iapo_gym.leaderboard.store import ResultStore
+from iapo_gym.tables import OutcomeTable
+from tests.conftest import tiny_bon_table, tiny_mv_table
+
+TABLES = {"mv": tiny_mv_table, "bon": tiny_bon_table}
+BUDGETS = [5, 40, 41, 300, 617, 1000]  # includes budgets below N_max and one N_max apart
+
+
+def _fresh(table: OutcomeTable, name: str, budget: int, env_seed: int, agent_seed: int) -> tuple:
+    env = MeteredEnv(table)
+    env.reset(seed=env_seed)
+    policy = agents.make(name, seed=agent_seed).train(env, budget)
+    return policy.arms, env.completions_drawn, env.np_random.random()
+
+
+@pytest.mark.parametrize("aggregator", ["mv", "bon"])
+@pytest.mark.parametrize("name", ["softmax", "epsilon_greedy", "ucb"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_train_budgets_equals_a_fresh_run_per_budget(aggregator: str, name: str, seed: int) -> None:
+    table = TABLES[aggregator](seed=seed, n_prompts=4, n_max=16)
+    env = MeteredEnv(table)
+    env.reset(seed=seed + 10)
+    agent = agents.make(name, seed=seed + 20)
+    assert agent.anytime
+    shared = {}
+    for budget, policy in agent.train_budgets(env, list(reversed(BUDGETS))):  # any order in, increasing out
+        shared[budget] = (policy.arms, env.completions_drawn, env.snapshot())
+    assert list(shared) == BUDGETS
+    for budget in BUDGETS:
+        arms, drawn, after = _fresh(table, name, budget, seed + 10, seed + 20)
+        assert shared[budget][0] == arms, (budget, shared[budget][0], arms)
+        assert shared[budget][1] == drawn == budget  # spent exactly, never more
+        probe = MeteredEnv(table)
+        probe.restore(shared[budget][2])
+        assert probe.np_random.random() == after  # the env's stream is where a fresh run leaves it
+
+
+def test_train_budgets_refuses_the_batched_approximation() -> None:
+    env = MeteredEnv(tiny_mv_table())
+    agent = agents.make("ucb", seed=0, batch_size=4)
+    assert not agent.anytime
+    with pytest.raises(ValueError, match="batch_size=1"):
+        list(agent.train_budgets(env, [10, 20]))
+
+
+def test_snapshot_restore_replays_the_same_draws() -> None:
+    env = MeteredEnv(tiny_bon_table(n_max=6))
+    env.reset(seed=4)
+    env.pull_one(0, 3)
+    saved = env.snapshot()
+    first = [env.pull_one(1, 6) for _ in range(5)]
+    assert env.completions_drawn == 33 and env.budget_used == 33
+    env.restore(saved)
+    assert env.completions_drawn == 3 and env.budget_used == 3
+    again = [env.pull_one(1, 6) for _ in range(5)]
+    assert [q for q, _ in first] == [q for q, _ in again]
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(first, again, strict=True))
+
+
+def _rows(out: Path) -> dict[tuple, tuple]:
+    with ResultStore(out, create=False) as store:
+        return {(r.task, r.label, r.budget, r.run): (r.acr, r.arms, r.budget_spent, r.agent_seed, r.env_seed)
+                for r in store.results()}
+
+
+def test_sweep_shares_trajectories_and_stores_the_rows_of_separate_runs(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    tasks = [resolve_task("synthetic_bernoulli"), resolve_task("synthetic_categorical")]
+    specs = [parse_agent_spec(s) for s in ("softmax", "ucb", "epsilon_greedy:epsilon=0.3", "uniform")]
+    budgets = [200, 1000, 1500]
+    shared = run_sweep(tmp_path / "shared", tasks, specs, budgets, runs=2, jobs=1, log=io.StringIO(), bar=False)
+    monkeypatch.setattr(_Sequential, "anytime", property(lambda self: False))
+    separate = run_sweep(tmp_path / "separate", tasks, specs, budgets, runs=2, jobs=1, log=io.StringIO(), bar=False)
+    assert shared.failures == separate.failures == []
+    a, b = _rows(tmp_path / "shared"), _rows(tmp_path / "separate")
+    assert len(a) == 2 * 4 * 3 * 2
+    assert a == b
+    assert all(spent == key[2] for key, (_, _, spent, _, _) in a.items() if key[1] != "uniform")
