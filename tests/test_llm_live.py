@@ -128,3 +128,18 @@ def test_bad_pulls_and_the_cap_stop_before_sending(tmp_path: Path, proxy: int) -
     assert env.requests == 3 and proxy_stats(proxy)["posts"] == 3
     assert env._drawn.sum() == 0  # the failed pull used up no sample index
     env.close()
+
+
+def test_pull_one_asks_the_endpoint_and_the_schema_probs_are_never_sampled(tmp_path: Path, proxy: int) -> None:
+    env = LiveEnv(_spec(tmp_path, proxy), cache=tmp_path / "cache.sqlite")
+    env.reset(seed=2)
+    before = proxy_stats(proxy)["posts"]
+    query, atoms = env.pull_one(1, 3)
+    assert proxy_stats(proxy)["posts"] > before and env.requests > 0  # real requests, not table draws
+    assert atoms.shape == (3,) and 0 <= query < env.table.n_queries and env.budget_used == 3
+    env.reset(seed=2)
+    again = env.pull_one(1, 3)  # the same sample indices: answered by the cache
+    assert again[0] == query and np.array_equal(again[1], atoms)
+    with pytest.raises(NotImplementedError, match="no outcome distribution"):
+        env._get_sampler()
+    env.close()

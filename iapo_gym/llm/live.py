@@ -130,6 +130,16 @@ class LiveEnv(IAPOEnv):
         self.budget_used += int(offsets[-1])
         return Pulls(prompts, ns, queries, atoms.astype(np.int64), offsets)
 
+    def pull_one(self, prompt: int, n: int) -> tuple[int, np.ndarray]:
+        """One live pull: (query, atoms), through ``pull`` (the table's draws are never used here)."""
+        pulls = self.pull(np.array([prompt]), np.array([n]))
+        return int(pulls.queries[0]), pulls.atoms
+
+    def _get_sampler(self) -> Any:
+        """Refused: the schema table's ``probs`` are not the model's, so nothing may sample them."""
+        raise NotImplementedError("LiveEnv draws completions from the endpoint; its table has no outcome "
+                                  "distribution to sample")
+
     def _check(self, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray) -> None:
         """The table env's argument checks, with its messages."""
         if prompts.shape != ns.shape:
