@@ -21,6 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+from regret_plot import plot_regret
 
 from iapo_gym.cli import main as cli_main
 from iapo_gym.leaderboard.specs import PAPER_BUDGETS
@@ -107,35 +108,7 @@ def analyse(cells: Cells, challengers: list[str]) -> str:
 
 def plot(cells: Cells, labels: list[str], path: Path) -> Path:
     """Regret (mean ± SEM over runs) against the budget, one panel per task."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tasks = sorted({task for task, _ in cells})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.6 * len(tasks), 3.6), squeeze=False)
-    markers = "os^vD<>"
-    for ax, task in zip(axes[0], tasks, strict=True):
-        budgets = sorted(b for t, b in cells if t == task)
-        for j, label in enumerate(labels):
-            stats = [mean_sem(cells[(task, b)][label][1] - cells[(task, b)][label][0]) for b in budgets]
-            mean = np.array([s[0] for s in stats])
-            sem = np.array([s[1] for s in stats])
-            ax.plot(budgets, mean, marker=markers[j % len(markers)], color=f"C{j}", label=label)
-            ax.fill_between(budgets, mean - sem, mean + sem, color=f"C{j}", alpha=0.15)
-        ax.set_xscale("log")
-        ax.set_xticks(budgets, [f"{b // 1000}K" for b in budgets])
-        ax.minorticks_off()
-        ax.set_title(task)
-        ax.set_xlabel("training budget T (completions)")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("regret vs train-optimal (test ACR)")
-    axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return plot_regret(cells, labels, path)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+from regret_plot import plot_regret
 
 from iapo_gym.cli import main as cli_main
 from iapo_gym.leaderboard.stats import adjust_pvalues, mean_sem, paired_test
@@ -84,37 +85,9 @@ def analyse(cells: Cells) -> str:
 
 def plot(cells: Cells, path: Path) -> Path:
     """Regret (mean +- SEM over runs) against the budget for the three agents, one panel per task."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tasks = sorted({task for task, _ in cells})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.6 * len(tasks), 3.6), squeeze=False)
     names = {BLOCKS: "psst (blocks)", RB: "psst_rb (all subsets)", CEILING: "ceiling (exact per query)"}
     styles = {BLOCKS: ("C0", "o", "-"), RB: ("C1", "s", "-"), CEILING: ("0.4", "^", "--")}
-    for ax, task in zip(axes[0], tasks, strict=True):
-        budgets = sorted(b for t, b in cells if t == task)
-        for label in LABELS:
-            stats = [mean_sem(cells[(task, b)][label][1] - cells[(task, b)][label][0]) for b in budgets]
-            mean = np.array([s[0] for s in stats])
-            sem = np.array([s[1] for s in stats])
-            color, marker, line = styles[label]
-            ax.plot(budgets, mean, marker=marker, linestyle=line, color=color, label=names[label])
-            ax.fill_between(budgets, mean - sem, mean + sem, color=color, alpha=0.15)
-        ax.set_xscale("log")
-        ax.set_xticks(budgets, [f"{b // 1000}K" for b in budgets])
-        ax.minorticks_off()
-        ax.set_title(task)
-        ax.set_xlabel("training budget T (completions)")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("regret vs train-optimal (test ACR)")
-    axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return plot_regret(cells, list(LABELS), path, {label: (*styles[label], names[label]) for label in LABELS})
 
 
 def main() -> None:
