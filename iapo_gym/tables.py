@@ -350,19 +350,37 @@ def _strings(ds: Any) -> tuple[str, ...]:
     return tuple(s.decode() if isinstance(s, bytes) else str(s) for s in ds[()])
 
 
+def _attributes(path: Path, f: Any) -> dict[str, Any]:
+    """Schema version, task, aggregator, whether the exact tensor is stored, and the provenance attributes."""
+    meta: dict[str, Any] = {
+        "schema_version": _check_version(path, f),
+        "task": str(f.attrs["task"]),
+        "aggregator": str(f.attrs["aggregator"]),
+        "has_exact": "exact" in f,
+    }
+    for key, value in f.attrs.items():
+        if key.startswith("prov_"):
+            meta[key[5:]] = _jsonable(value)
+    return meta
+
+
+def read_attributes(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """``read_metadata`` without the shapes and names: the cheapest check of what a file holds (provenance)."""
+    path = Path(path)
+    with _open(path) as f:
+        return _attributes(path, f)
+
+
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Attributes and shapes of a table file, without loading its arrays."""
     path = Path(path)
     with _open(path) as f:
-        version = _check_version(path, f)
+        meta = _attributes(path, f)
         for name in REQUIRED_DATASETS:
             if name not in f:
                 raise TableError(f"{path}: missing dataset '{name}'")
         n_p, n_q, n_m = f["probs"].shape
-        meta: dict[str, Any] = {
-            "schema_version": version,
-            "task": str(f.attrs["task"]),
-            "aggregator": str(f.attrs["aggregator"]),
+        meta.update({
             "n_prompts": int(n_p),
             "n_queries": int(n_q),
             "n_atoms": int(n_m),
@@ -371,11 +389,7 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
             "objective_names": list(_strings(f["objective_names"])),
             "context_names": list(_strings(f["contexts/names"])),
             "has_split": "split" in f,
-            "has_exact": "exact" in f,
-        }
-        for key, value in f.attrs.items():
-            if key.startswith("prov_"):
-                meta[key[5:]] = _jsonable(value)
+        })
     return meta
 
 

@@ -10,26 +10,30 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from iapo_gym import paths
-from iapo_gym.data.download import (
-    ChecksumError,
-    DownloadError,
-    fetch_release,
-    folder_lock,
-    is_verified,
-    release_dir,
-    verify_release_file,
-)
 from iapo_gym.data.registry import RegistryError, ReleaseEntry, entry_for_task
 from iapo_gym.paths import DATA_ENV, OFFLINE_ENV
-from iapo_gym.tables import TableError, read_metadata
+from iapo_gym.tables import TableError, read_attributes, read_metadata
 from iapo_gym.tasks import MissingTableError, TaskSpec
+
+if TYPE_CHECKING:
+    from iapo_gym.data.download import ChecksumError, DownloadError
 
 __all__ = [
     "ChecksumError", "DownloadError", "MissingTableError", "RegistryError", "check_table_file",
     "data_folders", "ensure_table", "local_status", "rebuild_hint", "resolve_table",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The download errors, imported on first use (a fresh ``gym.make`` of a local table never downloads)."""
+    if name in ("ChecksumError", "DownloadError"):
+        from iapo_gym.data import download
+
+        return getattr(download, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def rebuild_hint(path: Path, entry: ReleaseEntry | None) -> str:
@@ -57,8 +61,8 @@ def _cached_table_ok(path: Path, entry: ReleaseEntry) -> bool:
     if not path.is_file():
         return False
     try:
-        meta = read_metadata(path)
-    except (TableError, OSError):
+        meta = read_attributes(path)  # a fresh gym.make pays for this open: the cheap reader
+    except (TableError, OSError, KeyError):
         return False
     return (bool(meta.get("verified")) and meta.get("source_git_blob") == entry.git_blob and meta["task"] == entry.name
             and bool(meta.get("has_exact")))  # an older cache table (no stored exact tensor) is converted again
@@ -73,6 +77,7 @@ def ensure_table(entry: ReleaseEntry, raw: Path | None = None, force: bool = Fal
     target = folder / entry.table_file
     if not force and _cached_table_ok(target, entry):
         return target  # converted from the verified official bytes: ``raw`` need not be read again
+    from iapo_gym.data.download import fetch_release, folder_lock, verify_release_file
     from iapo_gym.data.release import import_release
 
     if raw is None:
@@ -113,6 +118,8 @@ def resolve_table(spec: TaskSpec) -> Path:
         raise MissingTableError(f"no table for task {spec.name!r} ({spec.table_file}); looked at {', '.join(looked)}; "
                                 f"pass path=..., set ${DATA_ENV} to a folder holding {spec.table_file}, or build one "
                                 f"from your own logs with `iapo-gym data build`")
+    from iapo_gym.data.download import is_verified, release_dir
+
     cached_raw = release_dir() / entry.file
     if cached_raw.is_file() and is_verified(cached_raw, entry):
         return ensure_table(entry, raw=cached_raw)
@@ -134,6 +141,8 @@ def data_folders() -> list[Path]:
 
 def local_status(entry: ReleaseEntry) -> dict[str, object]:
     """Where ``entry``'s table and release file are on this machine and whether each checks out (reads, never writes)."""
+    from iapo_gym.data.download import is_verified, release_dir
+
     table_path: Path | None = None
     table_ok = False
     for folder in [*data_folders(), paths.cache_dir()]:
