@@ -21,7 +21,7 @@ import numpy as np
 try:  # the optional extra
     import numba
 except ImportError:  # pragma: no cover - depends on the install
-    numba = None
+    numba = None  # type: ignore[assignment]
 
 SOFTMAX, EPSILON_GREEDY, UCB = 0, 1, 2  # the kinds of choice rule (``_Sequential.jit_rule``)
 
@@ -37,19 +37,16 @@ def _njit(fn: Any) -> Any:
 
 # ---- the choice rules (baselines.py: _Sequential._argmax, Softmax/EpsilonGreedy/UCB.choose) ----
 @_njit
-def _argmax(values: np.ndarray, remaining: int, n_max: int, rng: np.random.Generator) -> int:
+def _argmax(values: np.ndarray, remaining: int, n_max: int, rng: np.random.Generator, ties: np.ndarray) -> int:
     """``_Sequential._argmax`` with the mask "N <= remaining" (every arm when remaining >= N_max)."""
-    m = values.size
+    all_fit = remaining >= n_max
     top = -np.inf
-    score = np.empty(m)
-    for i in range(m):
-        score[i] = values[i] if remaining >= n_max or i % n_max + 1 <= remaining else -np.inf
-        if score[i] > top:
-            top = score[i]
-    ties = np.empty(m, dtype=np.int64)
+    for i in range(values.size):
+        if (all_fit or i % n_max + 1 <= remaining) and values[i] > top:
+            top = values[i]
     n_ties = 0
-    for i in range(m):
-        if score[i] == top:
+    for i in range(values.size):
+        if (all_fit or i % n_max + 1 <= remaining) and values[i] == top:
             ties[n_ties] = i
             n_ties += 1
     return ties[0] if n_ties == 1 else ties[rng.integers(0, n_ties)]
@@ -57,30 +54,44 @@ def _argmax(values: np.ndarray, remaining: int, n_max: int, rng: np.random.Gener
 
 @_njit
 def _choose(rule: int, param: float, means: np.ndarray, counts: np.ndarray, remaining: int, n_max: int,
-            rng: np.random.Generator) -> int:
-    """The flat arm chosen by ``rule`` for one context's ``means``/``counts`` (see each ``choose``)."""
+            rng: np.random.Generator, work: np.ndarray, ties: np.ndarray, seen_means: np.ndarray,
+            seen_exp: np.ndarray, seen_top: np.ndarray) -> int:
+    """The flat arm chosen by ``rule`` for one context's ``means``/``counts`` (see each ``choose``).
+
+    ``work``/``ties`` are scratch space; ``seen_*`` the context's softmax terms exp(mean / tau
+    - top) from earlier steps, recomputed only where the mean or the top changed (the same
+    values: exp is a function of its argument).
+    """
     m = means.size
+    all_fit = remaining >= n_max
     if rule == SOFTMAX:  # Softmax.choose: cdf of exp(logits - max), searchsorted(u * cdf[-1], "right")
-        logits = np.empty(m)
-        top = -np.inf
+        best = -np.inf
         for i in range(m):
-            logits[i] = means[i] / param if remaining >= n_max or i % n_max + 1 <= remaining else -np.inf
-            if logits[i] > top:
-                top = logits[i]
-        cdf = np.empty(m)
+            if (all_fit or i % n_max + 1 <= remaining) and means[i] > best:
+                best = means[i]
+        top = best / param  # = the largest logit: rounding x / tau is monotone in x
+        if top != seen_top[0]:
+            seen_means[:] = np.nan
+            seen_top[0] = top
         acc = 0.0
         for i in range(m):
-            acc = math.exp(logits[i] - top) if i == 0 else acc + math.exp(logits[i] - top)
-            cdf[i] = acc
-        u = rng.random() * cdf[m - 1]
+            term = 0.0  # exp(-inf) of an arm that does not fit
+            if all_fit or i % n_max + 1 <= remaining:
+                if means[i] != seen_means[i]:
+                    seen_means[i] = means[i]
+                    seen_exp[i] = math.exp(means[i] / param - top)
+                term = seen_exp[i]
+            acc = term if i == 0 else acc + term
+            work[i] = acc
+        u = rng.random() * work[m - 1]
         for i in range(m):
-            if cdf[i] > u:
+            if work[i] > u:
                 return i
         return m
     if rule == EPSILON_GREEDY:  # EpsilonGreedy.choose
         if rng.random() < param:
-            if remaining >= n_max:
-                return rng.integers(0, m)
+            if all_fit:
+                return int(rng.integers(0, m))
             n_options = 0
             for i in range(m):
                 n_options += i % n_max + 1 <= remaining
@@ -90,16 +101,15 @@ def _choose(rule: int, param: float, means: np.ndarray, counts: np.ndarray, rema
                     if pick == 0:
                         return i
                     pick -= 1
-        return _argmax(means, remaining, n_max, rng)
+        return _argmax(means, remaining, n_max, rng, ties)
     # UCB.choose: mu + c sqrt(ln t / n), unsampled arms first
     t = 0.0
     for i in range(m):
         t += counts[i]  # exact: small integers, so the order of summation does not matter
     log_t = math.log(max(1.0, t))
-    index = np.empty(m)
     for i in range(m):
-        index[i] = means[i] + param * math.sqrt(log_t / counts[i]) if counts[i] > 0 else np.inf
-    return _argmax(index, remaining, n_max, rng)
+        work[i] = means[i] + param * math.sqrt(log_t / counts[i]) if counts[i] > 0 else np.inf
+    return _argmax(work, remaining, n_max, rng, ties)
 
 
 # ---- one pull (env.py: IAPOEnv._draw_one; sampling.py: AliasSampler.sample_row) ------------
@@ -111,31 +121,43 @@ def _draw(prompt: int, n: int, pool: np.ndarray, accept: np.ndarray, alias: np.n
     start = (prompt * n_queries + query) * n_atoms
     for i in range(n):
         x = rng.random() * n_atoms  # rng.random(n): the same doubles, one at a time
-        column = min(np.int64(x), n_atoms - 1)
+        column = int(x)
+        if column > n_atoms - 1:
+            column = n_atoms - 1
         atoms[i] = column if x - column < accept[start + column] else alias[start + column]
     return query
 
 
 # ---- the estimator's update (estimator.py: Estimator.update_one, blocks reuse) --------------
 @_njit
-def _update(p: int, n: int, q: int, atoms: np.ndarray, n_atoms: int, mv: bool, gold: np.ndarray, table_atoms: np.ndarray,
-            weights: np.ndarray, cost: np.ndarray, sums: np.ndarray, counts: np.ndarray) -> None:
-    """Add the samples of one pull at every scale k <= n (floor(n / k) blocks of k, in draw order)."""
+def _update(p: int, n: int, q: int, atoms: np.ndarray, n_atoms: int, mv: bool, gold: np.ndarray,
+            table_atoms: np.ndarray, weights: np.ndarray, cost: np.ndarray, sums: np.ndarray, counts: np.ndarray,
+            scores: np.ndarray) -> None:
+    """Add the samples of one pull at every scale k <= n (floor(n / k) blocks of k, in draw order).
+
+    ``scores`` (levels, N_max, C) is scratch space for the Best-of-N scores and their sparse table
+    of range maxima (level l: the maxima of 2^l consecutive completions), as in ``update_one``.
+    """
     n_contexts, n_obj = weights.shape[0], weights.shape[1] - 1
     votes = np.zeros(n_atoms, np.int64)  # per bucket (atom) of one block: buckets without votes never tie
-    scores = np.empty((0, 0))
-    if not mv:
-        scores = np.empty((n, n_contexts))  # objective_scores, objective by objective
+    cost_k, credit, task = np.empty(n), np.empty(n), np.empty((n, n_contexts))  # per scale k = 1..n
+    if not mv:  # estimator.objective_scores, objective by objective; then range maxima over 2^l completions
         for i in range(n):
             for c in range(n_contexts):
                 acc = weights[c, 0] * table_atoms[p, q, atoms[i], 0]
-                for k in range(1, n_obj):
-                    acc += weights[c, k] * table_atoms[p, q, atoms[i], k]
-                scores[i, c] = acc
-    task = np.empty(n_contexts)
+                for j in range(1, n_obj):
+                    acc += weights[c, j] * table_atoms[p, q, atoms[i], j]
+                scores[0, i, c] = acc
+        half, level = 1, 1
+        while 2 * half <= n:
+            for i in range(n - 2 * half + 1):
+                for c in range(n_contexts):  # (indexing, not views: a view costs reference counting)
+                    low, high = scores[level - 1, i, c], scores[level - 1, i + half, c]
+                    scores[level, i, c] = low if low >= high else high
+            half, level = 2 * half, level + 1
     for k in range(1, n + 1):
         n_blocks = n // k
-        cost_k = cost[p, q] * k * n_blocks
+        cost_k[k - 1] = cost[p, q] * k * n_blocks
         if mv:  # majority vote: credit 1 / ties when the gold bucket is among the most voted
             credit_sum = 0.0
             for b in range(n_blocks):
@@ -143,23 +165,30 @@ def _update(p: int, n: int, q: int, atoms: np.ndarray, n_atoms: int, mv: bool, g
                 for i in range(b * k, (b + 1) * k):
                     votes[atoms[i]] += 1
                 top = votes.max()
-                ties = 0
+                n_ties = 0
                 for v in votes:
-                    ties += v == top
-                credit_sum += (1.0 if votes[gold[q]] == top else 0.0) / ties
-            for c in range(n_contexts):
-                sums[c, p, k - 1] += weights[c, 0] * credit_sum + weights[c, n_obj] * cost_k
-        else:  # Best-of-N: the best score of each block, summed over the blocks in order
+                    n_ties += v == top
+                credit_sum += (1.0 if votes[gold[q]] == top else 0.0) / n_ties
+            credit[k - 1] = credit_sum
+        else:  # Best-of-N: the best score of each block (from the sparse table), summed over the blocks in order
+            level = 0
+            while 2 << level <= k:
+                level += 1
+            width = 1 << level
             for b in range(n_blocks):
+                first, last = b * k, (b + 1) * k - width
                 for c in range(n_contexts):
-                    best = scores[b * k, c]
-                    for i in range(b * k + 1, (b + 1) * k):
-                        best = max(best, scores[i, c])
-                    task[c] = best if b == 0 else task[c] + best
-            for c in range(n_contexts):
-                sums[c, p, k - 1] += task[c] + cost_k * weights[c, n_obj]
-        for c in range(n_contexts):
-            counts[c, p, k - 1] += n_blocks
+                    low, high = scores[level, first, c], scores[level, last, c]
+                    block_max = low if low >= high else high
+                    task[k - 1, c] = block_max if b == 0 else task[k - 1, c] + block_max
+    for c in range(n_contexts):  # row by row: rows are P * N_max apart, a column walk would thrash the cache
+        w_task, w_cost = weights[c, 0], weights[c, n_obj]
+        for k in range(n):
+            if mv:
+                sums[c, p, k] += w_task * credit[k] + w_cost * cost_k[k]
+            else:
+                sums[c, p, k] += task[k, c] + cost_k[k] * w_cost
+            counts[c, p, k] += n // (k + 1)
 
 
 # ---- the loop (baselines.py: _Sequential._advance, batch_size == 1) -------------------------
@@ -171,14 +200,23 @@ def advance(rule: int, param: float, rng: np.random.Generator, env_rng: np.rando
     """Take the steps while spent < budget and spent <= stop; returns the completions spent afterwards."""
     n_contexts, n_prompts, n_max = sums.shape
     n_atoms = accept.size // (n_prompts * n_queries)
+    flat_counts = counts.reshape(n_contexts, n_prompts * n_max)
     atoms = np.empty(n_max, np.int64)
+    work, ties = np.empty(n_prompts * n_max), np.empty(n_prompts * n_max, np.int64)
+    seen_means, seen_exp = np.full((n_contexts, n_prompts * n_max), np.nan), np.empty((n_contexts, n_prompts * n_max))
+    seen_top = np.full((n_contexts, 1), np.nan)
+    n_levels = 1
+    while 1 << n_levels <= n_max:
+        n_levels += 1
+    scores = np.empty((n_levels, n_max, n_contexts))
     while spent < budget and spent <= stop:
         remaining = budget - spent
         c = rng.integers(0, n_contexts)
-        arm = _choose(rule, param, means[c], counts[c].ravel(), remaining, n_max, rng)
+        arm = _choose(rule, param, means[c], flat_counts[c], remaining, n_max, rng, work, ties, seen_means[c],
+                      seen_exp[c], seen_top[c])
         p, n = arm // n_max, arm % n_max + 1
         q = _draw(p, n, pool, accept, alias, n_atoms, n_queries, env_rng, atoms)
-        _update(p, n, q, atoms, n_atoms, mv, gold, table_atoms, weights, cost, sums, counts)
+        _update(p, n, q, atoms, n_atoms, mv, gold, table_atoms, weights, cost, sums, counts, scores)
         spent += n
         for ctx in range(n_contexts):
             for k in range(n):
