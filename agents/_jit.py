@@ -32,7 +32,8 @@ def enabled() -> bool:
 
 
 def _njit(fn: Any) -> Any:
-    return numba.njit(cache=True)(fn) if numba is not None else fn
+    # error_model="numpy": x / 0 gives inf or nan as in numpy instead of raising (and loops vectorize)
+    return numba.njit(cache=True, error_model="numpy")(fn) if numba is not None else fn
 
 
 # ---- the choice rules (baselines.py: _Sequential._argmax, Softmax/EpsilonGreedy/UCB.choose) ----
@@ -53,11 +54,12 @@ def _argmax(values: np.ndarray, remaining: int, n_max: int, rng: np.random.Gener
 
 
 @_njit
-def _choose(rule: int, param: float, means: np.ndarray, counts: np.ndarray, remaining: int, n_max: int,
+def _choose(rule: int, param: float, means: np.ndarray, counts: np.ndarray, total: float, remaining: int, n_max: int,
             rng: np.random.Generator, work: np.ndarray, ties: np.ndarray, seen_means: np.ndarray,
             seen_exp: np.ndarray, seen_top: np.ndarray) -> int:
     """The flat arm chosen by ``rule`` for one context's ``means``/``counts`` (see each ``choose``).
 
+    ``total`` is the sum of ``counts`` (kept by the caller: exact, the counts are small integers).
     ``work``/``ties`` are scratch space; ``seen_*`` the context's softmax terms exp(mean / tau
     - top) from earlier steps, recomputed only where the mean or the top changed (the same
     values: exp is a function of its argument).
@@ -103,10 +105,7 @@ def _choose(rule: int, param: float, means: np.ndarray, counts: np.ndarray, rema
                     pick -= 1
         return _argmax(means, remaining, n_max, rng, ties)
     # UCB.choose: mu + c sqrt(ln t / n), unsampled arms first
-    t = 0.0
-    for i in range(m):
-        t += counts[i]  # exact: small integers, so the order of summation does not matter
-    log_t = math.log(max(1.0, t))
+    log_t = math.log(max(1.0, total))
     for i in range(m):
         work[i] = means[i] + param * math.sqrt(log_t / counts[i]) if counts[i] > 0 else np.inf
     return _argmax(work, remaining, n_max, rng, ties)
@@ -139,7 +138,7 @@ def _update(p: int, n: int, q: int, atoms: np.ndarray, n_atoms: int, mv: bool, g
     of range maxima (level l: the maxima of 2^l consecutive completions), as in ``update_one``.
     """
     n_contexts, n_obj = weights.shape[0], weights.shape[1] - 1
-    votes = np.zeros(n_atoms, np.int64)  # per bucket (atom) of one block: buckets without votes never tie
+    votes = np.zeros(n_atoms, np.int64)  # per bucket (atom), of one block at a time: buckets without votes never tie
     cost_k, credit, task = np.empty(n), np.empty(n), np.empty((n, n_contexts))  # per scale k = 1..n
     if not mv:  # estimator.objective_scores, objective by objective; then range maxima over 2^l completions
         for i in range(n):
@@ -161,14 +160,16 @@ def _update(p: int, n: int, q: int, atoms: np.ndarray, n_atoms: int, mv: bool, g
         if mv:  # majority vote: credit 1 / ties when the gold bucket is among the most voted
             credit_sum = 0.0
             for b in range(n_blocks):
-                votes[:] = 0
+                top = 0
                 for i in range(b * k, (b + 1) * k):
                     votes[atoms[i]] += 1
-                top = votes.max()
+                    top = max(top, votes[atoms[i]])
+                won = votes[gold[q]] == top
                 n_ties = 0
-                for v in votes:
-                    n_ties += v == top
-                credit_sum += (1.0 if votes[gold[q]] == top else 0.0) / n_ties
+                for i in range(b * k, (b + 1) * k):  # each most-voted bucket once (then back to 0 votes)
+                    n_ties += votes[atoms[i]] == top
+                    votes[atoms[i]] = 0
+                credit_sum += (1.0 if won else 0.0) / n_ties
             credit[k - 1] = credit_sum
         else:  # Best-of-N: the best score of each block (from the sparse table), summed over the blocks in order
             level = 0
@@ -177,10 +178,14 @@ def _update(p: int, n: int, q: int, atoms: np.ndarray, n_atoms: int, mv: bool, g
             width = 1 << level
             for b in range(n_blocks):
                 first, last = b * k, (b + 1) * k - width
-                for c in range(n_contexts):
-                    low, high = scores[level, first, c], scores[level, last, c]
-                    block_max = low if low >= high else high
-                    task[k - 1, c] = block_max if b == 0 else task[k - 1, c] + block_max
+                if b == 0:
+                    for c in range(n_contexts):
+                        low, high = scores[level, first, c], scores[level, last, c]
+                        task[k - 1, c] = low if low >= high else high
+                else:
+                    for c in range(n_contexts):
+                        low, high = scores[level, first, c], scores[level, last, c]
+                        task[k - 1, c] += low if low >= high else high
     for c in range(n_contexts):  # row by row: rows are P * N_max apart, a column walk would thrash the cache
         w_task, w_cost = weights[c, 0], weights[c, n_obj]
         for k in range(n):
@@ -209,15 +214,21 @@ def advance(rule: int, param: float, rng: np.random.Generator, env_rng: np.rando
     while 1 << n_levels <= n_max:
         n_levels += 1
     scores = np.empty((n_levels, n_max, n_contexts))
+    totals = np.zeros(n_contexts)  # per context, the sum of its counts (what UCB.choose sums)
+    for ctx in range(n_contexts):
+        for i in range(n_prompts * n_max):
+            totals[ctx] += flat_counts[ctx, i]
     while spent < budget and spent <= stop:
         remaining = budget - spent
         c = rng.integers(0, n_contexts)
-        arm = _choose(rule, param, means[c], flat_counts[c], remaining, n_max, rng, work, ties, seen_means[c],
+        arm = _choose(rule, param, means[c], flat_counts[c], totals[c], remaining, n_max, rng, work, ties, seen_means[c],
                       seen_exp[c], seen_top[c])
         p, n = arm // n_max, arm % n_max + 1
         q = _draw(p, n, pool, accept, alias, n_atoms, n_queries, env_rng, atoms)
         _update(p, n, q, atoms, n_atoms, mv, gold, table_atoms, weights, cost, sums, counts, scores)
         spent += n
+        for k in range(1, n + 1):
+            totals += n // k
         for ctx in range(n_contexts):
             for k in range(n):
                 means[ctx, p * n_max + k] = sums[ctx, p, k] / counts[ctx, p, k]
