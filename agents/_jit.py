@@ -76,12 +76,15 @@ def _choose(rule: int, param: float, means: np.ndarray, counts: np.ndarray, tota
             seen_means[:] = np.nan
             seen_top[0] = top
         acc = 0.0
+        last_mean, last_exp = np.nan, 0.0  # runs of equal means (e.g. unsampled arms) need one exp
         for i in range(m):
             term = 0.0  # exp(-inf) of an arm that does not fit
             if all_fit or i % n_max + 1 <= remaining:
                 if means[i] != seen_means[i]:
                     seen_means[i] = means[i]
-                    seen_exp[i] = math.exp(means[i] / param - top)
+                    if means[i] != last_mean:
+                        last_mean, last_exp = means[i], math.exp(means[i] / param - top)
+                    seen_exp[i] = last_exp
                 term = seen_exp[i]
             acc = term if i == 0 else acc + term
             work[i] = acc
