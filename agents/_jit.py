@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover - depends on the install
     numba = None  # type: ignore[assignment]
 
 SOFTMAX, EPSILON_GREEDY, UCB = 0, 1, 2  # the kinds of choice rule (``_Sequential.jit_rule``)
+MAX_N = 129  # the largest N_max whose block sums ``_reduceat_sum`` reproduces (numpy's PW_BLOCKSIZE + 1)
 
 
 def enabled() -> bool:
@@ -41,15 +42,14 @@ def _njit(fn: Any) -> Any:
 def _argmax(values: np.ndarray, remaining: int, n_max: int, rng: np.random.Generator, ties: np.ndarray) -> int:
     """``_Sequential._argmax`` with the mask "N <= remaining" (every arm when remaining >= N_max)."""
     all_fit = remaining >= n_max
-    top = -np.inf
-    for i in range(values.size):
-        if (all_fit or i % n_max + 1 <= remaining) and values[i] > top:
-            top = values[i]
-    n_ties = 0
-    for i in range(values.size):
-        if (all_fit or i % n_max + 1 <= remaining) and values[i] == top:
-            ties[n_ties] = i
-            n_ties += 1
+    top, n_ties = -np.inf, 0
+    for i in range(values.size):  # one pass: the ties of the best value so far, in index order
+        if all_fit or i % n_max + 1 <= remaining:
+            if values[i] > top:
+                top, n_ties = values[i], 0
+            if values[i] == top:
+                ties[n_ties] = i
+                n_ties += 1
     return ties[0] if n_ties == 1 else ties[rng.integers(0, n_ties)]
 
 
@@ -130,25 +130,61 @@ def _draw(prompt: int, n: int, pool: np.ndarray, accept: np.ndarray, alias: np.n
     return query
 
 
+@_njit
+def _reduceat_sum(values: np.ndarray, count: int, acc: np.ndarray, out: np.ndarray) -> None:
+    """``out[c] = np.add.reduceat(values[:count], [0], axis=0)[0, c]`` bit for bit (``update_one``'s block sums).
+
+    numpy's reduceat starts from the first row and adds the pairwise sum of the others
+    (numpy's ``pairwise_sum``: sequential from 0.0 below 8 terms, else 8 interleaved partial
+    sums combined as a tree, then the remainder). ``acc`` (8, C) is scratch space; ``count``
+    - 1 <= 128 (``PW_BLOCKSIZE``, where numpy would split further), i.e. N_max <= 129.
+    """
+    m, n_contexts = count - 1, values.shape[1]
+    if m < 8:
+        for c in range(n_contexts):
+            res = 0.0
+            for i in range(1, count):
+                res += values[i, c]
+            out[c] = values[0, c] + res
+        return
+    for j in range(8):
+        for c in range(n_contexts):
+            acc[j, c] = values[1 + j, c]
+    i = 8
+    while i < m - m % 8:
+        for j in range(8):
+            for c in range(n_contexts):
+                acc[j, c] += values[1 + i + j, c]
+        i += 8
+    for c in range(n_contexts):
+        res = ((acc[0, c] + acc[1, c]) + (acc[2, c] + acc[3, c])) + ((acc[4, c] + acc[5, c]) + (acc[6, c] + acc[7, c]))
+        for t in range(i, m):
+            res += values[1 + t, c]
+        out[c] = values[0, c] + res
+
+
 # ---- the estimator's update (estimator.py: Estimator.update_one, blocks reuse) --------------
 @_njit
 def _update(p: int, n: int, q: int, atoms: np.ndarray, n_atoms: int, mv: bool, gold: np.ndarray,
             table_atoms: np.ndarray, weights: np.ndarray, cost: np.ndarray, sums: np.ndarray, counts: np.ndarray,
-            scores: np.ndarray) -> None:
+            scores: np.ndarray, votes: np.ndarray, per_k: np.ndarray, task: np.ndarray, block_max: np.ndarray,
+            pairwise: np.ndarray) -> None:
     """Add the samples of one pull at every scale k <= n (floor(n / k) blocks of k, in draw order).
 
-    ``scores`` (levels, N_max, C) is scratch space for the Best-of-N scores and their sparse table
-    of range maxima (level l: the maxima of 2^l consecutive completions), as in ``update_one``.
+    Scratch space (reused across steps, no allocation per step): ``scores`` (levels, N_max, C) for
+    the Best-of-N scores and their sparse table of range maxima (level l: the maxima of 2^l
+    consecutive completions, as in ``update_one``), ``votes`` (atoms,) zeros, ``per_k`` (2,
+    N_max), ``task`` and ``block_max`` (N_max, C), ``pairwise`` (8, C).
     """
     n_contexts, n_obj = weights.shape[0], weights.shape[1] - 1
-    votes = np.zeros(n_atoms, np.int64)  # per bucket (atom), of one block at a time: buckets without votes never tie
-    cost_k, credit, task = np.empty(n), np.empty(n), np.empty((n, n_contexts))  # per scale k = 1..n
+    cost_k, credit = per_k[0], per_k[1]  # per scale k = 1..n
     if not mv:  # estimator.objective_scores, objective by objective; then range maxima over 2^l completions
         for i in range(n):
+            vector = table_atoms[p, q, atoms[i]]
             for c in range(n_contexts):
-                acc = weights[c, 0] * table_atoms[p, q, atoms[i], 0]
+                acc = weights[c, 0] * vector[0]
                 for j in range(1, n_obj):
-                    acc += weights[c, j] * table_atoms[p, q, atoms[i], j]
+                    acc += weights[c, j] * vector[j]
                 scores[0, i, c] = acc
         half, level = 1, 1
         while 2 * half <= n:
@@ -174,21 +210,19 @@ def _update(p: int, n: int, q: int, atoms: np.ndarray, n_atoms: int, mv: bool, g
                     votes[atoms[i]] = 0
                 credit_sum += (1.0 if won else 0.0) / n_ties
             credit[k - 1] = credit_sum
-        else:  # Best-of-N: the best score of each block (from the sparse table), summed over the blocks in order
+        else:  # Best-of-N: the best score of each block (from the sparse table), summed as np.add.reduceat sums
             level = 0
             while 2 << level <= k:
                 level += 1
             width = 1 << level
             for b in range(n_blocks):
                 first, last = b * k, (b + 1) * k - width
-                if b == 0:
-                    for c in range(n_contexts):
-                        low, high = scores[level, first, c], scores[level, last, c]
-                        task[k - 1, c] = low if low >= high else high
-                else:
-                    for c in range(n_contexts):
-                        low, high = scores[level, first, c], scores[level, last, c]
-                        task[k - 1, c] += low if low >= high else high
+                for c in range(n_contexts):
+                    low, high = scores[level, first, c], scores[level, last, c]
+                    block_max[b, c] = low if low >= high else high
+            _reduceat_sum(block_max, n_blocks, pairwise, task[k - 1])
+
+
     for c in range(n_contexts):  # row by row: rows are P * N_max apart, a column walk would thrash the cache
         w_task, w_cost = weights[c, 0], weights[c, n_obj]
         for k in range(n):
@@ -217,6 +251,8 @@ def advance(rule: int, param: float, rng: np.random.Generator, env_rng: np.rando
     while 1 << n_levels <= n_max:
         n_levels += 1
     scores = np.empty((n_levels, n_max, n_contexts))
+    votes, per_k, task = np.zeros(n_atoms, np.int64), np.empty((2, n_max)), np.empty((n_max, n_contexts))
+    block_max, pairwise = np.empty((n_max, n_contexts)), np.empty((8, n_contexts))
     totals = np.zeros(n_contexts)  # per context, the sum of its counts (what UCB.choose sums)
     for ctx in range(n_contexts):
         for i in range(n_prompts * n_max):
@@ -228,7 +264,8 @@ def advance(rule: int, param: float, rng: np.random.Generator, env_rng: np.rando
                       seen_exp[c], seen_top[c])
         p, n = arm // n_max, arm % n_max + 1
         q = _draw(p, n, pool, accept, alias, n_atoms, n_queries, env_rng, atoms)
-        _update(p, n, q, atoms, n_atoms, mv, gold, table_atoms, weights, cost, sums, counts, scores)
+        _update(p, n, q, atoms, n_atoms, mv, gold, table_atoms, weights, cost, sums, counts, scores, votes, per_k,
+                task, block_max, pairwise)
         spent += n
         for k in range(1, n + 1):
             totals += n // k

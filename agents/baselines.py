@@ -228,7 +228,7 @@ class _Trajectory:
         env_cls = type(base)
         rule = agent.jit_rule()
         self.compiled = rule if (
-            _jit.enabled() and rule is not None and agent.reuse == "blocks" and self.lean
+            _jit.enabled() and rule is not None and agent.reuse == "blocks" and self.lean and base.n_max <= _jit.MAX_N
             and type(self.est).task_sums is Estimator.task_sums
             and env_cls._draw_one is IAPOEnv._draw_one and env_cls._get_sampler is IAPOEnv._get_sampler
             and (env_cls.pull_one is IAPOEnv.pull_one or env_cls.record_draws is not IAPOEnv.record_draws)) else None
