@@ -331,20 +331,17 @@ class Estimator:
         Ties are broken at random; a context with no sampled arm in its mask gets a
         uniformly random arm of the mask (of all arms if the mask is empty).
         """
-        if mask is None:
-            mask = np.ones(self.sums.shape, dtype=bool)
-        arms = []
-        means = self.mean(unseen=-np.inf)
-        noise = rng.random(self.sums.shape)
-        for c in range(self.n_contexts):
-            seen = mask[c] & (self.counts[c] > 0)
-            pool = seen if seen.any() else (mask[c] if mask[c].any() else np.ones_like(mask[c]))
-            score = np.where(pool, means[c] if seen.any() else 0.0, -np.inf)
-            best = score.max()
-            ties = pool & (score == best)
-            flat = int(np.argmax(np.where(ties, noise[c], -1.0)))
-            arms.append((flat // self.n_max, flat % self.n_max + 1))
-        return Policy(tuple(arms))
+        n_c = self.n_contexts
+        mask = np.ones((n_c, self.sums[0].size), dtype=bool) if mask is None else np.asarray(mask, bool).reshape(n_c, -1)
+        means = self.mean(unseen=-np.inf).reshape(n_c, -1)
+        noise = rng.random(self.sums.shape).reshape(n_c, -1)
+        seen = mask & (self.counts.reshape(n_c, -1) > 0)  # every context at once, row by row
+        any_seen = seen.any(axis=1, keepdims=True)
+        pool = np.where(any_seen, seen, mask | ~mask.any(axis=1, keepdims=True))
+        score = np.where(pool, np.where(any_seen, means, 0.0), -np.inf)
+        ties = pool & (score == score.max(axis=1, keepdims=True))
+        flat = np.argmax(np.where(ties, noise, -1.0), axis=1).tolist()
+        return Policy(tuple((f // self.n_max, f % self.n_max + 1) for f in flat))
 
 
 class _SinglePlan:
