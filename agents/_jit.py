@@ -168,24 +168,27 @@ def _reduceat_sum(values: np.ndarray, count: int, acc: np.ndarray, out: np.ndarr
 def _update(p: int, n: int, q: int, atoms: np.ndarray, n_atoms: int, mv: bool, gold: np.ndarray,
             table_atoms: np.ndarray, weights: np.ndarray, cost: np.ndarray, sums: np.ndarray, counts: np.ndarray,
             scores: np.ndarray, votes: np.ndarray, per_k: np.ndarray, task: np.ndarray, block_max: np.ndarray,
-            pairwise: np.ndarray) -> None:
+            pairwise: np.ndarray, weights_t: np.ndarray) -> None:
     """Add the samples of one pull at every scale k <= n (floor(n / k) blocks of k, in draw order).
 
     Scratch space (reused across steps, no allocation per step): ``scores`` (levels, N_max, C) for
     the Best-of-N scores and their sparse table of range maxima (level l: the maxima of 2^l
     consecutive completions, as in ``update_one``), ``votes`` (atoms,) zeros, ``per_k`` (2,
-    N_max), ``task`` and ``block_max`` (N_max, C), ``pairwise`` (8, C).
+    N_max), ``task`` and ``block_max`` (N_max, C), ``pairwise`` (8, C); ``weights_t`` is ``weights.T``
+    contiguous.
     """
     n_contexts, n_obj = weights.shape[0], weights.shape[1] - 1
     cost_k, credit = per_k[0], per_k[1]  # per scale k = 1..n
     if not mv:  # estimator.objective_scores, objective by objective; then range maxima over 2^l completions
         for i in range(n):
-            vector = table_atoms[p, q, atoms[i]]
-            for c in range(n_contexts):
-                acc = weights[c, 0] * vector[0]
-                for j in range(1, n_obj):
-                    acc += weights[c, j] * vector[j]
-                scores[0, i, c] = acc
+            a = atoms[i]
+            value = table_atoms[p, q, a, 0]
+            for c in range(n_contexts):  # along contexts (contiguous, vectorizes); weights_t is weights.T
+                scores[0, i, c] = weights_t[0, c] * value
+            for j in range(1, n_obj):
+                value = table_atoms[p, q, a, j]
+                for c in range(n_contexts):
+                    scores[0, i, c] += weights_t[j, c] * value
         half, level = 1, 1
         while 2 * half <= n:
             for i in range(n - 2 * half + 1):
@@ -253,6 +256,7 @@ def advance(rule: int, param: float, rng: np.random.Generator, env_rng: np.rando
     scores = np.empty((n_levels, n_max, n_contexts))
     votes, per_k, task = np.zeros(n_atoms, np.int64), np.empty((2, n_max)), np.empty((n_max, n_contexts))
     block_max, pairwise = np.empty((n_max, n_contexts)), np.empty((8, n_contexts))
+    weights_t = weights.T.copy()
     totals = np.zeros(n_contexts)  # per context, the sum of its counts (what UCB.choose sums)
     for ctx in range(n_contexts):
         for i in range(n_prompts * n_max):
@@ -265,7 +269,7 @@ def advance(rule: int, param: float, rng: np.random.Generator, env_rng: np.rando
         p, n = arm // n_max, arm % n_max + 1
         q = _draw(p, n, pool, accept, alias, n_atoms, n_queries, env_rng, atoms)
         _update(p, n, q, atoms, n_atoms, mv, gold, table_atoms, weights, cost, sums, counts, scores, votes, per_k,
-                task, block_max, pairwise)
+                task, block_max, pairwise, weights_t)
         spent += n
         for k in range(1, n + 1):
             totals += n // k
