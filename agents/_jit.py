@@ -224,8 +224,6 @@ def _update(p: int, n: int, q: int, atoms: np.ndarray, n_atoms: int, mv: bool, g
                     low, high = scores[level, first, c], scores[level, last, c]
                     block_max[b, c] = low if low >= high else high
             _reduceat_sum(block_max, n_blocks, pairwise, task[k - 1])
-
-
     for c in range(n_contexts):  # row by row: rows are P * N_max apart, a column walk would thrash the cache
         w_task, w_cost = weights[c, 0], weights[c, n_obj]
         for k in range(n):
