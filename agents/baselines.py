@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from agents import _jit
 from agents.base import Agent
 from agents.estimator import REUSE_MODES, Estimator, Reuse
 from agents.psst import partial_allocation
@@ -111,6 +112,10 @@ class _Sequential(Agent):
         with numpy's divide/invalid warnings silenced.
         """
 
+    def jit_rule(self) -> tuple[int, float] | None:
+        """(rule, parameter) of the compiled copy of ``choose`` in ``agents._jit._choose``; None: no copy."""
+        return None
+
     @staticmethod
     def _argmax(values: np.ndarray, mask: np.ndarray | None, rng: np.random.Generator) -> int:
         """Index of the largest value among ``mask`` (None: all), ties broken at random."""
@@ -168,6 +173,13 @@ class _Sequential(Agent):
         """
         base, est, n_max, n_contexts = run.base, run.est, run.n_max, run.n_contexts
         means, sums, counts, arm_n = run.means, run.sums, run.counts, run.arm_n
+        if self.batch_size == 1 and run.compiled is not None:  # the same steps, compiled (agents/_jit.py)
+            before = run.spent
+            rule, param = run.compiled
+            run.spent = _jit.advance(rule, param, self.rng, base.np_random, budget, stop, run.spent, means,
+                                     est.sums, est.counts, *run.tables)
+            base.record_draws(run.spent - before)
+            return
         with np.errstate(divide="ignore", invalid="ignore"):
             while run.spent < budget and run.spent <= stop:
                 remaining = budget - run.spent
@@ -212,6 +224,22 @@ class _Trajectory:
         self.spent = 0
         # The Pulls-free step, unless a subclass of the env intercepts pull but not pull_one.
         self.lean = type(base).pull is IAPOEnv.pull or type(base).pull_one is not IAPOEnv.pull_one
+        # The compiled loop draws what IAPOEnv.pull_one draws and accounts through record_draws.
+        env_cls = type(base)
+        rule = agent.jit_rule()
+        self.compiled = rule if (
+            _jit.enabled() and rule is not None and agent.reuse == "blocks" and self.lean and base.n_max <= _jit.MAX_N
+            and type(self.est).task_sums is Estimator.task_sums
+            and env_cls._draw_one is IAPOEnv._draw_one and env_cls._get_sampler is IAPOEnv._get_sampler
+            and (env_cls.pull_one is IAPOEnv.pull_one or env_cls.record_draws is not IAPOEnv.record_draws)) else None
+        self.tables: tuple[Any, ...] = ()
+        if self.compiled is not None:
+            table, sampler = base.table, base.sampler
+            mv = table.aggregator == "mv"
+            self.tables = (np.ascontiguousarray(base.queries(), dtype=np.int64), sampler.accept, sampler.alias,
+                           table.n_queries, mv, table.gold if mv else np.zeros(1, np.int64),
+                           np.zeros((0, 0, 0, 1)) if mv else table.atoms, table.context_weights,
+                           np.ascontiguousarray(table.cost_matrix(), dtype=np.float64))
 
     def save(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """Copies of what the steps change."""
@@ -252,6 +280,10 @@ class EpsilonGreedy(_Sequential):
             return int(options[self.rng.integers(options.size)])
         return self._argmax(means, feasible, self.rng)
 
+    def jit_rule(self) -> tuple[int, float] | None:
+        """The compiled ``choose`` (``_jit._choose``, EPSILON_GREEDY branch), unless a subclass redefines it."""
+        return (_jit.EPSILON_GREEDY, self.epsilon) if type(self).choose is EpsilonGreedy.choose else None
+
 
 class Softmax(_Sequential):
     """A random context each step; an arm drawn with probability proportional to exp(Q_hat / tau).
@@ -282,6 +314,10 @@ class Softmax(_Sequential):
         cdf = np.add.accumulate(np.exp(logits - np.maximum.reduce(logits)))  # = np.cumsum
         return int(cdf.searchsorted(self.rng.random() * cdf[-1], side="right"))
 
+    def jit_rule(self) -> tuple[int, float] | None:
+        """The compiled ``choose`` (``_jit._choose``, SOFTMAX branch), unless a subclass redefines it."""
+        return (_jit.SOFTMAX, self.temperature) if type(self).choose is Softmax.choose else None
+
 
 class UCB(_Sequential):
     """A random context each step; the feasible arm of highest mu + c sqrt(ln t / n).
@@ -308,4 +344,8 @@ class UCB(_Sequential):
         t = max(1.0, float(np.add.reduce(counts)))  # exact: counts are small integers
         index = np.where(counts > 0, means + self.c * np.sqrt(np.log(t) / counts), np.inf)
         return self._argmax(index, feasible, self.rng)
+
+    def jit_rule(self) -> tuple[int, float] | None:
+        """The compiled ``choose`` (``_jit._choose``, UCB branch), unless a subclass redefines it."""
+        return (_jit.UCB, self.c) if type(self).choose is UCB.choose else None
 

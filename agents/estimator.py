@@ -73,6 +73,18 @@ def mv_subset_credit(counts: np.ndarray, gold: np.ndarray, k_max: int,
         return np.where(denom > 0, series[:, 1:] / np.where(denom > 0, denom, 1.0), 0.0)
 
 
+def objective_scores(weights: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+    """(C, n) weighted objective score sum_k w[c, k] v[i, k] of ``vectors`` (n, K) under ``weights`` (C, K + 1).
+
+    Summed objective by objective in order (not a BLAS matmul, whose rounding depends on
+    the shape and the CPU), so the compiled loop of ``agents._jit`` gets the same bits.
+    """
+    out = weights[:, :1] * vectors[None, :, 0]
+    for k in range(1, vectors.shape[1]):
+        out += weights[:, k:k + 1] * vectors[None, :, k]
+    return out
+
+
 class Estimator:
     """Running estimates of Q(c, p, N) for every context, prompt and scale of one env.
 
@@ -232,7 +244,7 @@ class Estimator:
             assert table_atoms is not None
             # The sparse table of _blocks_bon, flattened and transposed: (entries, C).
             levels = np.empty((plan.table_size, self.n_contexts))
-            levels[:n] = (self._weights[:, :-1] @ table_atoms[p, q, atoms].T).T  # as in _scores
+            levels[:n] = objective_scores(self._weights, table_atoms[p, q, atoms]).T  # as in _scores
             for src, width, half, dst in plan.levels:
                 np.maximum(levels[src:src + width], levels[src + half:src + half + width], out=levels[dst:dst + width])
             block_max = np.maximum(levels.take(plan.first, axis=0), levels.take(plan.last, axis=0))
@@ -267,7 +279,7 @@ class Estimator:
         assert atoms is not None
         rep = np.repeat(np.arange(len(pulls)), pulls.ns)
         vectors = atoms[pulls.prompts[rep], pulls.queries[rep], pulls.atoms]  # (total, K)
-        return self._weights[:, :-1] @ vectors.T
+        return objective_scores(self._weights, vectors)
 
     def _blocks_bon(self, pulls: Pulls, pull_idx: np.ndarray, ks: np.ndarray, n_blocks: np.ndarray) -> np.ndarray:
         block_pair, start = self._block_starts(pulls, pull_idx, ks, n_blocks)
@@ -319,20 +331,17 @@ class Estimator:
         Ties are broken at random; a context with no sampled arm in its mask gets a
         uniformly random arm of the mask (of all arms if the mask is empty).
         """
-        if mask is None:
-            mask = np.ones(self.sums.shape, dtype=bool)
-        arms = []
-        means = self.mean(unseen=-np.inf)
-        noise = rng.random(self.sums.shape)
-        for c in range(self.n_contexts):
-            seen = mask[c] & (self.counts[c] > 0)
-            pool = seen if seen.any() else (mask[c] if mask[c].any() else np.ones_like(mask[c]))
-            score = np.where(pool, means[c] if seen.any() else 0.0, -np.inf)
-            best = score.max()
-            ties = pool & (score == best)
-            flat = int(np.argmax(np.where(ties, noise[c], -1.0)))
-            arms.append((flat // self.n_max, flat % self.n_max + 1))
-        return Policy(tuple(arms))
+        n_c = self.n_contexts
+        mask = np.ones((n_c, self.sums[0].size), dtype=bool) if mask is None else np.asarray(mask, bool).reshape(n_c, -1)
+        means = self.mean(unseen=-np.inf).reshape(n_c, -1)
+        noise = rng.random(self.sums.shape).reshape(n_c, -1)
+        seen = mask & (self.counts.reshape(n_c, -1) > 0)  # every context at once, row by row
+        any_seen = seen.any(axis=1, keepdims=True)
+        pool = np.where(any_seen, seen, mask | ~mask.any(axis=1, keepdims=True))
+        score = np.where(pool, np.where(any_seen, means, 0.0), -np.inf)
+        ties = pool & (score == score.max(axis=1, keepdims=True))
+        flat = np.argmax(np.where(ties, noise, -1.0), axis=1).tolist()
+        return Policy(tuple((f // self.n_max, f % self.n_max + 1) for f in flat))
 
 
 class _SinglePlan:

@@ -258,6 +258,20 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         self.budget_used += n
         return query, atoms
 
+    @property
+    def sampler(self) -> AliasSampler:
+        """The alias tables ``pull`` draws completions from (row p * n_queries + q), read-only."""
+        return self._get_sampler()
+
+    def record_draws(self, completions: int) -> None:
+        """Spend ``completions`` drawn from ``np_random`` by a loop that replicates ``pull_one`` outside it.
+
+        Used by the compiled sequential agents (``agents/_jit.py``), which draw exactly what
+        ``pull_one`` draws. A subclass that meters ``pull_one`` must meter here too; agents
+        only bypass an overridden ``pull_one`` when ``record_draws`` is overridden as well.
+        """
+        self.budget_used += int(completions)
+
     def snapshot(self) -> dict[str, Any]:
         """The env's mutable sampling state (generator state, ``budget_used``), for ``restore``.
 

@@ -22,6 +22,18 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["IAPO_GYM_OFFLINE"] = "1"
 
 
+@pytest.fixture(params=["jit", "numpy"])
+def sequential_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the sequential baselines' compiled loop (skipped without numba) and with IAPO_GYM_JIT=0."""
+    if request.param == "jit":
+        from agents import _jit
+
+        if _jit.numba is None:
+            pytest.skip("numba is not installed (the optional 'fast' extra)")
+    monkeypatch.setenv("IAPO_GYM_JIT", "1" if request.param == "jit" else "0")
+    return str(request.param)
+
+
 @pytest.fixture
 def math_release() -> Path:
     """Path of the official MATH release file; skips where ../shared is absent."""

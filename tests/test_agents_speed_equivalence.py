@@ -23,6 +23,7 @@ from iapo_gym.sampling import AliasSampler
 from tests.conftest import tiny_bon_table, tiny_mv_table
 
 TABLES = {"mv": tiny_mv_table, "bon": tiny_bon_table}
+pytestmark = pytest.mark.usefixtures("sequential_path")  # the compiled loop and the numpy path
 AGENTS = {"Softmax": Softmax, "EpsilonGreedy": EpsilonGreedy, "UCB": UCB}
 
 # (table, agent, seed) -> (policy arms, env.np_random.random() after training, 12 digits);

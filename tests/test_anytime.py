@@ -22,6 +22,7 @@ from iapo_gym.tables import OutcomeTable
 from tests.conftest import tiny_bon_table, tiny_mv_table
 
 TABLES = {"mv": tiny_mv_table, "bon": tiny_bon_table}
+pytestmark = pytest.mark.usefixtures("sequential_path")  # the compiled loop and the numpy path
 BUDGETS = [5, 40, 41, 300, 617, 1000]  # includes budgets below N_max and one N_max apart
 
 

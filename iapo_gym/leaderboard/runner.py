@@ -99,6 +99,11 @@ class MeteredEnv(IAPOEnv):
         self.completions_drawn += n
         return drawn
 
+    def record_draws(self, completions: int) -> None:
+        """``IAPOEnv.record_draws`` (completions drawn by a compiled agent loop), metered."""
+        super().record_draws(completions)
+        self.completions_drawn += int(completions)
+
     def snapshot(self) -> dict[str, Any]:
         """``IAPOEnv.snapshot`` plus the meter, so a restored branch is metered as a fresh run."""
         return {**super().snapshot(), "completions_drawn": self.completions_drawn}
