@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,25 @@ DEFAULT_COST_SCALE = 0.01
 
 class LogFormatError(ValueError):
     """A completion log is malformed; the message names the file and line."""
+
+
+def jsonl_objects(lines: Iterable[str], name: str | os.PathLike[str],
+                  error: type[Exception]) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """(line number, ``name:line``, record) of each non-blank line of a JSON Lines file.
+
+    A line that is not a JSON object raises ``error`` naming the file and line.
+    """
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{name}:{lineno}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise error(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(rec, dict):
+            raise error(f"{where}: each line must be a JSON object, got {type(rec).__name__}")
+        yield lineno, where, rec
 
 
 @dataclass
@@ -84,16 +104,7 @@ def read_log(path: str | os.PathLike[str], aggregator: str) -> _Log:
     except OSError as exc:
         raise LogFormatError(f"cannot read log {log.path}: {exc}") from exc
     with handle:
-        for lineno, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{log.path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise LogFormatError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(rec, dict):
-                raise LogFormatError(f"{where}: each line must be a JSON object, got {type(rec).__name__}")
+        for lineno, where, rec in jsonl_objects(handle, log.path, LogFormatError):
             for key in ("prompt", "query", "tokens"):
                 if key not in rec:
                     raise LogFormatError(f"{where}: missing field {key!r}")

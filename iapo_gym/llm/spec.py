@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from iapo_gym.data.build import jsonl_objects
+
 #: Extractors a majority-vote scorer may name.
 EXTRACTORS = ("last_number", "boxed", "choice", "regex")
 AGGREGATORS = ("mv", "bon")
@@ -401,16 +403,7 @@ def _queries(s: _Section, base: Path, aggregator: str) -> tuple[Query, ...]:
     out: list[Query] = []
     seen: dict[str, int] = {}
     with handle:
-        for lineno, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            here = f"{qpath}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise SpecError(f"{here}: not valid JSON ({exc.msg})") from None
-            if not isinstance(rec, dict):
-                raise SpecError(f"{here}: each query must be a JSON object")
+        for lineno, here, rec in jsonl_objects(handle, qpath, SpecError):
             qid = rec.get("id")
             if isinstance(qid, bool) or not isinstance(qid, (str, int)) or not str(qid).strip():
                 raise SpecError(f"{here}: field 'id' must be a non-empty string or integer, got {qid!r}")
