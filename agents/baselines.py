@@ -173,7 +173,7 @@ class _Sequential(Agent):
         """
         base, est, n_max, n_contexts = run.base, run.est, run.n_max, run.n_contexts
         means, sums, counts, arm_n = run.means, run.sums, run.counts, run.arm_n
-        if self.batch_size == 1 and run.compiled is not None:  # the same steps, compiled (agents/_jit.py)
+        if run.compiled is not None:  # the same steps, compiled (agents/_jit.py)
             before = run.spent
             rule, param = run.compiled
             run.spent = _jit.advance(rule, param, self.rng, base.np_random, budget, stop, run.spent, means,
@@ -228,7 +228,8 @@ class _Trajectory:
         env_cls = type(base)
         rule = agent.jit_rule()
         self.compiled = rule if (
-            _jit.enabled() and rule is not None and agent.reuse == "blocks" and self.lean and base.n_max <= _jit.MAX_N
+            _jit.enabled() and rule is not None and agent.batch_size == 1 and agent.reuse == "blocks" and self.lean
+            and base.n_max <= _jit.MAX_N
             and type(self.est).task_sums is Estimator.task_sums
             and env_cls._draw_one is IAPOEnv._draw_one and env_cls._get_sampler is IAPOEnv._get_sampler
             and (env_cls.pull_one is IAPOEnv.pull_one or env_cls.record_draws is not IAPOEnv.record_draws)) else None

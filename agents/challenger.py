@@ -16,14 +16,13 @@ shuffle once the split is used up), through the public ``env.pull(prompts, ns, q
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from agents.base import Agent
 from agents.estimator import Estimator
-from agents.psst import PSST, largest_scales, round_budget, rounds_to_one, trim
+from agents.psst import PSST, Allocation, rounds_to_one, trimming_rounds
 from iapo_gym import Policy, Pulls
 from iapo_gym.utility import bon_expected_max, mv_expected_credit
 
@@ -55,52 +54,29 @@ class QueryStream:
 
 def common_query_rounds(env: Any, est: Estimator, alive: np.ndarray, budget: int, rng: np.random.Generator,
                         stream: QueryStream) -> tuple[np.ndarray, int]:
-    """PSST's trimming rounds (``psst_rounds`` with carried leftovers) on common queries.
+    """PSST's trimming rounds (``trimming_rounds`` with carried leftovers) on common queries.
 
     Each round draws ``per_arm`` queries from ``stream`` and pulls every live prompt at its
     largest live scale once on each of them. A round that cannot afford one pull per live
     prompt gives min(top, floor(b / live)) completions to each live prompt on one common
     query, or, if even that is 0, one completion to b random live prompts on one query.
     """
-    n_contexts, n_prompts, n_max = alive.shape
-    flat_alive = alive.reshape(n_contexts, -1).copy()
-    n_arms = int(flat_alive.sum(axis=1).max())
-    rounds_total = max(1, math.ceil(math.log2(max(n_arms, 1))))
-    spent = 0
-    for r in range(rounds_total):
-        n_alive = flat_alive.sum(axis=1)
-        if n_alive.max() <= 1:
-            break
-        union = flat_alive.any(axis=0).reshape(n_prompts, n_max)
-        top = largest_scales(union)
+    def allocate(top: np.ndarray, b: int, per_arm: int) -> Allocation:
         live = np.flatnonzero(top)
-        cost = int(top.sum())
-        needed = max(rounds_to_one(int(n)) for n in n_alive)
-        b = round_budget(budget, spent, rounds_total, r, needed, "carry")
-        per_arm = b // cost
-        if per_arm == 0 and budget - spent >= cost:
-            per_arm = 1  # borrow from later rounds rather than skip the round
         if per_arm >= 1:
             queries = stream.take(per_arm)
-            prompts = np.repeat(live, per_arm)
-            ns = np.repeat(top[live], per_arm)
-            qs = np.tile(queries, live.size)
-        elif b >= 1 and live.size:
-            each = b // live.size
-            if each >= 1:
-                prompts, ns = live, np.minimum(top[live], each)
-            else:
-                prompts = np.sort(rng.choice(live, size=b, replace=False))
-                ns = np.ones(prompts.size, np.int64)
-            qs = np.repeat(stream.take(1), prompts.size)
+            return np.repeat(live, per_arm), np.repeat(top[live], per_arm), np.tile(queries, live.size)
+        if b < 1 or not live.size:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), None
+        each = b // live.size
+        if each >= 1:
+            prompts, ns = live, np.minimum(top[live], each)
         else:
-            prompts = np.zeros(0, np.int64)
-        if prompts.size:
-            pulls = env.pull(prompts, ns, queries=qs)
-            spent += pulls.completions
-            est.update(pulls, arm_mask=union)
-        flat_alive = trim(flat_alive, est.mean().reshape(n_contexts, -1), rng)
-    return flat_alive.reshape(alive.shape), spent
+            prompts = np.sort(rng.choice(live, size=b, replace=False))
+            ns = np.ones(prompts.size, np.int64)
+        return prompts, ns, np.repeat(stream.take(1), prompts.size)
+
+    return trimming_rounds(env, est, alive, budget, rng, allocate, leftover="carry")
 
 
 class CommonQueryPSST(PSST):

@@ -8,6 +8,7 @@ spends its budget by the same documented rules (see ``docs/agents.md``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -80,13 +81,19 @@ def largest_scales(union: np.ndarray) -> np.ndarray:
     return np.where(has, n_max - np.argmax(union[:, ::-1], axis=1), 0)
 
 
-def psst_rounds(env: Any, est: Estimator, alive: np.ndarray, budget: int, rng: np.random.Generator, *,
-                stockpile: bool = True, leftover: str = "carry") -> tuple[np.ndarray, int]:
-    """Run PSST's trimming rounds on the (C, P, N_max) ``alive`` flags; returns (alive, spent).
+#: What one round pulls: (prompts, ns, queries); queries None lets the env draw them.
+Allocation = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
 
-    R = ceil(log2 max_c |A_c|). Each round pulls every prompt's largest live scale
-    floor(n_r / M) times (M = sum of those scales), scores the pulls under every context
-    and every live scale, and trims the bottom ceil(|A_c| / 2) arms of each context.
+
+def trimming_rounds(env: Any, est: Estimator, alive: np.ndarray, budget: int, rng: np.random.Generator,
+                    allocate: Callable[[np.ndarray, int, int], Allocation], *,
+                    leftover: str = "carry") -> tuple[np.ndarray, int]:
+    """PSST's schedule of trimming rounds on the (C, P, N_max) ``alive`` flags; returns (alive, spent).
+
+    R = ceil(log2 max_c |A_c|). Each round gets its share b of the budget, M = the sum of every
+    prompt's largest live scale (``top``) and per_arm = floor(b / M); ``allocate(top, b, per_arm)``
+    says what the round pulls. The pulls are scored under every context and every live scale,
+    and the bottom ceil(|A_c| / 2) arms of each context are trimmed.
     """
     n_contexts, n_prompts, n_max = alive.shape
     flat_alive = alive.reshape(n_contexts, -1).copy()
@@ -105,6 +112,20 @@ def psst_rounds(env: Any, est: Estimator, alive: np.ndarray, budget: int, rng: n
         per_arm = b // cost
         if per_arm == 0 and leftover == "carry" and budget - spent >= cost:
             per_arm = 1  # borrow from later rounds rather than skip the round
+        prompts, ns, queries = allocate(top, b, per_arm)
+        if prompts.size:
+            pulls = env.pull(prompts, ns) if queries is None else env.pull(prompts, ns, queries=queries)
+            spent += pulls.completions
+            est.update(pulls, arm_mask=union)
+        flat_alive = trim(flat_alive, est.mean().reshape(n_contexts, -1), rng)
+    return flat_alive.reshape(alive.shape), spent
+
+
+def psst_rounds(env: Any, est: Estimator, alive: np.ndarray, budget: int, rng: np.random.Generator, *,
+                stockpile: bool = True, leftover: str = "carry") -> tuple[np.ndarray, int]:
+    """PSST's rounds (``trimming_rounds``): each pulls every prompt's largest live scale per_arm times
+    on queries the env draws (or ``partial_allocation`` of b when per_arm is 0)."""
+    def allocate(top: np.ndarray, b: int, per_arm: int) -> Allocation:
         if per_arm >= 1:
             live = np.flatnonzero(top)
             prompts, ns = np.repeat(live, per_arm), np.repeat(top[live], per_arm)
@@ -112,12 +133,9 @@ def psst_rounds(env: Any, est: Estimator, alive: np.ndarray, budget: int, rng: n
             prompts, ns = partial_allocation(top, b, rng)
         if not stockpile:
             est.reset()
-        if prompts.size:
-            pulls = env.pull(prompts, ns)
-            spent += pulls.completions
-            est.update(pulls, arm_mask=union)
-        flat_alive = trim(flat_alive, est.mean().reshape(n_contexts, -1), rng)
-    return flat_alive.reshape(alive.shape), spent
+        return prompts, ns, None
+
+    return trimming_rounds(env, est, alive, budget, rng, allocate, leftover=leftover)
 
 
 def _check_choice(name: str, value: Any, options: tuple[str, ...]) -> None:

@@ -242,10 +242,6 @@ def validate(table: OutcomeTable, where: str = "table") -> None:
 
 
 # ---- HDF5 ------------------------------------------------------------------------------
-def _h5py() -> Any:
-    return h5py
-
-
 def exact_digest(table: OutcomeTable) -> str:
     """sha256 of every array the exact task-reward tensor is computed from (probs, atoms/gold, objective weights)."""
     h = hashlib.sha256()
@@ -270,7 +266,6 @@ def write_table(table: OutcomeTable, path: str | os.PathLike[str], *, exact: boo
     with its digest), so a fresh process evaluates without recomputing it; not when it exceeds
     ``iapo_gym.utility.TENSOR_LIMIT_BYTES`` (then ``q_table`` streams it per use).
     """
-    h5py = _h5py()
     if exact:
         from iapo_gym.utility import expected_task_reward, task_reward_fits
 
@@ -328,7 +323,6 @@ REQUIRED_DATASETS = ("probs", "cost", "objective_names", "prompts", "queries",
 
 
 def _open(path: Path) -> Any:
-    h5py = _h5py()
     if not path.is_file():
         raise FileNotFoundError(f"no outcome table at {path}")
     try:

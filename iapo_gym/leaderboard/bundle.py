@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from iapo_gym._version import __version__
+from iapo_gym.data.download import file_hashes
 from iapo_gym.leaderboard.specs import AgentSpec
 from iapo_gym.leaderboard.store import DB_NAME, ResultStore, RunResult, TaskInfo
 
@@ -75,15 +76,6 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def sha256_file(path: str | os.PathLike[str]) -> str:
-    """Hex sha256 of a file, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 # ---- agent sources ---------------------------------------------------------------------------
 
 
@@ -118,7 +110,7 @@ def agent_source_digest(name: str) -> dict[str, Any]:
     """``{"sha256": combined, "modules": {module: sha256 of its file}}`` of an agent's source modules."""
     modules = {}
     for module in _source_modules(agent_class(name)):
-        modules[module.__name__] = sha256_file(str(module.__file__))
+        modules[module.__name__] = file_hashes(str(module.__file__))[1]
     combined = sha256_bytes(json.dumps(modules, sort_keys=True).encode())
     return {"sha256": combined, "modules": modules}
 
@@ -452,7 +444,7 @@ def read_bundle(path: str | os.PathLike[str]) -> Bundle:
         raise BundleError(f"{where}: a member is not UTF-8 text ({exc})") from None
     if len(results) != manifest["n_results"]:
         raise BundleError(f"{where}: {RESULTS} has {len(results)} runs, the manifest says {manifest['n_results']}")
-    return Bundle(manifest, results, tasks, str(path), sha256_file(path))
+    return Bundle(manifest, results, tasks, str(path), file_hashes(path)[1])
 
 
 def load(source: str | os.PathLike[str]) -> Bundle:

@@ -190,14 +190,12 @@ def run_unit(unit: WorkUnit) -> UnitOutcome:
     for spec, budgets in by_label.values():
         agent_seed = derive_seed(unit.root_seed, "agent", task.name, unit.run, spec.key)
         try:
-            probe = build_agent(spec, agent_seed)
-            shared = len(budgets) > 1 and getattr(probe, "anytime", False) and hasattr(probe, "train_budgets")
+            agent = build_agent(spec, agent_seed)
         except Exception as exc:
-            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            outcome.failures.extend(Failure(task.name, spec.label, b, unit.run, detail) for b in budgets)
+            outcome.failures.extend(_failure(context, spec, b, exc) for b in budgets)
             continue
-        if shared:
-            _run_shared(context, spec, budgets, agent_seed, outcome)
+        if len(budgets) > 1 and getattr(agent, "anytime", False) and hasattr(agent, "train_budgets"):
+            _run_shared(context, spec, budgets, agent, agent_seed, outcome)
         else:
             for budget in budgets:
                 _run_one(context, spec, budget, agent_seed, outcome)
@@ -255,9 +253,9 @@ def _run_one(context: _UnitContext, spec: AgentSpec, budget: int, agent_seed: in
         outcome.failures.append(_failure(context, spec, budget, exc))
 
 
-def _run_shared(context: _UnitContext, spec: AgentSpec, budgets: list[int], agent_seed: int,
+def _run_shared(context: _UnitContext, spec: AgentSpec, budgets: list[int], agent: Any, agent_seed: int,
                 outcome: UnitOutcome) -> None:
-    """An anytime agent's budgets from one trajectory (``train_budgets``): the same rows as fresh runs.
+    """A freshly built anytime agent's budgets from one trajectory (``train_budgets``): the rows of fresh runs.
 
     Each row's ``train_seconds`` is the trajectory's time up to that budget's policy; the
     meter is restored with the env around each branch, so ``budget_spent`` is the branch's own.
@@ -267,7 +265,6 @@ def _run_shared(context: _UnitContext, spec: AgentSpec, budgets: list[int], agen
     pending = sorted(budgets)
     seconds = 0.0
     try:
-        agent = build_agent(spec, agent_seed)
         policies = iter(agent.train_budgets(env, pending))
         while pending:
             start = time.perf_counter()
