@@ -282,6 +282,8 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         """Return to a state taken by ``snapshot`` (the same draws follow)."""
+        if not isinstance(snapshot, dict) or not {"rng", "budget_used"} <= snapshot.keys():
+            raise ValueError(f"restore takes a dict from snapshot() with keys 'rng' and 'budget_used', got {snapshot!r}"[:300])
         self.np_random.bit_generator.state = snapshot["rng"]
         self.budget_used = int(snapshot["budget_used"])
 

@@ -75,6 +75,8 @@ def test_snapshot_restore_replays_the_same_draws() -> None:
     again = [env.pull_one(1, 6) for _ in range(5)]
     assert [q for q, _ in first] == [q for q, _ in again]
     assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(first, again, strict=True))
+    with pytest.raises(ValueError, match="keys 'rng' and 'budget_used'.*'budget'"):
+        env.restore({"budget": 3})
 
 
 def _rows(out: Path) -> dict[tuple, tuple]:

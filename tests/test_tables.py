@@ -9,7 +9,7 @@ import h5py
 import numpy as np
 import pytest
 
-from iapo_gym.tables import SCHEMA_VERSION, TableError, read_metadata, read_table, write_table
+from iapo_gym.tables import SCHEMA_VERSION, TableError, read_attributes, read_metadata, read_table, write_table
 from tests.conftest import tiny_bon_table, tiny_mv_table
 
 
@@ -33,6 +33,17 @@ def test_metadata_reads_attributes_and_shapes(tmp_path: Path) -> None:
     assert (meta["n_prompts"], meta["n_queries"], meta["n_atoms"]) == table.probs.shape
     assert meta["source"] == "unit test" and meta["license"] == "CC0"
     assert meta["objective_names"] == ["helpful", "harmless"]
+
+
+def test_read_attributes_is_the_provenance_part_of_the_metadata(tmp_path: Path) -> None:
+    path = write_table(replace(tiny_mv_table(), attrs={"verified": True, "source": "unit test"}), tmp_path / "t.h5")
+    attributes, meta = read_attributes(path), read_metadata(path)
+    assert attributes == {key: meta[key] for key in attributes}
+    assert attributes["verified"] is True and attributes["has_exact"] and attributes["task"] == "tiny_mv"
+    assert "n_prompts" not in attributes
+    (tmp_path / "bad.h5").write_bytes(b"not hdf5")
+    with pytest.raises(TableError, match="bad.h5"):
+        read_attributes(tmp_path / "bad.h5")
 
 
 def test_write_leaves_no_temporary_files(tmp_path: Path) -> None:
