@@ -11,6 +11,10 @@ Arm = tuple[int, int]
 PolicyLike = Union["Policy", Mapping[int, Sequence[int]], Sequence[Sequence[int]], Callable[[int], Sequence[int]]]
 
 
+class PolicyError(ValueError):
+    """Policy JSON that is not ``{"arms": [[prompt, N], ...]}``; the message names the source and the field."""
+
+
 @dataclass(frozen=True)
 class Policy:
     """An IAPO policy pi: context index -> (prompt index, N); JSON-serializable and callable."""
@@ -38,10 +42,21 @@ class Policy:
         return json.dumps({"arms": [list(a) for a in self.arms]})
 
     @classmethod
-    def from_json(cls, text: str) -> Policy:
-        """Inverse of ``to_json``."""
-        data: Any = json.loads(text)
-        return cls(tuple(tuple(a) for a in data["arms"]))
+    def from_json(cls, text: str | bytes, source: str = "policy JSON") -> Policy:
+        """Inverse of ``to_json``; malformed text raises ``PolicyError`` naming ``source`` (a file name) and the field."""
+        try:
+            data: Any = json.loads(text)
+        except (ValueError, RecursionError) as exc:  # also bad UTF-8, too deep, integers of over 4300 digits
+            raise PolicyError(f"{source}: not valid JSON ({str(exc)[:200]})") from None
+        arms = data.get("arms") if isinstance(data, dict) else None
+        if not isinstance(arms, list):
+            raise PolicyError(f"{source}: field 'arms' must be a list of [prompt, N] pairs, got {arms!r}"[:300])
+        for c, arm in enumerate(arms):
+            if not (isinstance(arm, list) and len(arm) == 2
+                    and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 63 for x in arm)
+                    and arm[1] >= 1):
+                raise PolicyError(f"{source}: field 'arms[{c}]' must be [prompt index >= 0, N >= 1], got {arm!r}"[:300])
+        return cls(tuple((a[0], a[1]) for a in arms))
 
     @classmethod
     def coerce(cls, policy: PolicyLike, n_contexts: int) -> Policy:

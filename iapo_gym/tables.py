@@ -13,6 +13,8 @@ import hashlib
 import os
 import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -29,6 +31,9 @@ SUPPORTED_SCHEMA_VERSIONS = (1, 2)
 EXACT_VERSION = 1
 PROB_TOLERANCE = 1e-6
 AGGREGATORS = ("bon", "mv")
+#: Refuse table files whose datasets' declared sizes add up past this, before reading any array:
+#: reading a table holds about this much at most (a million prompt-query pairs of 16 atoms are 0.13 GB).
+MAX_TABLE_BYTES = 4 << 30
 Aggregator = Literal["bon", "mv"]
 TRAIN, TEST = 0, 1
 
@@ -158,7 +163,7 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, bytes):
-        return value.decode()
+        return value.decode(errors="replace")
     if isinstance(value, np.ndarray):
         return value.tolist()
     return value
@@ -331,10 +336,26 @@ def _open(path: Path) -> Any:
         raise TableError(f"{path}: not a readable HDF5 outcome table (truncated or corrupted?): {exc}") from exc
 
 
+@contextmanager
+def _reading(path: Path) -> Iterator[Any]:
+    """The open file; any h5py failure inside (corrupted metadata) becomes a TableError naming the file."""
+    try:
+        with _open(path) as f:
+            yield f
+    except (TableError, FileNotFoundError):
+        raise
+    except Exception as exc:  # h5py raises RuntimeError, OSError, KeyError, ... on corrupted files
+        raise TableError(f"{path}: not a readable HDF5 outcome table (truncated or corrupted?): "
+                         f"{type(exc).__name__}: {str(exc)[:200]}") from None
+
+
 def _check_version(path: Path, f: Any) -> int:
     if "schema_version" not in f.attrs:
         raise TableError(f"{path}: missing attribute 'schema_version'; not an iapo-gym outcome table")
-    version = int(f.attrs["schema_version"])
+    try:
+        version = int(f.attrs["schema_version"])
+    except (TypeError, ValueError, OverflowError, OSError) as exc:
+        raise TableError(f"{path}: attribute 'schema_version' must be an integer: {exc}") from None
     if version not in SUPPORTED_SCHEMA_VERSIONS:
         raise TableError(f"{path}: unknown schema version {version}; this iapo-gym reads {SUPPORTED_SCHEMA_VERSIONS}")
     return version
@@ -346,88 +367,131 @@ def _strings(ds: Any) -> tuple[str, ...]:
 
 def _attributes(path: Path, f: Any) -> dict[str, Any]:
     """Schema version, task, aggregator, whether the exact tensor is stored, and the provenance attributes."""
-    meta: dict[str, Any] = {
-        "schema_version": _check_version(path, f),
-        "task": str(f.attrs["task"]),
-        "aggregator": str(f.attrs["aggregator"]),
-        "has_exact": "exact" in f,
-    }
-    for key, value in f.attrs.items():
-        if key.startswith("prov_"):
-            meta[key[5:]] = _jsonable(value)
+    version = _check_version(path, f)
+    meta: dict[str, Any] = _read_fields(path, {
+        "attribute 'task'": lambda: str(f.attrs["task"]),
+        "attribute 'aggregator'": lambda: str(f.attrs["aggregator"]),
+        "group 'exact'": lambda: "exact" in f,
+        "provenance attributes": lambda: {k[5:]: _jsonable(v) for k, v in f.attrs.items() if k.startswith("prov_")},
+    })
+    prov = meta.pop("provenance attributes")
+    meta = {"schema_version": version, "task": meta["attribute 'task'"], "aggregator": meta["attribute 'aggregator'"],
+            "has_exact": meta["group 'exact'"]}
+    meta.update(prov)
     return meta
+
+
+def _read_fields(path: Path, readers: dict[str, Any]) -> dict[str, Any]:
+    """Call each reader; any failure inside h5py or numpy becomes a TableError naming the file and field."""
+    out = {}
+    for name, read in readers.items():
+        try:
+            out[name] = read()
+        except TableError:
+            raise
+        except Exception as exc:  # h5py and numpy raise many kinds on malformed files
+            raise TableError(f"{path}: could not read {name} (truncated, corrupted or of the wrong type?): "
+                             f"{type(exc).__name__}: {str(exc)[:200]}") from None
+    return out
+
+
+def _check_sizes(path: Path, f: Any) -> None:
+    """Refuse, before reading any array, a table whose datasets' declared sizes add up past MAX_TABLE_BYTES."""
+    total = 0
+    for name in (*REQUIRED_DATASETS, "atoms", "gold", "split", "exact/task_reward", "exact/context_index"):
+        ds = f.get(name) if name.split("/")[0] in f else None
+        if ds is None:
+            continue
+        if not isinstance(ds, h5py.Dataset):
+            raise TableError(f"{path}: '{name}' must be a dataset, got {type(ds).__name__}")
+        total += int(ds.size or 0) * max(int(ds.dtype.itemsize), 8)
+    if total > MAX_TABLE_BYTES:
+        raise TableError(f"{path}: its datasets declare {total} bytes, more than the limit of {MAX_TABLE_BYTES}")
 
 
 def read_attributes(path: str | os.PathLike[str]) -> dict[str, Any]:
     """``read_metadata`` without the shapes and names: the cheapest check of what a file holds (provenance)."""
     path = Path(path)
-    with _open(path) as f:
+    with _reading(path) as f:
         return _attributes(path, f)
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Attributes and shapes of a table file, without loading its arrays."""
     path = Path(path)
-    with _open(path) as f:
+    with _reading(path) as f:
         meta = _attributes(path, f)
         for name in REQUIRED_DATASETS:
             if name not in f:
                 raise TableError(f"{path}: missing dataset '{name}'")
-        n_p, n_q, n_m = f["probs"].shape
-        meta.update({
-            "n_prompts": int(n_p),
-            "n_queries": int(n_q),
-            "n_atoms": int(n_m),
-            "n_max": int(f.attrs["n_max"]),
-            "n_contexts": int(f["contexts/weights"].shape[0]),
-            "objective_names": list(_strings(f["objective_names"])),
-            "context_names": list(_strings(f["contexts/names"])),
-            "has_split": "split" in f,
-        })
+        _read_fields(path, {"dataset sizes": lambda: _check_sizes(path, f)})
+        shape = tuple(f["probs"].shape)
+        if len(shape) != 3:
+            raise TableError(f"{path}: dataset 'probs' must have shape (P, Q, M), got {shape}")
+        meta.update({"n_prompts": int(shape[0]), "n_queries": int(shape[1]), "n_atoms": int(shape[2])})
+        meta.update(_read_fields(path, {
+            "n_max": lambda: int(f.attrs["n_max"]),
+            "n_contexts": lambda: int(f["contexts/weights"].shape[0]),
+            "objective_names": lambda: list(_strings(f["objective_names"])),
+            "context_names": lambda: list(_strings(f["contexts/names"])),
+            "has_split": lambda: "split" in f,
+        }))
     return meta
 
 
 def read_table(path: str | os.PathLike[str]) -> OutcomeTable:
     """Read and validate a table file; errors name the file, the dataset and the rule."""
     path = Path(path)
-    with _open(path) as f:
+    with _reading(path) as f:
         _check_version(path, f)
         for name in REQUIRED_DATASETS:
             if name not in f:
                 raise TableError(f"{path}: missing dataset '{name}'")
-        aggregator = str(f.attrs.get("aggregator", ""))
+        aggregator = _read_fields(path, {"attribute 'aggregator'": lambda: str(f.attrs.get("aggregator", ""))})[
+            "attribute 'aggregator'"]
         if aggregator == "bon" and "atoms" not in f:
             raise TableError(f"{path}: missing dataset 'atoms' (required for aggregator 'bon')")
         if aggregator == "mv" and "gold" not in f:
             raise TableError(f"{path}: missing dataset 'gold' (required for aggregator 'mv')")
-        try:
-            kwargs: dict[str, Any] = {
-                "task": str(f.attrs["task"]),
-                "aggregator": aggregator,
-                "n_max": int(f.attrs["n_max"]),
-                "probs": f["probs"][()],
-                "cost": f["cost"][()],
-                "objective_names": _strings(f["objective_names"]),
-                "prompts": _strings(f["prompts"]),
-                "queries": _strings(f["queries"]),
-                "context_weights": f["contexts/weights"][()],
-                "context_names": _strings(f["contexts/names"]),
-                "context_probs": f["contexts/probs"][()],
-                "atoms": f["atoms"][()] if "atoms" in f else None,
-                "gold": f["gold"][()] if "gold" in f else None,
-                "split": f["split"][()] if "split" in f else None,
-                "attrs": {k[5:]: _jsonable(v) for k, v in f.attrs.items() if k.startswith("prov_")},
-            }
-            exact = _read_exact(f)
-        except (OSError, KeyError) as exc:
-            raise TableError(f"{path}: could not read the table (truncated or corrupted?): {exc}") from exc
+        _read_fields(path, {"dataset sizes": lambda: _check_sizes(path, f)})
+        kwargs: dict[str, Any] = _read_fields(path, {
+            "task": lambda: str(f.attrs["task"]),
+            "n_max": lambda: int(f.attrs["n_max"]),
+            "probs": lambda: np.asarray(f["probs"][()], dtype=np.float64),
+            "cost": lambda: np.asarray(f["cost"][()], dtype=np.float64),
+            "objective_names": lambda: _strings(f["objective_names"]),
+            "prompts": lambda: _strings(f["prompts"]),
+            "queries": lambda: _strings(f["queries"]),
+            "context_weights": lambda: np.asarray(f["contexts/weights"][()], dtype=np.float64),
+            "context_names": lambda: _strings(f["contexts/names"]),
+            "context_probs": lambda: np.asarray(f["contexts/probs"][()], dtype=np.float64),
+            "atoms": lambda: np.asarray(f["atoms"][()], dtype=np.float64) if "atoms" in f else None,
+            "gold": lambda: _integers(f["gold"], np.int64) if "gold" in f else None,
+            "split": lambda: _integers(f["split"], np.uint8) if "split" in f else None,
+            "attrs": lambda: {k[5:]: _jsonable(v) for k, v in f.attrs.items() if k.startswith("prov_")},
+        })
+        kwargs["aggregator"] = aggregator
+        exact = _read_fields(path, {"group 'exact'": lambda: _read_exact(f)})["group 'exact'"]
     try:
         table = OutcomeTable(**kwargs)
     except TableError as exc:
         raise TableError(f"{path}: {str(exc).removeprefix('table: ')}") from None
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TableError(f"{path}: not a valid outcome table: {type(exc).__name__}: {str(exc)[:200]}") from None
     if exact is not None:
         _attach_exact(table, path, *exact)
     return table
+
+
+def _integers(ds: Any, dtype: Any) -> np.ndarray:
+    """An integer dataset as ``dtype``; values it cannot hold exactly are refused, not wrapped around."""
+    values = np.asarray(ds[()])
+    if values.dtype.kind not in "iub":
+        raise TypeError(f"expected integers, got dtype {values.dtype}")
+    info = np.iinfo(dtype)
+    if values.size and (values.min() < info.min or values.max() > info.max):
+        raise ValueError(f"values outside [{info.min}, {info.max}]")
+    return values.astype(dtype)
 
 
 def _read_exact(f: Any) -> tuple[int, str, np.ndarray, np.ndarray | None] | None:
@@ -442,10 +506,14 @@ def _read_exact(f: Any) -> tuple[int, str, np.ndarray, np.ndarray | None] | None
 def _attach_exact(table: OutcomeTable, path: Path, version: int, digest: str, reward: np.ndarray,
                   index: np.ndarray | None) -> None:
     """Put a stored exact tensor into the table's cache if its version and digest check out; else warn."""
-    n_rows = 1 if table.aggregator == "mv" else (int(index.max()) + 1 if index is not None and index.size else -1)
+    bad_index = index is not None and (index.dtype.kind not in "iu" or bool(index.size and int(index.min()) < 0))
+    n_rows = 1 if table.aggregator == "mv" else (
+        int(index.max()) + 1 if index is not None and index.size and not bad_index else -1)
     expected_shape = (n_rows, table.n_prompts, table.n_queries, table.n_max)
     problem = None
-    if version != EXACT_VERSION:
+    if bad_index or reward.dtype.kind != "f":
+        problem = f"its context index ({None if index is None else index.dtype}) or tensor ({reward.dtype}) has the wrong type"
+    elif version != EXACT_VERSION:
         problem = f"computed by exact version {version}, this iapo-gym computes version {EXACT_VERSION}"
     elif table.aggregator == "bon" and (index is None or index.shape != (table.n_contexts,)):
         problem = "its context index does not match the contexts"

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from iapo_gym.seeding import derive_rng
-from iapo_gym.tables import TEST, TRAIN, OutcomeTable
+from iapo_gym.tables import TEST, TRAIN, OutcomeTable, TableError
 from iapo_gym.tasks.synthetic import COST_WEIGHTS_BON, bon_grid_contexts, mv_cost_contexts
 
 #: Seed key of the stored split drawn when the log names none.
@@ -37,7 +37,15 @@ def jsonl_objects(lines: Iterable[str], name: str | os.PathLike[str],
 
     A line that is not a JSON object raises ``error`` naming the file and line.
     """
-    for lineno, line in enumerate(lines, start=1):
+    numbered = enumerate(lines, start=1)
+    lineno = 0
+    while True:
+        try:
+            lineno, line = next(numbered)
+        except StopIteration:
+            return
+        except UnicodeDecodeError as exc:
+            raise error(f"{name}: not UTF-8 text after line {lineno} ({exc.reason})") from None
         if not line.strip():
             continue
         where = f"{name}:{lineno}"
@@ -45,6 +53,8 @@ def jsonl_objects(lines: Iterable[str], name: str | os.PathLike[str],
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
             raise error(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        except (ValueError, RecursionError) as exc:  # integers of over 4300 digits, nesting too deep
+            raise error(f"{where}: not readable JSON ({str(exc)[:200]})") from None
         if not isinstance(rec, dict):
             raise error(f"{where}: each line must be a JSON object, got {type(rec).__name__}")
         yield lineno, where, rec
@@ -64,6 +74,16 @@ class _Log:
     scores: list[list[float]] = field(default_factory=list)
     objective_names: tuple[str, ...] = ()
     splits: dict[str, tuple[str, int]] = field(default_factory=dict)  # query -> (split, first line)
+
+
+def _finite_number(value: Any) -> bool:
+    """A JSON number (not a bool) that is finite as a float (integers past the float range are not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _ident(value: Any, key: str, where: str) -> str:
@@ -110,7 +130,7 @@ def read_log(path: str | os.PathLike[str], aggregator: str) -> _Log:
                     raise LogFormatError(f"{where}: missing field {key!r}")
             query = _ident(rec["query"], "query", where)
             tokens = rec["tokens"]
-            if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not math.isfinite(tokens) or tokens < 0:
+            if not _finite_number(tokens) or tokens < 0:
                 raise LogFormatError(f"{where}: field 'tokens' must be a number >= 0, got {tokens!r}")
             if aggregator == "mv":
                 if "answer" not in rec or "gold" not in rec:
@@ -153,7 +173,7 @@ def _scores(rec: dict[str, Any], log: _Log, where: str) -> list[float]:
     values = []
     for name in log.objective_names:
         v = scores[name]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if not _finite_number(v):
             raise LogFormatError(f"{where}: score {name!r} must be a finite number, got {v!r}")
         values.append(float(v))
     return values
@@ -191,7 +211,7 @@ def _split(log: _Log, query_ids: tuple[str, ...], test_fraction: float, seed: in
     n_q = len(query_ids)
     n_test = int(round(test_fraction * n_q))
     if n_test < 1 or n_test >= n_q:
-        raise ValueError(f"test_fraction {test_fraction} of {n_q} queries leaves no train or no test query; "
+        raise LogFormatError(f"{log.path}: test_fraction {test_fraction} of its {n_q} queries leaves no train or no test query; "
                          "use --test-fraction 0 (no stored split) or log more queries")
     split = np.full(n_q, TRAIN, dtype=np.uint8)
     split[derive_rng(seed, SPLIT_KEY).permutation(n_q)[:n_test]] = TEST
@@ -311,8 +331,10 @@ def build_bon_table(path: str | os.PathLike[str], task: str | None = None, grid:
 
 def build_table(path: str | os.PathLike[str], aggregator: str, **options: Any) -> OutcomeTable:
     """``build_mv_table`` or ``build_bon_table`` by ``aggregator``."""
-    if aggregator == "mv":
-        return build_mv_table(path, **options)
-    if aggregator == "bon":
-        return build_bon_table(path, **options)
-    raise ValueError(f"aggregator must be 'mv' or 'bon', got {aggregator!r}")
+    if aggregator not in ("mv", "bon"):
+        raise ValueError(f"aggregator must be 'mv' or 'bon', got {aggregator!r}")
+    build = build_mv_table if aggregator == "mv" else build_bon_table
+    try:
+        return build(path, **options)
+    except TableError as exc:  # e.g. token counts so large that the costs overflow
+        raise LogFormatError(f"{path}: the table built from this log is invalid: {exc}") from None

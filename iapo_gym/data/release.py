@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import importlib
 import io
+import math
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -95,10 +96,8 @@ _SAFE_BUILTINS: dict[tuple[str, str], Any] = {
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     ("builtins", "complex"): complex,
-    ("builtins", "bytearray"): bytearray,
     ("builtins", "slice"): slice,
     ("collections", "OrderedDict"): collections.OrderedDict,
-    ("numpy", "ndarray"): np.ndarray,
     ("numpy", "dtype"): np.dtype,
 }
 _RNG_CTORS = {"__generator_ctor", "__bit_generator_ctor", "__randomstate_ctor"}
@@ -110,15 +109,62 @@ _BIT_GENERATORS = {
 }
 
 
+class _NdarrayRef:
+    """``numpy.ndarray`` as a release pickle names it: the array type handed to ``_reconstruct``
+    (which then makes a real ndarray), never called to allocate by itself."""
+
+
+def _nbytes(shape: Any, dtype: Any) -> int:
+    """Bytes an array of ``shape`` and ``dtype`` would take (shape as numpy accepts it)."""
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+        raise ReleaseError(f"array shape {shape!r} is not a tuple of non-negative integers")
+    return math.prod(dims) * np.dtype(dtype).itemsize
+
+
 class RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only an allow-list of globals and refuses the rest."""
+    """An unpickler that resolves only an allow-list of globals and refuses the rest.
+
+    No single array, scalar or bytearray it builds may be larger than ``max_bytes`` (the file's own
+    size when read by ``load_release_objects``: genuine data is stored in the file, so a request for
+    more is an allocation bomb).
+    """
+
+    def __init__(self, file: Any, *, max_bytes: int) -> None:
+        """Read from ``file``; refuse allocations past ``max_bytes``."""
+        super().__init__(file)
+        self.max_bytes = max_bytes
+
+    def _bound(self, nbytes: int, what: str) -> None:
+        if nbytes > self.max_bytes:
+            raise ReleaseError(f"refusing to allocate {what} of {nbytes} bytes, more than the file's "
+                               f"{self.max_bytes} bytes")
+
+    def _reconstruct(self, subtype: Any, shape: Any, dtype: Any) -> Any:
+        if subtype is not _NdarrayRef:
+            raise ReleaseError(f"numpy _reconstruct of {subtype!r}: only numpy.ndarray is allowed")
+        self._bound(_nbytes(shape, dtype), "an array")
+        return _multiarray("_reconstruct")(np.ndarray, shape, dtype)
+
+    def _scalar(self, dtype: Any, *args: Any) -> Any:
+        self._bound(np.dtype(dtype).itemsize, "a scalar")
+        return _multiarray("scalar")(dtype, *args)
+
+    def _bytearray(self, *args: Any) -> bytearray:
+        if args and isinstance(args[0], int):
+            self._bound(args[0], "a bytearray")
+        return bytearray(*args)
 
     def find_class(self, module: str, name: str) -> Any:
         """The object for ``module.name`` if allowed; ``ReleaseError`` otherwise (nothing is imported)."""
         if module in _NUMPY_MODULES and name == "_reconstruct":
-            return _multiarray("_reconstruct")
+            return self._reconstruct
         if module in _NUMPY_MODULES and name == "scalar":
-            return _multiarray("scalar")
+            return self._scalar
+        if (module, name) == ("numpy", "ndarray"):
+            return _NdarrayRef
+        if (module, name) == ("builtins", "bytearray"):
+            return self._bytearray
         if (module, name) in _SAFE_BUILTINS:
             return _SAFE_BUILTINS[(module, name)]
         if module == "numpy.dtypes" and name.endswith("DType") and name.isidentifier():
@@ -147,7 +193,7 @@ def load_release_objects(path: str | os.PathLike[str]) -> list[ReleaseRecord]:
     except OSError as exc:
         raise ReleaseError(f"cannot read release file {path}: {exc}") from exc
     try:
-        obj = RestrictedUnpickler(io.BytesIO(data)).load()
+        obj = RestrictedUnpickler(io.BytesIO(data), max_bytes=len(data)).load()
     except ReleaseError as exc:
         raise ReleaseError(f"{path}: {exc}") from None
     except Exception as exc:  # truncated or garbage pickles raise many kinds of errors
@@ -184,7 +230,7 @@ def _n_max(obj: ReleaseRecord, where: str) -> int:
         raise ReleaseError(f"{where}: missing attribute 'N_max'")
     try:
         n_max = int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ReleaseError(f"{where}: attribute 'N_max' must be an integer, got {value!r}") from None
     if n_max < 1:
         raise ReleaseError(f"{where}: attribute 'N_max' must be >= 1, got {n_max}")
@@ -348,8 +394,12 @@ def read_release(path: str | os.PathLike[str], task: str | None = None) -> list[
         build = {"mv": _mv_table, "bon": _bon_table, "sb": _sb_table}[kind or "mv"]
         try:
             tables.append(build(obj, name, attrs, where))
+        except ReleaseError:
+            raise
         except TableError as exc:
             raise ReleaseError(f"{where}: the converted table is invalid: {exc}") from None
+        except (TypeError, ValueError, OverflowError) as exc:  # attributes of the wrong kind deep inside
+            raise ReleaseError(f"{where}: malformed environment object: {type(exc).__name__}: {str(exc)[:200]}") from None
     return tables
 
 

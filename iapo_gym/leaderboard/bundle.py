@@ -19,6 +19,7 @@ import hashlib
 import inspect
 import io
 import json
+import math
 import os
 import platform
 import sys
@@ -26,6 +27,7 @@ import tarfile
 import tempfile
 import time
 import zipfile
+import zlib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path, PurePosixPath
 from types import ModuleType
@@ -48,6 +50,11 @@ MEMBERS = (MANIFEST, RESULTS, TASKS)
 SUFFIXES = (".zip", ".tar.gz", ".tgz")
 #: Refuse members larger than this (a bundle of 10^6 runs is about 1 GB).
 MAX_MEMBER_BYTES = 2 << 30
+#: Refuse bundles whose members' declared sizes add up past this, before reading any: the most a
+#: bundle's members take in memory while being read (the archive reader holds them all at once).
+MAX_BUNDLE_BYTES = 3 << 30
+#: Refuse archives with more entries than this (a bundle has three files, and maybe folders).
+MAX_MEMBERS = 64
 
 
 class BundleError(ValueError):
@@ -253,8 +260,21 @@ def _check_member_name(path: Path, name: str) -> None:
         raise BundleError(f"{path.name}: refusing unsafe member name {name!r} (absolute or containing '..')")
 
 
+def _check_sizes(path: Path, sizes: list[tuple[str, int]]) -> None:
+    """Refuse, before anything is decompressed, too many members or declared sizes past the limits."""
+    if len(sizes) > MAX_MEMBERS:
+        raise BundleError(f"{path.name}: {len(sizes)} or more members, more than the limit of {MAX_MEMBERS}")
+    total = 0
+    for name, size in sizes:
+        if size > MAX_MEMBER_BYTES:
+            raise BundleError(f"{path.name}: member {name!r} is {size} bytes, more than the limit of {MAX_MEMBER_BYTES}")
+        total += size
+    if total > MAX_BUNDLE_BYTES:
+        raise BundleError(f"{path.name}: members add up to {total} bytes, more than the limit of {MAX_BUNDLE_BYTES}")
+
+
 def _read_members(path: Path) -> dict[str, bytes]:
-    """The members of a bundle file, read in memory after checking their names and sizes."""
+    """The members of a bundle file, read in memory after checking their names, kinds, count and sizes."""
     kind = archive_kind(path)
     out: dict[str, bytes] = {}
     try:
@@ -263,31 +283,28 @@ def _read_members(path: Path) -> dict[str, bytes]:
                 infos = zf.infolist()
                 for info in infos:
                     _check_member_name(path, info.filename)
+                _check_sizes(path, [(i.filename, i.file_size) for i in infos])
                 _check_member_set(path, [i.filename for i in infos if not i.is_dir()])
                 for info in infos:
-                    if info.is_dir():
-                        continue
-                    if info.file_size > MAX_MEMBER_BYTES:
-                        raise BundleError(f"{path.name}: member {info.filename!r} is {info.file_size} bytes, "
-                                          f"more than the limit of {MAX_MEMBER_BYTES}")
-                    out[info.filename] = zf.read(info)
+                    if not info.is_dir():
+                        out[info.filename] = zf.read(info)
         else:
             with tarfile.open(path, mode="r:gz") as tf:
-                tinfos = tf.getmembers()
-                for tinfo in tinfos:
+                tinfos: list[tarfile.TarInfo] = []
+                for tinfo in tf:  # lazily: each header is checked before the next one is decompressed
                     _check_member_name(path, tinfo.name)
                     if not (tinfo.isfile() or tinfo.isdir()):
                         raise BundleError(f"{path.name}: refusing member {tinfo.name!r}: not a regular file")
+                    tinfos.append(tinfo)
+                    _check_sizes(path, [(t.name, t.size) for t in tinfos])
                 _check_member_set(path, [t.name for t in tinfos if t.isfile()])
                 for tinfo in tinfos:
-                    if not tinfo.isfile():
-                        continue
-                    if tinfo.size > MAX_MEMBER_BYTES:
-                        raise BundleError(f"{path.name}: member {tinfo.name!r} is too large ({tinfo.size} bytes)")
-                    fh = tf.extractfile(tinfo)
-                    assert fh is not None
-                    out[tinfo.name] = fh.read()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, tarfile.TarError, EOFError, OSError) as exc:
+                    if tinfo.isfile():
+                        fh = tf.extractfile(tinfo)
+                        assert fh is not None
+                        out[tinfo.name] = fh.read()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, tarfile.TarError, EOFError, OSError, zlib.error,
+            NotImplementedError, RuntimeError) as exc:  # RuntimeError: an encrypted zip member
         if isinstance(exc, FileNotFoundError):
             raise BundleError(f"no bundle at {path}") from None
         raise BundleError(f"{path.name} is not a readable {kind} archive (truncated or corrupt?): {exc}") from None
@@ -401,21 +418,58 @@ def validate_manifest(manifest: Any, where: str = "bundle") -> dict[str, Any]:
     return manifest
 
 
+def _row_value(kind: str, value: Any) -> tuple[bool, Any]:
+    """(whether ``value`` is of the declared field type ``kind``, the value as stored)."""
+    if kind == "int | None" and value is None:
+        return True, None
+    if kind in ("int", "int | None"):
+        return isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < (1 << 63), value
+    if kind == "float":
+        try:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        except OverflowError:  # an integer beyond the float range
+            ok = False
+        return ok, float(value) if ok else value
+    if kind == "tuple[str, ...]":
+        ok = isinstance(value, list) and all(isinstance(v, str) and _utf8(v) for v in value)
+        return ok, tuple(value) if ok else value
+    return isinstance(value, str) and _utf8(value), value
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate from a JSON escape
+        return False
+    return True
+
+
 def _parse_rows(where: str, member: str, data: bytes, cls: type) -> list[Any]:
-    names = {f.name for f in fields(cls)}
+    kinds = {f.name: str(f.type) for f in fields(cls)}
     rows = []
     for lineno, line in enumerate(data.decode("utf-8", errors="strict").splitlines(), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:
             raise BundleError(f"{where}: {member} line {lineno} is not JSON ({exc})") from None
-        if not isinstance(obj, dict) or set(obj) != names:
+        if not isinstance(obj, dict) or set(obj) != set(kinds):
             got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-            raise BundleError(f"{where}: {member} line {lineno} must have the fields {sorted(names)}, got {got}")
-        if cls is TaskInfo:
-            obj["context_names"] = tuple(obj["context_names"])
+            raise BundleError(f"{where}: {member} line {lineno} must have the fields {sorted(kinds)}, got {got}")
+        for name, kind in kinds.items():
+            ok, obj[name] = _row_value(kind, obj[name])
+            if not ok:
+                raise BundleError(f"{where}: {member} line {lineno} field {name!r} must be {kind} "
+                                  f"(finite, 64-bit, UTF-8), got {obj[name]!r}"[:300])
+        if cls is RunResult:
+            try:
+                params = json.loads(obj["params"])
+            except (ValueError, RecursionError):
+                params = None
+            if not isinstance(params, dict):
+                raise BundleError(f"{where}: {member} line {lineno} field 'params' must be a JSON object, "
+                                  f"got {obj['params']!r}"[:300])
         rows.append(cls(**obj))
     return rows
 
@@ -429,7 +483,7 @@ def read_bundle(path: str | os.PathLike[str]) -> Bundle:
     where = path.name
     try:
         manifest = json.loads(members[MANIFEST])
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # also bad UTF-8 and integers of over 4300 digits
         raise BundleError(f"{where}: {MANIFEST} is not JSON ({exc})") from None
     validate_manifest(manifest, where)
     for member in (RESULTS, TASKS):

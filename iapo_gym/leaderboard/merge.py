@@ -129,7 +129,10 @@ def merge_results(bundles: Sequence[Bundle]) -> tuple[list[RunResult], list[Task
                 raise MergeError(f"run {run_name(r)} disagrees between {where} and {bundle.name}: {detail}")
             duplicates += 1
     results = [v[0] for _, v in sorted(by_key.items())]
-    check_unique_labels([AgentSpec(r.agent, json.loads(r.params), r.label) for r in results])
+    try:
+        check_unique_labels([AgentSpec(r.agent, json.loads(r.params), r.label) for r in results])
+    except ValueError as exc:
+        raise MergeError(f"{', '.join(b.name for b in bundles)}: {exc}") from None
     infos: dict[tuple[str, str], TaskInfo] = {}
     for bundle in bundles:
         for info in bundle.tasks:

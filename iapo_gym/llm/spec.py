@@ -10,11 +10,17 @@ import json
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from iapo_gym.data.build import jsonl_objects
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, published as tomli
+    import tomli as tomllib
 
 #: Extractors a majority-vote scorer may name.
 EXTRACTORS = ("last_number", "boxed", "choice", "regex")
@@ -180,7 +186,10 @@ class _Section:
         if isinstance(value, bool) and bool not in kinds:
             self.fail(key, f"must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
         if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:
+                self.fail(key, f"must be a finite number, got an integer of {len(str(value))} digits")
         if not isinstance(value, kinds):
             self.fail(key, f"must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
         return value
@@ -216,13 +225,13 @@ def load_spec(path: str | os.PathLike[str]) -> Spec:
             data = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise SpecError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        except (ValueError, RecursionError) as exc:  # not UTF-8, integers of over 4300 digits, nesting too deep
+            raise SpecError(f"{where}: not readable JSON ({str(exc)[:200]})") from None
     else:
-        import tomllib
-
         try:
             data = tomllib.loads(raw.decode("utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise SpecError(f"{where}: not valid TOML ({exc})") from None
+        except (ValueError, RecursionError) as exc:  # TOMLDecodeError, not UTF-8, too deep, too many digits
+            raise SpecError(f"{where}: not valid TOML ({str(exc)[:300]})") from None
     return parse_spec(data, path)
 
 
@@ -256,13 +265,22 @@ def parse_spec(data: Any, path: Path) -> Spec:
     live.unknown(("cost",))
     live_cost = live.get("cost", list, None)
     if live_cost is not None:
-        if len(live_cost) != len(prompts) or not all(
-                isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c >= 0 for c in live_cost):
+        if len(live_cost) != len(prompts) or not all(_finite(c) and c >= 0 for c in live_cost):
             live.fail("cost", f"must list one number >= 0 per prompt ({len(prompts)}), got {live_cost!r}")
         live_cost = tuple(float(c) for c in live_cost)
     return Spec(path=path, task=task, aggregator=aggregator, n_max=n_max, endpoint=endpoint, sampling=sampling,
                 budget=budget, prompts=prompts, queries=queries, scorer=scorer, build=build,
                 cache=(path.parent / cache) if cache else None, live_cost=live_cost)
+
+
+def _finite(value: Any) -> bool:
+    """A JSON/TOML number (not a bool) that is finite as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond the float range
+        return False
 
 
 def _endpoint(s: _Section) -> Endpoint:
@@ -357,7 +375,7 @@ def _scorer(s: _Section, aggregator: str) -> Scorer:
                 s.fail("pattern", "is needed by extractor 'regex'")
             try:
                 re.compile(str(pattern))
-            except re.error as exc:
+            except (re.error, OverflowError, RecursionError) as exc:
                 s.fail("pattern", f"is not a valid regular expression: {exc}")
         choices = s.get("choices", str, "ABCDE")
         for key in ("reward_url", "callable"):
@@ -384,8 +402,7 @@ def _scorer(s: _Section, aggregator: str) -> Scorer:
         s.fail("grid", f"must be a number > 0 or false (no binning), got {grid!r}")
     rng = s.get("score_range", list, None)
     if rng is not None:
-        if (len(rng) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in rng)
-                or not rng[0] < rng[1]):
+        if len(rng) != 2 or not all(_finite(v) for v in rng) or not rng[0] < rng[1]:
             s.fail("score_range", f"must be [low, high] with low < high, got {rng!r}")
         rng = (float(rng[0]), float(rng[1]))
     return Scorer(reward_url=reward_url, callable=target, objectives=tuple(objectives), grid=grid, score_range=rng)
@@ -397,7 +414,7 @@ def _queries(s: _Section, base: Path, aggregator: str) -> tuple[Query, ...]:
     limit = s.positive_int("limit", None)
     try:
         handle = qpath.open(encoding="utf-8")
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the name
         s.fail("path", f"names a queries file that cannot be read: {exc}")
         raise AssertionError from None  # unreachable: fail raised
     out: list[Query] = []
