@@ -368,17 +368,14 @@ def _strings(ds: Any) -> tuple[str, ...]:
 def _attributes(path: Path, f: Any) -> dict[str, Any]:
     """Schema version, task, aggregator, whether the exact tensor is stored, and the provenance attributes."""
     version = _check_version(path, f)
-    meta: dict[str, Any] = _read_fields(path, {
+    read = _read_fields(path, {
         "attribute 'task'": lambda: str(f.attrs["task"]),
         "attribute 'aggregator'": lambda: str(f.attrs["aggregator"]),
         "group 'exact'": lambda: "exact" in f,
         "provenance attributes": lambda: {k[5:]: _jsonable(v) for k, v in f.attrs.items() if k.startswith("prov_")},
     })
-    prov = meta.pop("provenance attributes")
-    meta = {"schema_version": version, "task": meta["attribute 'task'"], "aggregator": meta["attribute 'aggregator'"],
-            "has_exact": meta["group 'exact'"]}
-    meta.update(prov)
-    return meta
+    return {"schema_version": version, "task": read["attribute 'task'"], "aggregator": read["attribute 'aggregator'"],
+            "has_exact": read["group 'exact'"], **read["provenance attributes"]}
 
 
 def _read_fields(path: Path, readers: dict[str, Any]) -> dict[str, Any]:
