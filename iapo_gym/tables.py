@@ -34,6 +34,8 @@ AGGREGATORS = ("bon", "mv")
 #: Refuse table files whose datasets' declared sizes add up past this, before reading any array:
 #: reading a table holds about this much at most (a million prompt-query pairs of 16 atoms are 0.13 GB).
 MAX_TABLE_BYTES = 4 << 30
+#: The largest N_max a table may have (a 32-bit count; the paper's tables use 32 to 128).
+MAX_N_MAX = (1 << 31) - 1
 Aggregator = Literal["bon", "mv"]
 TRAIN, TEST = 0, 1
 
@@ -192,8 +194,8 @@ def validate(table: OutcomeTable, where: str = "table") -> None:
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
         total = float(sums[idx])
         _fail(where, f"dataset 'probs' row {idx} (prompt, query) sums to {total!r}, not 1 (tolerance {PROB_TOLERANCE})")
-    if table.n_max < 1:
-        _fail(where, f"attribute 'n_max' must be >= 1, got {table.n_max}")
+    if not 1 <= table.n_max <= MAX_N_MAX:
+        _fail(where, f"attribute 'n_max' must be in [1, {MAX_N_MAX}], got {table.n_max}")
     cost = table.cost
     if cost.shape not in ((n_p,), (n_p, n_q)):
         _fail(where, f"dataset 'cost' must have shape ({n_p},) or ({n_p}, {n_q}), got {cost.shape}")

@@ -15,6 +15,7 @@ import io
 import math
 import os
 import pickle
+import pickletools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -192,6 +193,15 @@ def load_release_objects(path: str | os.PathLike[str]) -> list[ReleaseRecord]:
         data = path.read_bytes()
     except OSError as exc:
         raise ReleaseError(f"cannot read release file {path}: {exc}") from exc
+    try:
+        # Walk the opcodes first: pickletools reads each declared length without allocating it, so a
+        # bytes opcode that claims gigabytes in a small file is refused before the C unpickler
+        # allocates the whole claim up front.
+        for _ in pickletools.genops(data):
+            pass
+    except Exception as exc:  # noqa: BLE001 (truncated or garbage opcode streams raise many kinds)
+        raise ReleaseError(f"{path}: not a readable release pickle (truncated or corrupted?): "
+                           f"{type(exc).__name__}: {str(exc)[:200]}") from None
     try:
         obj = RestrictedUnpickler(io.BytesIO(data), max_bytes=len(data)).load()
     except ReleaseError as exc:
