@@ -30,6 +30,11 @@ SAMPLE_SEED_KEY = "iapo_gym.llm.sample"
 class EndpointError(RuntimeError):
     """The endpoint refused a request for a reason retrying cannot fix (4xx other than 429), or retries ran out."""
 
+    def __init__(self, message: str, status: int | None = None) -> None:
+        """``status``: the endpoint's HTTP status of a refusal (None when retries ran out)."""
+        super().__init__(message)
+        self.status = status
+
 
 class BudgetExhausted(RuntimeError):
     """The spending cap would be exceeded by the next request; nothing over the cap was sent."""
@@ -46,12 +51,16 @@ def require_openai() -> Any:
 
 @dataclass
 class Completion:
-    """One completion: its text, completion tokens (the cost signal), finish reason, and whether it was cached."""
+    """One completion: its text, completion tokens (the cost signal), finish reason, and whether it was cached.
+
+    ``prompt_tokens`` is this completion's share of the request's prompt tokens (0 when cached).
+    """
 
     text: str
     tokens: int
     finish: str | None
     cached: bool = False
+    prompt_tokens: int = 0
 
 
 class SpendingCap:
@@ -91,7 +100,11 @@ class LLMClient:
     """Completions of rendered prompts, by sample index, through the cache and the spending cap.
 
     Use inside one event loop: ``async with LLMClient(spec) as client: await client.complete(...)``.
+    ``latch_refusals``: after a refusal (4xx) nothing more is sent (a collection); a server sets it
+    False so one caller's bad request does not stop the others.
     """
+
+    latch_refusals = True
 
     def __init__(self, spec: Spec, cache: ResponseCache | None = None) -> None:
         """Bind to ``spec``'s endpoint (``OPENAI_BASE_URL``/``OPENAI_API_KEY`` override it) and budget."""
@@ -201,14 +214,17 @@ class LLMClient:
                     total = int(usage.completion_tokens) if usage is not None and usage.completion_tokens is not None \
                         else worst
                     used = total
-                    return _split_usage(choices, total)
+                    prompt_total = int(usage.prompt_tokens or 0) if usage is not None else 0
+                    return _split_usage(choices, total, prompt_total)
                 except openai.APIStatusError as exc:
                     used = 0  # the server answered with an error: no completion tokens were produced
                     status = exc.status_code
                     if status != 429 and status < 500:
-                        self.failed = EndpointError(f"the endpoint {self.base_url} refused the request with HTTP "
-                                                    f"{status}{_hint(status)}: {_message(exc)}")
-                        raise self.failed from None
+                        refusal = EndpointError(f"the endpoint {self.base_url} refused the request with HTTP "
+                                                f"{status}{_hint(status)}: {_message(exc)}", status)
+                        if self.latch_refusals:
+                            self.failed = refusal
+                        raise refusal from None
                     error: Exception = exc
                     retry_after = _retry_after(exc)
                 except (openai.APIConnectionError, openai.APITimeoutError) as exc:
@@ -226,14 +242,18 @@ class LLMClient:
             await asyncio.sleep(delay)
 
 
-def _split_usage(choices: list[tuple[str, str | None]], total: int) -> list[Completion]:
-    """Share a response's completion tokens among its choices (exact for one choice; by text length for n > 1)."""
+def _split_usage(choices: list[tuple[str, str | None]], total: int, prompt_total: int = 0) -> list[Completion]:
+    """Share a response's completion tokens among its choices (exact for one choice; by text length for n > 1);
+    its prompt tokens are shared evenly (the remainder to the first choices)."""
+    prompt = np.full(len(choices), prompt_total // max(len(choices), 1), dtype=np.int64)
+    prompt[: prompt_total - int(prompt.sum())] += 1
     if len(choices) == 1:
-        return [Completion(choices[0][0], total, choices[0][1])]
+        return [Completion(choices[0][0], total, choices[0][1], prompt_tokens=prompt_total)]
     lengths = np.array([max(len(t), 1) for t, _ in choices], dtype=np.float64)
     shares = np.floor(total * lengths / lengths.sum()).astype(np.int64)
     shares[: total - int(shares.sum())] += 1
-    return [Completion(t, int(s), f) for (t, f), s in zip(choices, shares, strict=True)]
+    return [Completion(t, int(s), f, prompt_tokens=int(pt))
+            for (t, f), s, pt in zip(choices, shares, prompt, strict=True)]
 
 
 def _retry_after(exc: Any) -> float | None:
