@@ -89,7 +89,11 @@ class PolicyContext:
 
 @dataclass(frozen=True)
 class PolicyFile:
-    """A deployable policy (see the module docstring); ``arms`` is the (prompt index, N) of each context."""
+    """A deployable policy (see the module docstring); ``arms`` is the (prompt index, N) of each context.
+
+    ``prompts`` lists every prompt of the task in the table's order, so ``arms`` index them as the
+    table does and ``Policy.load`` gives back the trained policy.
+    """
 
     task: str
     aggregator: str
@@ -325,10 +329,9 @@ def describe(arms: Sequence[Sequence[int]], source: Any, *, spec: Any = None, le
                       stderr=_num(values[c].get("stderr")), optimal=_num(values[c].get("optimal")),
                       completions=values[c].get("completions"))
         for c in range(n_c))
-    used = {table.prompts[p] for p, _ in arms}
     return PolicyFile(task=str(table.task), aggregator=str(table.aggregator), api=api, n_max=int(table.n_max),
                       objectives=tuple(str(o) for o in table.objective_names), scorer=scorer, sampling=sampling,
-                      prompts=tuple(p for p in prompts if p.id in used), contexts=contexts,
+                      prompts=tuple(prompts), contexts=contexts,
                       learned=dict(learned or {}), estimate=est)
 
 
