@@ -1,4 +1,4 @@
-"""``iapo-gym optimize``: bit for bit the leaderboard's run on a table; on a live endpoint, cached reruns and a served round trip."""
+"""``iapo-gym optimize``: bit for bit the leaderboard's run on a table; live: cached reruns and a served round trip."""
 
 from __future__ import annotations
 

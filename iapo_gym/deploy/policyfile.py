@@ -308,10 +308,10 @@ def describe(arms: Sequence[Sequence[int]], source: Any, *, spec: Any = None, le
     if spec is None:
         spec = getattr(env, "llm_spec", None)
     n_c = len(table.context_names)
-    arms = [(int(p), int(n)) for p, n in arms]
-    if len(arms) != n_c:
-        raise ValueError(f"the policy has {len(arms)} arms, the source has {n_c} contexts")
-    for c, (p, n) in enumerate(arms):
+    pairs = [(int(p), int(n)) for p, n in arms]
+    if len(pairs) != n_c:
+        raise ValueError(f"the policy has {len(pairs)} arms, the source has {n_c} contexts")
+    for c, (p, n) in enumerate(pairs):
         if not (0 <= p < len(table.prompts) and 1 <= n <= table.n_max):
             raise ValueError(f"policy arm {(p, n)} for context {c} is outside prompts [0, {len(table.prompts)}) x "
                              f"N [1, {table.n_max}]")
@@ -320,12 +320,12 @@ def describe(arms: Sequence[Sequence[int]], source: Any, *, spec: Any = None, le
         [{} for _ in range(n_c)]
     est: dict[str, Any] = dict(estimate) if estimate is not None else {"method": None}
     if estimate is None and exact and hasattr(env, "q_table") and getattr(env, "llm_spec", None) is None:
-        est, values = exact_estimate(env, arms)
+        est, values = exact_estimate(env, pairs)
     weights = table.context_weights
     contexts = tuple(
         PolicyContext(name=str(table.context_names[c]), objective_weights=tuple(float(w) + 0.0 for w in weights[c, :-1]),
                       cost_weight=float(weights[c, -1]) + 0.0, probability=float(table.context_probs[c]),
-                      prompt=str(table.prompts[arms[c][0]]), n=arms[c][1], value=_num(values[c].get("mean")),
+                      prompt=str(table.prompts[pairs[c][0]]), n=pairs[c][1], value=_num(values[c].get("mean")),
                       stderr=_num(values[c].get("stderr")), optimal=_num(values[c].get("optimal")),
                       completions=values[c].get("completions"))
         for c in range(n_c))

@@ -24,7 +24,7 @@ import threading
 import warnings
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from iapo_gym.llm.spec import Prompt, Scorer, Spec, load_spec
 from iapo_gym.seeding import derive_rng
 
 TIE_KEY = "iapo_gym.deploy.tie"
-ContextRef = Union[str, int, Sequence[float], None]
+ContextRef = str | int | Sequence[float] | None
 T = TypeVar("T")
 
 __all__ = ["BudgetExhausted", "ContextError", "EndpointError", "Routed", "Router"]
@@ -141,7 +141,8 @@ class Router:
                           f"policy was learned with {pf.sampling}: the policy's choices may not be optimal there",
                           stacklevel=2)
         self._prompts = {p.id: Prompt(p.id, p.template, p.messages) for p in pf.prompts if p.servable}
-        scorer = Scorer(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in pf.scorer.items()})
+        scorer = Scorer(**cast(dict[str, Any], {k: (tuple(v) if isinstance(v, list) else v)
+                                                for k, v in pf.scorer.items()}))
         self._extract = make_extractor(scorer) if pf.aggregator == "mv" else None
         self._score = make_scorer(scorer, sp.endpoint.timeout) if pf.aggregator == "bon" else None
         self._grid = scorer.grid if pf.aggregator == "bon" else None
@@ -171,7 +172,9 @@ class Router:
             if context in self._by_name:
                 return ctxs[self._by_name[context]]
             raise ContextError(f"unknown context {context!r}", ctxs)
-        if isinstance(context, (int, np.integer)) and not isinstance(context, bool):
+        if isinstance(context, bool):
+            raise ContextError(f"a context is a name, an index or a list of weights, got {context!r}", ctxs)
+        if isinstance(context, (int, np.integer)):
             if 0 <= int(context) < len(ctxs):
                 return ctxs[int(context)]
             raise ContextError(f"context index {int(context)} is out of range 0..{len(ctxs) - 1}", ctxs)

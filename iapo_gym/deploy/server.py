@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import math
 import sys
 import threading
 import time
@@ -236,7 +237,7 @@ def serve(router: Router, *, host: str = "127.0.0.1", port: int = 8000, api_key:
 
     app = create_app(router, api_key=api_key, access_log=access_log)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=graceful_timeout)
+                            timeout_graceful_shutdown=max(1, math.ceil(graceful_timeout)))
     print(f"iapo-gym serve: {len(router.contexts)} contexts of task {router.policy.task!r} on http://{host}:{port}/v1 "
           f"(upstream model {router.spec.endpoint.model!r})", file=sys.stderr, flush=True)
     uvicorn.Server(config).run()
