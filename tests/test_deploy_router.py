@@ -172,3 +172,43 @@ def test_upstream_refusal_is_reported_and_does_not_stop_the_router(tmp_path: Pat
             router.complete("FORBIDDEN", "low")
         assert info.value.status == 403
         assert router.complete("clear", "low").text == "so 7"  # the next request goes through
+
+
+def test_chat_upstream_gets_the_policy_messages(tmp_path: Path) -> None:
+    from iapo_gym.deploy.policyfile import PolicyContext, PolicyFile, PolicyPrompt
+
+    port = free_port()
+    proc = start_scripted({"Q: 6 * 7": ["42", "the answer is 42", "41"]}, tmp_path, port)
+    try:
+        messages = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "Q: {query}"}]
+        spec = write_spec(tmp_path, port, endpoint={"api": "chat"},
+                          extra={"prompts": [{"id": "sys", "messages": messages}]})
+        policy = PolicyFile(task="tiny", aggregator="mv", api="chat", n_max=3, objectives=("correct",),
+                            scorer={"extractor": "last_number"}, sampling=None,
+                            prompts=(PolicyPrompt("sys", None, tuple((m["role"], m["content"]) for m in messages)),),
+                            contexts=(PolicyContext("only", (1.0,), -0.1, 1.0, "sys", 3),))
+        with Router(policy, spec) as router:
+            r = router.complete("6 * 7")  # one context: no need to name it
+            assert r.answers == ["42", "42", "41"] and r.text == "42" and r.prompt_id == "sys"
+        with pytest.raises(ValueError, match="written for the chat API.*endpoint.api = 'completions'"):
+            Router(policy, write_spec(tmp_path, port, name="completions.json"))
+    finally:
+        stop(proc)
+
+
+def test_spending_cap_stops_routing(tmp_path: Path) -> None:
+    from iapo_gym.llm.client import BudgetExhausted
+
+    port = free_port()
+    proc = start_scripted({"1 + 1 = ->": ["2"]}, tmp_path, port)
+    try:
+        spec = write_spec(tmp_path, port, budget={"max_requests": 2})
+        with Router(mv_policy(), spec) as router:
+            assert router.complete("1 + 1 =", "high").text == "2"
+            assert router.complete("1 + 1 =", "high").text == "2"
+            with pytest.raises(BudgetExhausted, match="max_requests = 2"):
+                router.complete("1 + 1 =", "high")
+            assert router.spent["requests"] == 2
+        assert scripted_stats(port)["requests"] == 2
+    finally:
+        stop(proc)

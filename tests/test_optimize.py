@@ -72,6 +72,25 @@ def test_optimize_refuses_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFi
     assert not (tmp_path / "policy.json").exists()
 
 
+def test_optimize_a_collected_table_with_its_spec_is_servable(tmp_path: Path, llama_server: int) -> None:  # noqa: F811
+    from iapo_gym.deploy import Router
+    from iapo_gym.llm.collect import collect
+    from iapo_gym.llm.spec import load_spec
+
+    spec_path = write_spec(tmp_path, llama_server, n_max=3, sampling={"temperature": 0.9, "max_tokens": 4})
+    result = collect(load_spec(spec_path), tmp_path / "coll", progress=False)
+    assert result.table is not None
+    out = tmp_path / "opt"
+    assert main(["optimize", str(result.table), "--agent", "uniform", "--budget", "60", "--out", str(out),
+                 "--spec", str(spec_path), "--quiet"]) == 0
+    pf = load_policy(out / "policy.json")
+    assert [p.template for p in pf.prompts] == ["Q: {query}\nA:", "{query} ->"]
+    assert pf.scorer == {"extractor": "regex", "pattern": r"\A\s*(\S)", "choices": "ABCDE"}
+    assert pf.sampling == {"max_tokens": 4, "temperature": 0.9, "seed": 1} and pf.estimate["method"] == "exact"
+    assert Router(pf, spec_path).policy is pf  # servable: texts and scorer are there
+    assert "Serve it" in (out / "report.md").read_text(encoding="utf-8")
+
+
 @pytest.fixture
 def proxy(llama_server: int) -> Any:  # noqa: F811
     port = free_port()

@@ -295,3 +295,20 @@ def test_graceful_shutdown_finishes_requests_in_flight(tmp_path: Path) -> None:
     assert results and results[0][0] == 200 and results[0][1]["choices"][0]["text"] == "4"
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_spending_cap_gives_503_and_the_server_stays_up(tmp_path: Path) -> None:
+    up, port = free_port(), free_port()
+    scripted = start_scripted({"1 + 1 = ->": ["2"]}, tmp_path, up)
+    spec = write_spec(tmp_path, up, budget={"max_requests": 1})
+    serve = start_serve(mv_policy().save(tmp_path / "policy.json"), spec, port)
+    try:
+        status, body = _post(port, "/v1/completions", b'{"model": "iapo/high", "prompt": "1 + 1 ="}')
+        assert status == 200 and body["choices"][0]["text"] == "2"
+        status, body = _post(port, "/v1/completions", b'{"model": "iapo/high", "prompt": "1 + 1 ="}')
+        assert status == 503 and body["error"]["code"] == "spending_cap" and "max_requests = 1" in body["error"]["message"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+            assert json.loads(resp.read())["upstream"]["requests"] == 1
+    finally:
+        stop(serve)
+        stop(scripted)
