@@ -8,8 +8,9 @@ One logical call = N completions of one query:
 * ``bare proxy``: the same N requests through a bare FastAPI + httpx2 pass-through proxy (the reference);
 * ``serve``: one request to ``iapo-gym serve`` with a one-context majority-vote policy of N, which
   renders the prompt, sends the N requests through the project's client, votes and answers;
-* ``optillm`` (``--optillm-python PY``, OptiLLM installed in a venv of its own): one request with its
-  self-consistency approach at the same N, where it runs.
+* ``optillm`` (``--optillm-python PY``, OptiLLM installed in a venv of its own): one chat request with
+  its self-consistency approach, which always samples 5 completions, one after another, through the
+  upstream's chat API (run with ``--n 5`` to compare at the same N).
 
 The load generator (this process, asyncio + httpx2) runs ``--calls`` calls per side at each
 concurrency, sides interleaved over ``--repeats`` rounds; it reports p50/p99 latency, calls per
@@ -85,7 +86,8 @@ class Side:
         self.errors = 0
 
 
-async def one_call(client: Any, side: Side, query: str, n: int, upstream_body: Any, model: str) -> None:
+async def one_call(client: Any, side: Side, query: str, n: int, upstream_body: Any, model: str,
+                   max_tokens: int) -> None:
     """One logical call of ``side``: N completions of ``query``."""
     if side.mode == "fan-out":  # direct or bare proxy: the N requests serve would send
         rs = await asyncio.gather(*(client.post(f"http://127.0.0.1:{side.port}/v1/completions", json=upstream_body(query, i))
@@ -95,7 +97,7 @@ async def one_call(client: Any, side: Side, query: str, n: int, upstream_body: A
                                 json={"model": "iapo/low", "prompt": query})]
     else:  # optillm: its self-consistency approach, N samples
         rs = [await client.post(f"http://127.0.0.1:{side.port}/v1/chat/completions",
-                                json={"model": f"self_consistency-{model}", "n": 1,
+                                json={"model": f"self_consistency-{model}", "max_tokens": max_tokens,
                                       "messages": [{"role": "user", "content": TEMPLATE.replace('{query}', query)}]})]
     for r in rs:
         if r.status_code != 200:
@@ -105,13 +107,13 @@ async def one_call(client: Any, side: Side, query: str, n: int, upstream_body: A
 
 
 async def run_segment(side: Side, concurrency: int, calls: int, n: int, upstream_body: Any, model: str,
-                      offset: int) -> None:
+                      offset: int, max_tokens: int) -> None:
     """``calls`` calls of ``side`` by ``concurrency`` workers; latencies and wall time recorded."""
     import httpx2
 
     limits = httpx2.Limits(max_connections=concurrency * n + 8, max_keepalive_connections=concurrency * n + 8)
     async with httpx2.AsyncClient(timeout=120, limits=limits) as client:
-        await one_call(client, side, "warm up", n, upstream_body, model)  # connections open
+        await one_call(client, side, "warm up", n, upstream_body, model, max_tokens)  # connections open
         todo = list(range(calls))
         lat = side.latencies.setdefault(concurrency, [])
 
@@ -119,7 +121,7 @@ async def run_segment(side: Side, concurrency: int, calls: int, n: int, upstream
             while todo:
                 i = todo.pop()
                 t = time.perf_counter()
-                await one_call(client, side, f"{offset + i} + {i % 7} =", n, upstream_body, model)
+                await one_call(client, side, f"{offset + i} + {i % 7} =", n, upstream_body, model, max_tokens)
                 lat.append(time.perf_counter() - t)
         cpu0 = cpu_seconds(side.pid) if side.pid else 0.0
         start = time.perf_counter()
@@ -178,8 +180,9 @@ def main() -> None:
             opt_port = free_port()
             log = _log_file("optillm")
             env = {**os.environ, "OPENAI_API_KEY": "none"}
-            opt = subprocess.Popen([args.optillm_python, "-m", "optillm", "--port", str(opt_port), "--base-url",
-                                    f"http://127.0.0.1:{up}/v1", "--n", "1", "--approach", "self_consistency"],
+            opt = subprocess.Popen([args.optillm_python, "-c", "import sys; from optillm import main; sys.exit(main())",
+                                    "--host", "127.0.0.1", "--port", str(opt_port), "--base-url",
+                                    f"http://127.0.0.1:{up}/v1", "--approach", "self_consistency", "--log", "warning"],
                                    stdout=log, stderr=subprocess.STDOUT, env=env)
             opt.log_file = log  # type: ignore[attr-defined]
             procs.append(opt)
@@ -196,7 +199,7 @@ def main() -> None:
                 rng.shuffle(order)
                 for side in order:
                     asyncio.run(run_segment(side, c, args.calls, args.n, upstream_body, spec.endpoint.model,
-                                            offset=r * 100000 + c * 1000))
+                                            offset=r * 100000 + c * 1000, max_tokens=args.max_tokens))
         report(sides, args, optillm_note)
     finally:
         for p in reversed(procs):
