@@ -110,7 +110,7 @@ def test_optimize_live_then_serve_round_trip(tmp_path: Path, proxy: int) -> None
     spec = write_spec(tmp_path, proxy, n_max=3, queries=queries, sampling={"temperature": 0.9, "max_tokens": 4},
                       endpoint={"concurrency": 8}, extra={"build": {"test_fraction": 0.3}})
     out = tmp_path / "opt"
-    args = ["optimize", str(spec), "--agent", "uniform", "--budget", "120", "--check", "60", "--out", str(out),
+    args = ["optimize", str(spec), "--budget", "120", "--check", "60", "--out", str(out),  # the default agent: auto
             "--quiet", "--seed", "4"]
     start = proxy_stats(proxy)
     assert main(args) == 0
