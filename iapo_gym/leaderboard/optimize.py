@@ -283,11 +283,12 @@ def render_report(pf: PolicyFile) -> str:
     for c in pf.contexts:
         if c.value is None:
             value, interval = "-", "-"
-        elif c.stderr:
-            value = f"{c.value:.4f}"
-            interval = f"{c.value - 1.96 * c.stderr:.4f} .. {c.value + 1.96 * c.stderr:.4f}"
+        elif est.get("method") == "exact":
+            value, interval = f"{c.value:.6f}", "exact"
         else:
-            value, interval = f"{c.value:.6f}", "exact" if est.get("method") == "exact" else "-"
+            se = c.stderr or 0.0
+            value = f"{c.value:.4f}"
+            interval = f"{c.value - 1.96 * se:.4f} .. {c.value + 1.96 * se:.4f}"
         optimal = "-" if c.optimal is None else f"{c.optimal:.6f}"
         weights = ", ".join(f"{w:g}" for w in c.objective_weights)
         lines.append(f"| {c.name} | {weights} | {c.cost_weight:g} | {c.prompt} | {c.n} | {value} | {interval} | "
