@@ -5,24 +5,32 @@ completion, the same sampling parameters and seeds) are requested by (a) ``Async
 with a semaphore, and (b) the collector end to end (cache, spending cap, log with fsync, table
 build), alternating, best of ``--repeats``. Prints requests per second (wall clock) and the
 client process's CPU time per completion of each side: on a shared machine the CPU time is the
-steady measure of what the collector adds per completion. Needs ``pip install "iapo-gym[llm]"``.
-Run: ``nice -n 10 python benchmarks/bench_collect.py``.
+steady measure of what the collector adds per completion. A last collector run per concurrency,
+not timed, measures what blocks its event loop: the time spent in the response cache's SQLite calls
+on the loop's thread per completion, and the lateness of a 1 ms heartbeat task (99th percentile and
+maximum). Needs ``pip install "iapo-gym[llm]"``. Run: ``nice -n 5 python benchmarks/bench_collect.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from iapo_gym.llm.cache import ResponseCache  # noqa: E402
 from iapo_gym.llm.client import LLMClient  # noqa: E402
-from iapo_gym.llm.collect import collect  # noqa: E402
+from iapo_gym.llm.collect import Collector, collect  # noqa: E402
 from iapo_gym.llm.spec import Spec, load_spec  # noqa: E402
 from tests.llm_server import free_port, start_llama_server, stop, write_spec, write_tiny_gguf  # noqa: E402
 
@@ -52,6 +60,57 @@ async def raw(spec: Spec) -> int:
     return len(jobs)
 
 
+def loop_blocking(spec: Spec, out: Path) -> tuple[float, float, float]:
+    """One collector run with a 1 ms heartbeat on its loop and every ``ResponseCache`` method timed.
+
+    Returns (SQLite seconds on the loop's thread per completion, heartbeat lateness p99, max).
+    """
+    loop_thread = threading.get_ident()  # the collector's loop runs on the calling thread
+    on_loop = [0.0]
+    originals = {name: fn for name, fn in vars(ResponseCache).items() if callable(fn) and not name.startswith("__")}
+
+    def timed(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if threading.get_ident() == loop_thread:
+                    on_loop[0] += time.perf_counter() - t0
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(ResponseCache, name, timed(fn))
+    late: list[float] = []
+
+    async def run() -> Any:
+        done = asyncio.Event()
+
+        async def heartbeat() -> None:
+            while not done.is_set():
+                t0 = time.perf_counter()
+                await asyncio.sleep(0.001)
+                late.append(time.perf_counter() - t0 - 0.001)
+        beat = asyncio.ensure_future(heartbeat())
+        try:
+            return await collector._run()
+        finally:
+            done.set()
+            await beat
+
+    try:
+        collector = Collector(spec, out, progress=False)
+        collector.out.mkdir(parents=True, exist_ok=True)
+        collector._check_manifest()
+        result = asyncio.run(run())
+    finally:
+        for name, fn in originals.items():
+            setattr(ResponseCache, name, fn)
+    assert result.complete, result
+    return on_loop[0] / result.total, float(np.percentile(late, 99)), float(max(late))
+
+
 def main() -> None:
     """Start the server, time both sides at each concurrency, print the table."""
     ap = argparse.ArgumentParser()
@@ -67,6 +126,7 @@ def main() -> None:
     try:
         print(f"{'concurrency':>11} {'raw req/s':>10} {'collect req/s':>14} {'wall overhead':>14} "
               f"{'raw CPU/compl':>14} {'collect CPU/compl':>18} {'CPU overhead':>13}")
+        blocking: list[tuple[int, float, float, float]] = []
         for conc in (1, 4, 16):
             spec_path = write_spec(work / f"c{conc}", port, n_max=opts.n_max, queries=queries(opts.queries),
                                    endpoint={"concurrency": conc},
@@ -87,6 +147,10 @@ def main() -> None:
             raw_c, col_c = min(c_raw) / n, min(c_col) / n
             print(f"{conc:>11} {n / raw_t:>10.1f} {n / col_t:>14.1f} {100 * (col_t / raw_t - 1):>13.1f}% "
                   f"{raw_c * 1e3:>11.3f} ms {col_c * 1e3:>15.3f} ms {100 * (col_c / raw_c - 1):>12.1f}%")
+            blocking.append((conc, *loop_blocking(spec, work / f"c{conc}" / "blocking")))
+        print(f"\n{'concurrency':>11} {'SQLite on loop/compl':>21} {'loop lateness p99':>18} {'max':>9}")
+        for conc, sqlite_s, p99, worst in blocking:
+            print(f"{conc:>11} {sqlite_s * 1e3:>18.3f} ms {p99 * 1e3:>15.2f} ms {worst * 1e3:>6.1f} ms")
     finally:
         stop(server)
 

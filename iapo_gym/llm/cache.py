@@ -1,11 +1,15 @@
 """A persistent response cache (SQLite): one completion per key, so reruns are free and reproducible.
 
 The key hashes the endpoint, model, API, the rendered prompt (prompt template and query), the
-sampling parameters and the sample index; the API key is never part of it.
+sampling parameters and the sample index; the API key is never part of it. Async code uses
+``aget_many``/``aput``, which run the SQLite calls on the cache's own thread, so a read or a commit
+never stalls the event loop that has requests in flight.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -22,7 +26,11 @@ def completion_key(base_url: str, model: str, api: str, prompt: Any, sampling: d
 
 
 class ResponseCache:
-    """Completions by key in one SQLite file (WAL mode; each ``put`` is its own committed transaction)."""
+    """Completions by key in one SQLite file (WAL mode; each ``put`` is its own committed transaction).
+
+    Every SQLite call of the async methods runs on one worker thread, in submission order, so a
+    ``put`` is visible to any later read; the sync methods are for sync callers.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         """Open (or create) the cache at ``path``."""
@@ -33,6 +41,7 @@ class ResponseCache:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("CREATE TABLE IF NOT EXISTS completions (key TEXT PRIMARY KEY, text TEXT NOT NULL, "
                          "tokens INTEGER NOT NULL, finish TEXT)")
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="iapo-gym-cache")
 
     def get(self, key: str) -> tuple[str, int, str | None] | None:
         """(text, completion tokens, finish reason) or None."""
@@ -54,9 +63,18 @@ class ResponseCache:
         """Store one completion (an existing key keeps its first value)."""
         self._db.execute("INSERT OR IGNORE INTO completions VALUES (?, ?, ?, ?)", (key, text, int(tokens), finish))
 
+    async def aget_many(self, keys: list[str]) -> dict[str, tuple[str, int, str | None]]:
+        """``get_many`` on the cache's thread (the event loop keeps running meanwhile)."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, self.get_many, keys)
+
+    async def aput(self, key: str, text: str, tokens: int, finish: str | None) -> None:
+        """``put`` (one committed transaction) on the cache's thread."""
+        await asyncio.get_running_loop().run_in_executor(self._worker, self.put, key, text, tokens, finish)
+
     def __len__(self) -> int:
         return int(self._db.execute("SELECT COUNT(*) FROM completions").fetchone()[0])
 
     def close(self) -> None:
-        """Close the database."""
+        """Finish the queued calls, then close the database."""
+        self._worker.shutdown(wait=True)
         self._db.close()

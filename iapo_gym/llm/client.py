@@ -2,33 +2,46 @@
 
 Built on ``openai.AsyncOpenAI`` with its own retries disabled (``max_retries=0``) so that every
 HTTP attempt passes through the spending cap here: a request first reserves its worst case
-(one request, ``n * max_tokens`` completion tokens), and settles with the server's ``usage``.
-Connection errors, timeouts, 429 and 5xx are retried with exponential backoff and jitter
-(honouring ``Retry-After``); any other 4xx stops at once with ``EndpointError``.
+(one request, ``n * max_tokens`` completion tokens) and settles with the server's ``usage``. A
+connection that was refused (nothing reached a server) gives its reservation back; a request that
+may have been processed (timed out, dropped after sending, 5xx) keeps its worst case. Retries
+follow ``iapo_gym.llm.retry``; the key goes only where ``Spec.llm_route`` says, enforced on every
+request by an HTTP hook.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from iapo_gym.llm.cache import ResponseCache, completion_key
-from iapo_gym.llm.spec import Spec
+from iapo_gym.llm.retry import (
+    EndpointError,
+    EndpointUnreachable,
+    RetryPolicy,
+    Stop,
+    describe,
+    retry_after,
+    retryable_status,
+)
+from iapo_gym.llm.spec import Route, Spec, origin
 from iapo_gym.seeding import derive_rng, derive_seed
+
+__all__ = ["BudgetExhausted", "Completion", "EndpointError", "EndpointUnreachable", "LLMClient", "SpendingCap",
+           "require_openai", "route_hook"]
 
 RETRY_KEY = "iapo_gym.llm.retry"
 #: Tokens a server may add past ``max_tokens`` per completion: llama.cpp finishes a multi-byte UTF-8
 #: character (at most 3 more byte tokens), so the worst case reserved for a completion includes them.
 OVERSHOOT_TOKENS = 3
 SAMPLE_SEED_KEY = "iapo_gym.llm.sample"
-
-
-class EndpointError(RuntimeError):
-    """The endpoint refused a request for a reason retrying cannot fix (4xx other than 429), or retries ran out."""
+#: Headers the openai library fills from OPENAI_* variables; they go only where OPENAI_API_KEY goes.
+OPENAI_ACCOUNT_HEADERS = ("openai-organization", "openai-project")
 
 
 class BudgetExhausted(RuntimeError):
@@ -86,6 +99,48 @@ class SpendingCap:
         self.reserved_tokens -= reserved
         self.tokens += used
 
+    def release(self, reserved: int) -> None:
+        """Give a reservation back whole: the request never reached a server (connection refused)."""
+        self.reserved_tokens -= reserved
+        self.requests -= 1
+
+
+def route_hook(route: Route, environ: dict[str, str] | None = None) -> Callable[[Any], Awaitable[None]]:
+    """An HTTP request hook that sets exactly the route's key on requests to the route's origin, and none elsewhere.
+
+    It runs on every request the client sends (redirects included), after the libraries have built
+    their headers, so no key from the environment reaches another host whatever those libraries read.
+    Unless the route's key is ``OPENAI_API_KEY``, the OpenAI account headers and any header named in
+    ``OPENAI_CUSTOM_HEADERS`` are removed too.
+    """
+    env = dict(os.environ if environ is None else environ)
+    key = route.key(env)
+    strip: tuple[str, ...] = ()
+    if route.key_env != "OPENAI_API_KEY":
+        custom = [line.split(":", 1)[0].strip().lower() for line in env.get("OPENAI_CUSTOM_HEADERS", "").split("\n")
+                  if ":" in line]
+        strip = (*OPENAI_ACCOUNT_HEADERS, *custom)
+
+    async def hook(request: Any) -> None:
+        headers = request.headers
+        for name in strip:
+            headers.pop(name, None)
+        if key is not None and origin(str(request.url)) == route.origin:
+            headers["Authorization"] = f"Bearer {key}"
+        else:
+            headers.pop("Authorization", None)
+    return hook
+
+
+def _not_reached(exc: BaseException) -> bool:
+    """Whether a connection error happened before anything was sent (refused, unresolvable, connect timeout)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if type(seen).__name__ in ("ConnectError", "ConnectTimeout"):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
 
 class LLMClient:
     """Completions of rendered prompts, by sample index, through the cache and the spending cap.
@@ -94,32 +149,48 @@ class LLMClient:
     """
 
     def __init__(self, spec: Spec, cache: ResponseCache | None = None) -> None:
-        """Bind to ``spec``'s endpoint (``OPENAI_BASE_URL``/``OPENAI_API_KEY`` override it) and budget."""
+        """Bind to ``spec``'s endpoint and key (``Spec.llm_route``) and budget."""
         self.spec = spec
-        self.base_url = spec.base_url()
+        self.route = spec.llm_route()
+        self.base_url = self.route.url
         self.cache = cache
         self.cap = SpendingCap(spec.budget.max_requests, spec.budget.max_tokens_total)
         self.sampling = spec.sampling.as_dict()
         # "auto": learn from the first multi-completion answer whether the server honours n
         self.n_supported: bool | None = {"auto": None, "yes": True, "no": False}[spec.endpoint.use_n]
         self._rng = derive_rng(spec.build.seed, RETRY_KEY)
+        self.policy = RetryPolicy(spec.endpoint.max_retries, spec.endpoint.backoff, spec.endpoint.max_backoff)
         self._client: Any = None
+        self._http: Any = None
         self._sem: asyncio.Semaphore | None = None
+        self.stop: Stop | None = None  # set by the first final failure: nothing more is sent
         self.retries = 0
-        self.failed: EndpointError | None = None  # after a refusal, nothing more is sent
+        self.refused = 0  # connection attempts refused (nothing reached a server; not counted by the cap)
+        self.in_flight = 0  # completions in requests on the wire now
+
+    @property
+    def failed(self) -> EndpointError | None:
+        """The failure that stopped this client (a refusal, or a request out of retries), if any."""
+        return None if self.stop is None else self.stop.error
 
     async def __aenter__(self) -> LLMClient:
         openai = require_openai()
         ep = self.spec.endpoint
-        self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.spec.api_key(), max_retries=0,
-                                          timeout=ep.timeout)
+        self._http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [route_hook(self.route)]},
+                                                    follow_redirects=False)
+        # the library needs some key to build a request; the hook replaces or removes it before sending
+        self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.route.key() or "no-key",
+                                          organization="", project="", max_retries=0, timeout=ep.timeout,
+                                          http_client=self._http)
         self._sem = asyncio.Semaphore(ep.concurrency)
+        self.stop = Stop()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         if self._client is not None:
             await self._client.close()
-            self._client = None
+            await self._http.aclose()
+            self._client = self._http = None
 
     def key(self, prompt: Any, index: int) -> str:
         """The cache key of completion ``index`` of a rendered prompt."""
@@ -138,7 +209,7 @@ class LLMClient:
         found: dict[int, Completion] = {}
         if self.cache is not None:
             keys = {i: self.key(prompt, i) for i in indices}
-            hits = self.cache.get_many(list(keys.values()))
+            hits = await self.cache.aget_many(list(keys.values()))
             for i, k in keys.items():
                 if k in hits:
                     text, tokens, finish = hits[k]
@@ -152,11 +223,11 @@ class LLMClient:
             elif self.n_supported is None:
                 self.n_supported = True
             for i, c in zip(missing, got, strict=False):  # got may be shorter
-                found[i] = self._store(prompt, i, c)
+                found[i] = await self._store(prompt, i, c)
             missing = missing[len(got):]
         if missing:
             async def one(i: int) -> None:
-                found[i] = self._store(prompt, i, (await self._request(prompt, [i]))[0])
+                found[i] = await self._store(prompt, i, (await self._request(prompt, [i]))[0])
             # each completion is cached as it arrives; a failure waits for the requests already in flight
             outcomes = await asyncio.gather(*(one(i) for i in missing), return_exceptions=True)
             for outcome in outcomes:
@@ -164,14 +235,15 @@ class LLMClient:
                     raise outcome
         return [found[i] for i in indices]
 
-    def _store(self, prompt: Any, index: int, completion: Completion) -> Completion:
+    async def _store(self, prompt: Any, index: int, completion: Completion) -> Completion:
         if self.cache is not None:
-            self.cache.put(self.key(prompt, index), completion.text, completion.tokens, completion.finish)
+            await self.cache.aput(self.key(prompt, index), completion.text, completion.tokens, completion.finish)
         return completion
 
     async def _request(self, prompt: Any, indices: list[int]) -> list[Completion]:
         """One logical request for ``len(indices)`` completions, retried; each HTTP attempt passes the cap."""
-        assert self._client is not None and self._sem is not None, "use LLMClient inside 'async with'"
+        assert self._client is not None and self._sem is not None and self.stop is not None, \
+            "use LLMClient inside 'async with'"
         ep = self.spec.endpoint
         n = len(indices)
         params = dict(self.sampling)
@@ -185,10 +257,10 @@ class LLMClient:
         attempt = 0
         while True:
             async with self._sem:
-                if self.failed is not None:
-                    raise self.failed
+                self.stop.check()
                 self.cap.reserve(worst)
-                used = worst  # a request whose usage is unknown (timeout, dropped) counts its worst case
+                used: int | None = worst  # a request whose usage is unknown (timeout, dropped, 5xx) counts its worst case
+                self.in_flight += n
                 try:
                     if ep.api == "chat":
                         resp = await self._client.chat.completions.create(model=ep.model, messages=prompt,
@@ -203,27 +275,37 @@ class LLMClient:
                     used = total
                     return _split_usage(choices, total)
                 except openai.APIStatusError as exc:
-                    used = 0  # the server answered with an error: no completion tokens were produced
                     status = exc.status_code
-                    if status != 429 and status < 500:
-                        self.failed = EndpointError(f"the endpoint {self.base_url} refused the request with HTTP "
-                                                    f"{status}{_hint(status)}: {_message(exc)}")
-                        raise self.failed from None
+                    if not retryable_status(status):
+                        used = 0  # refused before any work: no completion tokens were produced
+                        raise self.stop.set(EndpointError(
+                            f"the endpoint {self.base_url} refused the request with HTTP {status}{_hint(status)}: "
+                            f"{_message(exc)}")) from None
+                    if status == 429:
+                        used = 0  # rate limited: turned away before any work
                     error: Exception = exc
-                    retry_after = _retry_after(exc)
+                    server_asks = retry_after(getattr(getattr(exc, "response", None), "headers", None))
                 except (openai.APIConnectionError, openai.APITimeoutError) as exc:
-                    error, retry_after = exc, None
+                    if _not_reached(exc):
+                        used = None  # nothing reached a server: no request, no tokens
+                        self.refused += 1
+                    error, server_asks = exc, None
                 finally:
-                    self.cap.settle(worst, used)
+                    self.in_flight -= n
+                    if used is None:
+                        self.cap.release(worst)
+                    else:
+                        self.cap.settle(worst, used)
             attempt += 1
+            if attempt > self.policy.max_retries:
+                if isinstance(error, openai.APIConnectionError):  # APITimeoutError included
+                    raise self.stop.set(EndpointUnreachable(
+                        f"the endpoint {self.base_url} is unreachable: no answer after {self.policy.max_retries} "
+                        f"retries ({describe(error)})", self.base_url)) from None
+                raise self.stop.set(EndpointError(f"giving up on {self.base_url} after {self.policy.max_retries} "
+                                                  f"retries: {describe(error)}")) from None
             self.retries += 1
-            if attempt > ep.max_retries:
-                raise EndpointError(f"giving up on {self.base_url} after {ep.max_retries} retries: "
-                                    f"{type(error).__name__}: {error}") from None
-            delay = min(ep.max_backoff, ep.backoff * 2 ** (attempt - 1)) * (0.5 + float(self._rng.random()))
-            if retry_after is not None:
-                delay = max(delay, retry_after)
-            await asyncio.sleep(delay)
+            await self.stop.sleep(self.policy.delay(attempt, self._rng, server_asks))
 
 
 def _split_usage(choices: list[tuple[str, str | None]], total: int) -> list[Completion]:
@@ -236,22 +318,6 @@ def _split_usage(choices: list[tuple[str, str | None]], total: int) -> list[Comp
     return [Completion(t, int(s), f) for (t, f), s in zip(choices, shares, strict=True)]
 
 
-def _retry_after(exc: Any) -> float | None:
-    headers = getattr(getattr(exc, "response", None), "headers", None) or {}
-    value = headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        from email.utils import parsedate_to_datetime
-
-        try:
-            return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
-        except (TypeError, ValueError):
-            return None
-
-
 def _message(exc: Any) -> str:
     body = getattr(exc, "body", None)
     if isinstance(body, dict):
@@ -262,6 +328,6 @@ def _message(exc: Any) -> str:
 
 
 def _hint(status: int) -> str:
-    return {401: " (unauthorized: check the API key variable named by endpoint.api_key_env, or OPENAI_API_KEY)",
+    return {401: " (unauthorized: check the key; `iapo-gym collect SPEC --dry-run` names the variable it is read from)",
             403: " (forbidden)", 404: " (not found: check endpoint.base_url and endpoint.model)",
             400: " (bad request)"}.get(status, "")
