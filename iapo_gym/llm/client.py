@@ -178,10 +178,12 @@ class LLMClient:
         ep = self.spec.endpoint
         self._http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [route_hook(self.route)]},
                                                     follow_redirects=False)
-        # the library needs some key to build a request; the hook replaces or removes it before sending
+        # the library needs some key to build a request; the hook replaces or removes it before sending.
+        # OPENAI_ORG_ID / OPENAI_PROJECT_ID (read by the library when given None) go where OPENAI_API_KEY goes
+        account = None if self.route.key_env == "OPENAI_API_KEY" else ""
         self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.route.key() or "no-key",
-                                          organization="", project="", max_retries=0, timeout=ep.timeout,
-                                          http_client=self._http)
+                                          organization=account, project=account, max_retries=0,
+                                          timeout=ep.timeout, http_client=self._http)
         self._sem = asyncio.Semaphore(ep.concurrency)
         self.stop = Stop()
         return self

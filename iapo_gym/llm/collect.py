@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,6 +282,18 @@ class Collector:
                              reward_requests=getattr(self.score, "requests", 0),
                              reward_retries=getattr(self.score, "retries", 0))
 
+    def _canonical_lines(self) -> list[str]:
+        """The log's lines ordered by the spec's prompts, then its queries, then the sample index."""
+        prompts = {p.id: i for i, p in enumerate(self.spec.prompts)}
+        queries = {q.id: i for i, q in enumerate(self.spec.queries)}
+        ranked = []
+        for line in self.log.read_text(encoding="utf-8").splitlines(keepends=True):
+            if line.strip():
+                rec = json.loads(line)
+                ranked.append(((prompts[rec["prompt"]], queries[rec["query"]], int(rec["sample"])), line))
+        ranked.sort(key=lambda item: item[0])
+        return [line for _, line in ranked]
+
     def build_table(self) -> OutcomeTable:
         """The table of the finished log, through ``iapo_gym.data.build`` (the one table builder)."""
         from iapo_gym.data.build import build_table
@@ -292,7 +305,12 @@ class Collector:
             options["top_k"] = b.top_k
         else:
             options["grid"] = spec.scorer.grid
-        table = build_table(self.log, spec.aggregator, **options)
+        with tempfile.TemporaryDirectory(dir=self.out, prefix=".build-") as tmp:
+            # the builder numbers prompts, queries and tied answers by first appearance; the log's order
+            # depends on timing and on where a run was resumed, so build from the lines in the spec's order
+            canonical = Path(tmp) / self.log.name
+            canonical.write_text("".join(self._canonical_lines()), encoding="utf-8")
+            table = build_table(canonical, spec.aggregator, **options)
         attrs = {**table.attrs, "collected": f"iapo-gym collect, model {spec.endpoint.model!r} "
                                              f"({spec.endpoint.api} API), sampling {json.dumps(spec.sampling.as_dict())}"}
         return dataclasses.replace(table, attrs=attrs)

@@ -2,7 +2,7 @@
 
 A Best-of-N scorer is async: ``await scorer(completion, query) -> {objective: score}``. A Python
 callable runs in a worker thread; a reward endpoint is posted to with the HTTP client ``openai`` is
-built on (``httpx2``, else ``httpx``), under the same retry policy and concurrency limit as the LLM
+built on (``httpx2``), under the same retry policy and concurrency limit as the LLM
 endpoint (``iapo_gym.llm.retry``) and with its own key only (``Spec.reward_route``).
 """
 
@@ -112,13 +112,12 @@ def _check_scores(scores: Any, objectives: tuple[str, ...], source: str) -> dict
 
 
 def http_module() -> Any:
-    """The HTTP library ``openai`` is built on: ``httpx2`` (openai 3.x) or ``httpx`` (openai 1.x)."""
-    for name in ("httpx2", "httpx"):
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            pass
-    raise ImportError('a reward endpoint needs the HTTP client of the openai library: pip install "iapo-gym[llm]"')
+    """``httpx2``, the HTTP library ``openai`` 3.x is built on (its ``AsyncClient`` posts to a reward endpoint)."""
+    try:
+        import httpx2
+    except ImportError:
+        raise ImportError('a reward endpoint needs httpx2: pip install "iapo-gym[llm]"') from None
+    return httpx2
 
 
 class CallableScorer:
