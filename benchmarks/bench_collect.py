@@ -6,9 +6,10 @@ with a semaphore, and (b) the collector end to end (cache, spending cap, log wit
 build), alternating, best of ``--repeats``. Prints requests per second (wall clock) and the
 client process's CPU time per completion of each side: on a shared machine the CPU time is the
 steady measure of what the collector adds per completion. A last collector run per concurrency,
-not timed, measures what blocks its event loop: the time spent in the response cache's SQLite calls
-on the loop's thread per completion, and the lateness of a 1 ms heartbeat task (99th percentile and
-maximum). Needs ``pip install "iapo-gym[llm]"``. Run: ``nice -n 5 python benchmarks/bench_collect.py``.
+not timed, measures what blocks its event loop: the time spent in the response cache's sync
+methods (SQLite reads and commits, or queueing for them) on the loop's thread per completion, and
+the lateness of a 1 ms heartbeat task (99th percentile and maximum). Needs
+``pip install "iapo-gym[llm]"``. Run: ``nice -n 5 python benchmarks/bench_collect.py``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import inspect
 import sys
 import tempfile
 import threading
@@ -67,7 +69,9 @@ def loop_blocking(spec: Spec, out: Path) -> tuple[float, float, float]:
     """
     loop_thread = threading.get_ident()  # the collector's loop runs on the calling thread
     on_loop = [0.0]
-    originals = {name: fn for name, fn in vars(ResponseCache).items() if callable(fn) and not name.startswith("__")}
+    originals = {name: fn for name, fn in vars(ResponseCache).items()  # the sync ones: they run SQLite or queue for it
+                 if callable(fn) and not name.startswith("__") and not inspect.iscoroutinefunction(fn)
+                 and name not in ("close", "_serve")}
 
     def timed(fn: Any) -> Any:
         @functools.wraps(fn)

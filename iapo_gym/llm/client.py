@@ -225,11 +225,11 @@ class LLMClient:
             elif self.n_supported is None:
                 self.n_supported = True
             for i, c in zip(missing, got, strict=False):  # got may be shorter
-                found[i] = await self._store(prompt, i, c)
+                found[i] = self._store(prompt, i, c)
             missing = missing[len(got):]
         if missing:
             async def one(i: int) -> None:
-                found[i] = await self._store(prompt, i, (await self._request(prompt, [i]))[0])
+                found[i] = self._store(prompt, i, (await self._request(prompt, [i]))[0])
             # each completion is cached as it arrives; a failure waits for the requests already in flight
             outcomes = await asyncio.gather(*(one(i) for i in missing), return_exceptions=True)
             for outcome in outcomes:
@@ -237,9 +237,9 @@ class LLMClient:
                     raise outcome
         return [found[i] for i in indices]
 
-    async def _store(self, prompt: Any, index: int, completion: Completion) -> Completion:
-        if self.cache is not None:
-            await self.cache.aput(self.key(prompt, index), completion.text, completion.tokens, completion.finish)
+    def _store(self, prompt: Any, index: int, completion: Completion) -> Completion:
+        if self.cache is not None:  # queued: the cache's thread commits it
+            self.cache.put(self.key(prompt, index), completion.text, completion.tokens, completion.finish)
         return completion
 
     async def _request(self, prompt: Any, indices: list[int]) -> list[Completion]:
