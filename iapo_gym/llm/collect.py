@@ -206,7 +206,7 @@ class Collector:
         expected = len(spec.prompts) * len(spec.queries) * spec.n_max
         stream = sys.stderr if self.progress else None
         progress = _Progress(expected, len(done), stream)
-        cache = ResponseCache(self.cache_path)
+        cache = await asyncio.to_thread(ResponseCache, self.cache_path)  # opening may create and sync the file
         exhausted: list[str] = []
         unreachable: EndpointUnreachable | None = None
         new = cached = 0
@@ -268,7 +268,7 @@ class Collector:
             handle.close()
             if self.score is not None:
                 await self.score.aclose()
-            cache.close()
+            await asyncio.to_thread(cache.close)  # the last commit
             progress.close()
         total = len(done) + new
         table = None
