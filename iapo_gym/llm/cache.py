@@ -10,6 +10,7 @@ thread after every earlier ``put``, so they see them.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import hashlib
 import json
@@ -52,6 +53,7 @@ class ResponseCache:
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="iapo-gym-cache", daemon=True)
         self._thread.start()
+        atexit.register(self.close)  # an owner that never closes it (a notebook's env) still gets its last rows committed
 
     # ---- the worker thread -------------------------------------------------------------
     def _serve(self) -> None:
@@ -150,6 +152,7 @@ class ResponseCache:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)
         self._queue.put(None)
         self._thread.join()
         self._db.close()

@@ -133,12 +133,15 @@ def route_hook(route: Route, environ: dict[str, str] | None = None) -> Callable[
 
 
 def _not_reached(exc: BaseException) -> bool:
-    """Whether a connection error happened before anything was sent (refused, unresolvable, connect timeout)."""
+    """Whether a connection error happened before anything was sent (refused, unresolvable, connect timeout).
+
+    Anything else (a dropped connection, a read timeout) may have reached the server and counts.
+    """
     seen: BaseException | None = exc
     while seen is not None:
         if type(seen).__name__ in ("ConnectError", "ConnectTimeout"):
             return True
-        seen = seen.__cause__ or seen.__context__
+        seen = seen.__cause__  # the libraries chain the transport's error as the cause
     return False
 
 

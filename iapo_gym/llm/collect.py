@@ -237,7 +237,7 @@ class Collector:
                         if time.monotonic() - synced[0] >= FSYNC_EVERY and not syncing:  # on disk every FSYNC_EVERY s
                             synced[0] = time.monotonic()
                             syncing.append(asyncio.ensure_future(asyncio.to_thread(os.fsync, handle.fileno())))
-                            await syncing[0]
+                            await asyncio.shield(syncing[0])  # a cancelled worker leaves it to the finally below
                             syncing.clear()
                         new += len(comps)
                         hits = sum(c.cached for c in comps)
@@ -287,9 +287,13 @@ class Collector:
         prompts = {p.id: i for i, p in enumerate(self.spec.prompts)}
         queries = {q.id: i for i, q in enumerate(self.spec.queries)}
         ranked = []
-        for line in self.log.read_text(encoding="utf-8").splitlines(keepends=True):
+        for lineno, line in enumerate(self.log.read_text(encoding="utf-8").splitlines(keepends=True), start=1):
             if line.strip():
                 rec = json.loads(line)
+                if rec.get("prompt") not in prompts or rec.get("query") not in queries:
+                    raise SpecError(f"{self.log}:{lineno}: prompt {rec.get('prompt')!r}, query {rec.get('query')!r} "
+                                    "is not in the spec; resume with the same prompts and queries or use a new "
+                                    "--out folder")
                 ranked.append(((prompts[rec["prompt"]], queries[rec["query"]], int(rec["sample"])), line))
         ranked.sort(key=lambda item: item[0])
         return [line for _, line in ranked]
