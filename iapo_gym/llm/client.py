@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from iapo_gym.llm.cache import ResponseCache, completion_key
+from iapo_gym.llm.loop import gather_all
 from iapo_gym.llm.retry import (
     EndpointError,
     EndpointUnreachable,
@@ -234,10 +235,7 @@ class LLMClient:
             async def one(i: int) -> None:
                 found[i] = self._store(prompt, i, (await self._request(prompt, [i]))[0])
             # each completion is cached as it arrives; a failure waits for the requests already in flight
-            outcomes = await asyncio.gather(*(one(i) for i in missing), return_exceptions=True)
-            for outcome in outcomes:
-                if isinstance(outcome, BaseException):
-                    raise outcome
+            await gather_all(*(one(i) for i in missing))
         return [found[i] for i in indices]
 
     def _store(self, prompt: Any, index: int, completion: Completion) -> Completion:

@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 from iapo_gym.llm.cache import ResponseCache
 from iapo_gym.llm.client import BudgetExhausted, Completion, LLMClient
+from iapo_gym.llm.loop import gather_all
 from iapo_gym.llm.loop import run as run_sync
 from iapo_gym.llm.retry import EndpointUnreachable
 from iapo_gym.llm.scoring import make_extractor, make_scorer
@@ -188,11 +189,7 @@ class Collector:
         if self.extract is not None:
             return [self.extract(c.text) for c in completions]
         assert self.score is not None
-        got = await asyncio.gather(*(self.score(c.text, query.text) for c in completions), return_exceptions=True)
-        for outcome in got:  # every call has ended: raise the first failure
-            if isinstance(outcome, BaseException):
-                raise outcome
-        return list(got)
+        return await gather_all(*(self.score(c.text, query.text) for c in completions))
 
     async def _run(self) -> CollectResult:
         spec = self.spec

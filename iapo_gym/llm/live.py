@@ -15,7 +15,6 @@ are unknown, so the exact oracle is refused and ``evaluate_monte_carlo`` samples
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 from typing import Any, SupportsFloat
@@ -26,7 +25,7 @@ from iapo_gym.data.build import bon_contexts
 from iapo_gym.env import IAPOEnv, Pulls
 from iapo_gym.llm.cache import ResponseCache
 from iapo_gym.llm.client import LLMClient
-from iapo_gym.llm.loop import LoopThread
+from iapo_gym.llm.loop import LoopThread, gather_all
 from iapo_gym.llm.scoring import make_extractor, make_scorer
 from iapo_gym.llm.spec import Spec, SpecError, load_spec
 from iapo_gym.oracle import policy_arms
@@ -169,15 +168,11 @@ class LiveEnv(IAPOEnv):
             if self._extract is not None:
                 return self._mv_atoms([self._extract(t) for t in texts], query.gold), tokens, texts
             assert self._score is not None
-            scores = await asyncio.gather(*(self._score(c.text, query.text) for c in comps))
-            return self._bon_atoms(list(scores)), tokens, texts
-        got = await asyncio.gather(*(one(int(p), int(q), int(n), int(s))
-                                     for p, q, n, s in zip(prompts, queries, ns, starts, strict=True)),
-                                   return_exceptions=True)
-        for outcome in got:  # every pull has ended (the loop outlives this call): raise the first failure
-            if isinstance(outcome, BaseException):
-                raise outcome
-        return [g for g in got if not isinstance(g, BaseException)]
+            scores = await gather_all(*(self._score(c.text, query.text) for c in comps))
+            return self._bon_atoms(scores), tokens, texts
+        # every pull ends before a failure is raised: the loop outlives this call
+        return await gather_all(*(one(int(p), int(q), int(n), int(s))
+                                  for p, q, n, s in zip(prompts, queries, ns, starts, strict=True)))
 
     def _mv_atoms(self, answers: list[str | None], gold: str | None) -> np.ndarray:
         """Gold -> 0, other answers -> 1.. by first appearance in the pull, no answer -> N_max + 1."""

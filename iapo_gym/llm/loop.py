@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -24,6 +24,19 @@ def _in_running_loop() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+async def gather_all(*aws: Awaitable[T]) -> list[T]:
+    """Like ``asyncio.gather``, but a failure is raised only after every awaitable has ended.
+
+    Plain ``gather`` raises at the first failure and leaves the others running unobserved, which on
+    a loop that outlives the call (``LoopThread``) means requests still going out after the error.
+    """
+    got = await asyncio.gather(*aws, return_exceptions=True)
+    for outcome in got:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return list(got)  # type: ignore[arg-type]
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
