@@ -11,7 +11,6 @@ request by an HTTP hook.
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -24,9 +23,9 @@ from iapo_gym.llm.loop import gather_all
 from iapo_gym.llm.retry import (
     EndpointError,
     EndpointUnreachable,
+    Retrier,
+    Retry,
     RetryPolicy,
-    Stop,
-    describe,
     retry_after,
     retryable_status,
 )
@@ -166,16 +165,19 @@ class LLMClient:
         self.policy = RetryPolicy(spec.endpoint.max_retries, spec.endpoint.backoff, spec.endpoint.max_backoff)
         self._client: Any = None
         self._http: Any = None
-        self._sem: asyncio.Semaphore | None = None
-        self.stop: Stop | None = None  # set by the first final failure: nothing more is sent
-        self.retries = 0
+        self._retrier: Retrier | None = None  # concurrency, retries and the stop signal, in the client's loop
         self.refused = 0  # connection attempts refused (nothing reached a server; not counted by the cap)
         self.in_flight = 0  # completions in requests on the wire now
 
     @property
     def failed(self) -> EndpointError | None:
         """The failure that stopped this client (a refusal, or a request out of retries), if any."""
-        return None if self.stop is None else self.stop.error
+        return None if self._retrier is None else self._retrier.stop.error
+
+    @property
+    def retries(self) -> int:
+        """HTTP attempts retried so far."""
+        return 0 if self._retrier is None else self._retrier.retries
 
     async def __aenter__(self) -> LLMClient:
         openai = require_openai()
@@ -188,8 +190,7 @@ class LLMClient:
         self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.route.key() or "no-key",
                                           organization=account, project=account, max_retries=0,
                                           timeout=ep.timeout, http_client=self._http)
-        self._sem = asyncio.Semaphore(ep.concurrency)
-        self.stop = Stop()
+        self._retrier = Retrier("the endpoint", self.base_url, self.policy, self._rng, ep.concurrency)
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -245,8 +246,7 @@ class LLMClient:
 
     async def _request(self, prompt: Any, indices: list[int]) -> list[Completion]:
         """One logical request for ``len(indices)`` completions, retried; each HTTP attempt passes the cap."""
-        assert self._client is not None and self._sem is not None and self.stop is not None, \
-            "use LLMClient inside 'async with'"
+        assert self._client is not None and self._retrier is not None, "use LLMClient inside 'async with'"
         ep = self.spec.endpoint
         n = len(indices)
         params = dict(self.sampling)
@@ -257,58 +257,46 @@ class LLMClient:
             extra["n"] = n
         worst = n * (self.spec.sampling.max_tokens + OVERSHOOT_TOKENS)
         openai = require_openai()
-        attempt = 0
-        while True:
-            async with self._sem:
-                self.stop.check()
-                self.cap.reserve(worst)
-                used: int | None = worst  # a request whose usage is unknown (timeout, dropped, 5xx) counts its worst case
-                self.in_flight += n
-                try:
-                    if ep.api == "chat":
-                        resp = await self._client.chat.completions.create(model=ep.model, messages=prompt,
-                                                                          **params, **extra)
-                        choices = [(c.message.content or "", c.finish_reason) for c in resp.choices]
-                    else:
-                        resp = await self._client.completions.create(model=ep.model, prompt=prompt, **params, **extra)
-                        choices = [(c.text or "", c.finish_reason) for c in resp.choices]
-                    usage = getattr(resp, "usage", None)
-                    total = int(usage.completion_tokens) if usage is not None and usage.completion_tokens is not None \
-                        else worst
-                    used = total
-                    return _split_usage(choices, total)
-                except openai.APIStatusError as exc:
-                    status = exc.status_code
-                    if not retryable_status(status):
-                        used = 0  # refused before any work: no completion tokens were produced
-                        raise self.stop.set(EndpointError(
-                            f"the endpoint {self.base_url} refused the request with HTTP {status}{_hint(status)}: "
-                            f"{_message(exc)}")) from None
-                    if status == 429:
-                        used = 0  # rate limited: turned away before any work
-                    error: Exception = exc
-                    server_asks = retry_after(getattr(getattr(exc, "response", None), "headers", None))
-                except (openai.APIConnectionError, openai.APITimeoutError) as exc:
-                    if _not_reached(exc):
-                        used = None  # nothing reached a server: no request, no tokens
-                        self.refused += 1
-                    error, server_asks = exc, None
-                finally:
-                    self.in_flight -= n
-                    if used is None:
-                        self.cap.release(worst)
-                    else:
-                        self.cap.settle(worst, used)
-            attempt += 1
-            if attempt > self.policy.max_retries:
-                if isinstance(error, openai.APIConnectionError):  # APITimeoutError included
-                    raise self.stop.set(EndpointUnreachable(
-                        f"the endpoint {self.base_url} is unreachable: no answer after {self.policy.max_retries} "
-                        f"retries ({describe(error)})", self.base_url)) from None
-                raise self.stop.set(EndpointError(f"giving up on {self.base_url} after {self.policy.max_retries} "
-                                                  f"retries: {describe(error)}")) from None
-            self.retries += 1
-            await self.stop.sleep(self.policy.delay(attempt, self._rng, server_asks))
+        client, cap = self._client, self.cap
+
+        async def attempt() -> list[Completion]:
+            cap.reserve(worst)
+            used: int | None = worst  # a request whose usage is unknown (timeout, dropped, 5xx) counts its worst case
+            self.in_flight += n
+            try:
+                if ep.api == "chat":
+                    resp = await client.chat.completions.create(model=ep.model, messages=prompt, **params, **extra)
+                    choices = [(c.message.content or "", c.finish_reason) for c in resp.choices]
+                else:
+                    resp = await client.completions.create(model=ep.model, prompt=prompt, **params, **extra)
+                    choices = [(c.text or "", c.finish_reason) for c in resp.choices]
+                usage = getattr(resp, "usage", None)
+                total = int(usage.completion_tokens) if usage is not None and usage.completion_tokens is not None \
+                    else worst
+                used = total
+                return _split_usage(choices, total)
+            except openai.APIStatusError as exc:
+                status = exc.status_code
+                if not retryable_status(status):
+                    used = 0  # refused before any work: no completion tokens were produced
+                    raise EndpointError(f"the endpoint {self.base_url} refused the request with HTTP "
+                                        f"{status}{_hint(status)}: {_message(exc)}") from None
+                if status == 429:
+                    used = 0  # rate limited: turned away before any work
+                raise Retry(exc, server_asks=retry_after(getattr(getattr(exc, "response", None), "headers", None))) \
+                    from None
+            except (openai.APIConnectionError, openai.APITimeoutError) as exc:
+                if _not_reached(exc):
+                    used = None  # nothing reached a server: no request, no tokens
+                    self.refused += 1
+                raise Retry(exc, connection=True) from None
+            finally:
+                self.in_flight -= n
+                if used is None:
+                    cap.release(worst)
+                else:
+                    cap.settle(worst, used)
+        return await self._retrier.call(attempt)
 
 
 def _split_usage(choices: list[tuple[str, str | None]], total: int) -> list[Completion]:

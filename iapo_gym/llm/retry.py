@@ -4,17 +4,18 @@ What is retried: a connection that failed or dropped, a timeout, HTTP 429 and 5x
 is final. Retry k waits ``min(max_backoff, backoff * 2^(k-1))`` times a jitter in [0.5, 1.5)
 drawn from a seeded generator, and at least what the server's ``Retry-After`` asks. A failure of
 one request after ``max_retries`` retries stops every request of the run (``Stop``), so a dead
-endpoint costs seconds, not the rest of the budget.
+endpoint costs seconds, not the rest of the budget. ``Retrier`` runs this loop for one endpoint,
+with its concurrency limit; the LLM client and the reward scorer each supply only one attempt.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -33,6 +34,22 @@ class EndpointUnreachable(EndpointError):
         """``message`` says what failed; ``url`` is the endpoint that did not answer."""
         super().__init__(message)
         self.url = url
+
+
+T = TypeVar("T")
+
+
+class Retry(Exception):
+    """Raised by one attempt that is worth retrying.
+
+    ``connection``: no HTTP answer came (refused, dropped, timed out); ``server_asks``: the seconds
+    of the server's ``Retry-After``.
+    """
+
+    def __init__(self, error: BaseException, *, connection: bool = False, server_asks: float | None = None) -> None:
+        """Wrap the attempt's ``error``."""
+        super().__init__(str(error))
+        self.error, self.connection, self.server_asks = error, connection, server_asks
 
 
 def retryable_status(status: int) -> bool:
@@ -98,6 +115,46 @@ class Stop:
         except asyncio.TimeoutError:
             pass
         self.check()
+
+
+class Retrier:
+    """One endpoint's requests: at most ``concurrency`` at once, each retried under ``policy``, and one stop signal.
+
+    ``call(attempt)`` runs ``attempt()`` (one HTTP attempt) until it returns. An attempt raises
+    ``Retry`` to be retried after the backoff, or ``EndpointError`` to stop every request; when one
+    request has used up ``max_retries``, every request stops with ``EndpointUnreachable`` (no HTTP
+    answer on the last attempt) or ``EndpointError``. Create it in the event loop that uses it.
+    """
+
+    def __init__(self, what: str, url: str, policy: RetryPolicy, rng: np.random.Generator, concurrency: int) -> None:
+        """``what`` names the endpoint in messages ("the endpoint", "the reward endpoint")."""
+        self.what, self.url, self.policy, self._rng = what, url, policy, rng
+        self._sem = asyncio.Semaphore(concurrency)
+        self.stop = Stop()
+        self.retries = 0  # attempts retried
+
+    async def call(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        """The result of the first attempt that succeeds (see the class docstring for failures)."""
+        tries = 0
+        while True:
+            async with self._sem:
+                self.stop.check()
+                try:
+                    return await attempt()
+                except Retry as exc:
+                    failure = exc
+                except EndpointError as exc:
+                    raise self.stop.set(exc) from None
+            tries += 1
+            if tries > self.policy.max_retries:
+                if failure.connection:
+                    raise self.stop.set(EndpointUnreachable(
+                        f"{self.what} {self.url} is unreachable: no answer after {self.policy.max_retries} retries "
+                        f"({describe(failure.error)})", self.url)) from None
+                raise self.stop.set(EndpointError(f"giving up on {self.what} {self.url} after "
+                                                  f"{self.policy.max_retries} retries: {describe(failure.error)}")) from None
+            self.retries += 1
+            await self.stop.sleep(self.policy.delay(tries, self._rng, failure.server_asks))
 
 
 def describe(exc: BaseException) -> str:

@@ -17,15 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from iapo_gym.llm.client import route_hook
-from iapo_gym.llm.retry import (
-    EndpointError,
-    EndpointUnreachable,
-    RetryPolicy,
-    Stop,
-    describe,
-    retry_after,
-    retryable_status,
-)
+from iapo_gym.llm.retry import EndpointError, Retrier, Retry, RetryPolicy, retry_after, retryable_status
 from iapo_gym.llm.spec import Scorer, Spec
 from iapo_gym.seeding import derive_rng
 
@@ -163,52 +155,42 @@ class RewardScorer:
         self._rng = derive_rng(spec.build.seed, REWARD_RETRY_KEY)
         self._http: Any = None
         self._client: Any = None
-        self._sem: asyncio.Semaphore | None = None
-        self.stop: Stop | None = None
-        self.requests = self.retries = 0
+        self._retrier: Retrier | None = None
+        self.requests = 0  # HTTP attempts
 
     def _open(self) -> None:
         self._http = http_module()
         self._client = self._http.AsyncClient(timeout=self.timeout, follow_redirects=False,
                                               event_hooks={"request": [route_hook(self.route)]})
-        self._sem = asyncio.Semaphore(self.concurrency)
-        self.stop = Stop()
+        self._retrier = Retrier("the reward endpoint", self.url, self.policy, self._rng, self.concurrency)
+
+    @property
+    def retries(self) -> int:
+        """HTTP attempts retried so far (in the current client)."""
+        return 0 if self._retrier is None else self._retrier.retries
 
     async def __call__(self, completion: str, query: str) -> dict[str, float]:
         """POST one completion, retrying connection errors, timeouts, 429 and 5xx; 4xx and exhaustion stop every call."""
         if self._client is None:
             self._open()
-        assert self._sem is not None and self.stop is not None
+        assert self._retrier is not None
         body = {"query": query, "completion": completion}
-        attempt = 0
-        while True:
-            async with self._sem:
-                self.stop.check()
-                self.requests += 1
-                try:
-                    resp = await self._client.post(self.url, json=body)
-                except self._http.TransportError as exc:  # refused, dropped, timed out
-                    error: Exception = exc
-                    server_asks = None
-                else:
-                    if resp.status_code == 200:
-                        return self._scores(resp.content)
-                    if not retryable_status(resp.status_code):
-                        raise self.stop.set(EndpointError(
-                            f"the reward endpoint {self.url} refused the request with HTTP {resp.status_code}: "
-                            f"{resp.text[:300]}"))
-                    error = EndpointError(f"HTTP {resp.status_code}: {resp.text[:300]}")
-                    server_asks = retry_after(resp.headers)
-            attempt += 1
-            if attempt > self.policy.max_retries:
-                if isinstance(error, self._http.TransportError):
-                    raise self.stop.set(EndpointUnreachable(
-                        f"the reward endpoint {self.url} is unreachable: no answer after {self.policy.max_retries} "
-                        f"retries ({describe(error)})", self.url))
-                raise self.stop.set(EndpointError(f"giving up on the reward endpoint {self.url} after "
-                                                  f"{self.policy.max_retries} retries: {error}"))
-            self.retries += 1
-            await self.stop.sleep(self.policy.delay(attempt, self._rng, server_asks))
+        client, http = self._client, self._http
+
+        async def attempt() -> dict[str, float]:
+            self.requests += 1
+            try:
+                resp = await client.post(self.url, json=body)
+            except http.TransportError as exc:  # refused, dropped, timed out
+                raise Retry(exc, connection=True) from None
+            if resp.status_code == 200:
+                return self._scores(resp.content)
+            if not retryable_status(resp.status_code):
+                raise EndpointError(f"the reward endpoint {self.url} refused the request with HTTP "
+                                    f"{resp.status_code}: {resp.text[:300]}")
+            raise Retry(EndpointError(f"HTTP {resp.status_code}: {resp.text[:300]}"),
+                        server_asks=retry_after(resp.headers))
+        return await self._retrier.call(attempt)
 
     def _scores(self, content: bytes) -> dict[str, float]:
         try:
