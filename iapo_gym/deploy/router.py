@@ -18,25 +18,25 @@ else N concurrent requests; no response cache) and returns the aggregated comple
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
-import threading
 import warnings
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import numpy as np
 
 from iapo_gym.deploy.policyfile import PolicyContext, PolicyFile, PolicyFileError, load_policy
 from iapo_gym.llm.client import BudgetExhausted, Completion, EndpointError, LLMClient
+from iapo_gym.llm.loop import LoopThread, gather_all
 from iapo_gym.llm.scoring import make_extractor, make_scorer
 from iapo_gym.llm.spec import Prompt, Scorer, Spec, load_spec
 from iapo_gym.seeding import derive_rng
 
 TIE_KEY = "iapo_gym.deploy.tie"
 ContextRef = str | int | Sequence[float] | None
-T = TypeVar("T")
 
 __all__ = ["BudgetExhausted", "ContextError", "EndpointError", "Routed", "Router"]
 
@@ -95,26 +95,6 @@ class Routed:
         return out
 
 
-class _LoopThread:
-    """An event loop on a daemon thread, so blocking callers can run coroutines from inside or outside a loop.
-
-    A small private runner; iapo_gym.llm may offer a shared one, which can replace it.
-    """
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="iapo-router-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-        self.loop.close()
-
-
 class Router:
     """A policy file applied to an upstream endpoint: ``acomplete``/``complete`` per request (module docstring)."""
 
@@ -144,12 +124,13 @@ class Router:
         scorer = Scorer(**cast(dict[str, Any], {k: (tuple(v) if isinstance(v, list) else v)
                                                 for k, v in pf.scorer.items()}))
         self._extract = make_extractor(scorer) if pf.aggregator == "mv" else None
-        self._score = make_scorer(scorer, sp.endpoint.timeout) if pf.aggregator == "bon" else None
+        # the policy's scorer, reached through the upstream spec's routes and retry settings
+        self._score = make_scorer(dataclasses.replace(sp, scorer=scorer)) if pf.aggregator == "bon" else None
         self._grid = scorer.grid if pf.aggregator == "bon" else None
         self._by_name = {c.name: i for i, c in enumerate(pf.contexts)}
         self._client: LLMClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._runner: _LoopThread | None = None
+        self._runner: LoopThread | None = None
 
     # ---- contexts --------------------------------------------------------------------------------------
     @property
@@ -209,13 +190,15 @@ class Router:
                                    "(or only the blocking complete())")
             return self
         client = LLMClient(self.spec, cache=None)
-        client.latch_refusals = False  # one caller's refused request must not stop the others
+        client.stop_on_failure = False  # one caller's failed request must not stop the others
         await client.__aenter__()
         self._client, self._loop = client, loop
         return self
 
     async def aclose(self) -> None:
-        """Close the upstream client."""
+        """Close the upstream client and the reward endpoint's client."""
+        if self._score is not None:
+            await self._score.aclose()
         if self._client is not None:
             client, self._client = self._client, None
             await client.__aexit__(None, None, None)
@@ -265,7 +248,7 @@ class Router:
         if self._runner is None:
             if self._client is not None:
                 raise RuntimeError("this Router is in use by an event loop: await acomplete() there")
-            self._runner = _LoopThread()
+            self._runner = LoopThread()
         return self._runner.run(self.acomplete(query, context))
 
     def _vote(self, ctx: PolicyContext, query: str, completions: list[Completion]) -> Routed:
@@ -291,7 +274,7 @@ class Router:
     async def _best(self, ctx: PolicyContext, query: str, completions: list[Completion]) -> Routed:
         score = self._score
         assert score is not None
-        raw = list(await asyncio.gather(*(asyncio.to_thread(score, c.text, query) for c in completions)))
+        raw = await gather_all(*(score(c.text, query) for c in completions))
         names = self.policy.objectives
         missing = [n for n in names if n not in raw[0]]
         if missing:
