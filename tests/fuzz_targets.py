@@ -115,7 +115,7 @@ def run_one(target: Target, data: bytes) -> Outcome:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run_isolated(target: Target, data: bytes, timeout: float = 10.0) -> Outcome:
+def run_isolated(target: Target, data: bytes, timeout: float = 5.0) -> Outcome:
     """``run_one`` in a forked child: a parser stuck in C code for ``timeout`` seconds is killed and failed."""
     import os
     import signal
@@ -855,6 +855,35 @@ def parse_policy(path: Path, out: Path) -> object:
     return Policy.from_json(path.read_bytes(), source=str(path))
 
 
+@functools.cache
+def policy_file_seeds() -> list[bytes]:
+    """Deployable policy files (docs/deploy.md) as ``PolicyFile.to_json`` writes them."""
+    from tests.deploy_helpers import bon_policy, mv_policy
+
+    return [mv_policy().to_json().encode(), bon_policy().to_json().encode()]
+
+
+def policy_file_mutator(data: bytes, rnd: random.Random) -> bytes:
+    """A JSON mutation, then most of the time a fresh checksum, so the checks past the checksum are reached."""
+    from iapo_gym.deploy.policyfile import _digest
+
+    data = json_mutator(data, rnd)
+    if rnd.random() < 0.8:
+        try:
+            doc = json.loads(data)
+            doc["sha256"] = _digest(doc)
+            data = json.dumps(doc, indent=1).encode()
+        except (ValueError, TypeError, RecursionError):  # not an object any more, or NaN (no checksum)
+            pass
+    return data
+
+
+def parse_policy_file(path: Path, out: Path) -> object:
+    from iapo_gym.deploy import load_policy
+
+    return load_policy(path)
+
+
 def score(completion: str) -> dict[str, float]:
     """A Best-of-N scorer the fuzzed specs may name (never called while parsing)."""
     return {"helpful": 0.0, "harmless": 0.0}
@@ -866,6 +895,7 @@ def score(completion: str) -> dict[str, float]:
 def _register_all() -> None:
     from iapo_gym.data.build import LogFormatError
     from iapo_gym.data.release import ReleaseError
+    from iapo_gym.deploy import PolicyFileError
     from iapo_gym.leaderboard.bundle import BundleError
     from iapo_gym.leaderboard.merge import MergeError
     from iapo_gym.llm.spec import SpecError
@@ -891,6 +921,8 @@ def _register_all() -> None:
     register(Target("hdf5_table_bytes", ".h5", (TableError,), table_seeds, parse_table, BYTE_MUTATORS,
                     byte_level=0.0, isolate=True))
     register(Target("policy_json", ".json", (PolicyError,), policy_seeds, parse_policy, (json_mutator,)))
+    register(Target("policy_file", ".json", (PolicyFileError,), policy_file_seeds, parse_policy_file,
+                    (policy_file_mutator,)))
 
 
 _register_all()
