@@ -202,3 +202,20 @@ def test_tar_bundles_from_write_bundle_layout_still_read(tmp_path: Path) -> None
     with tarfile.open(path) as tf:
         assert [t.name for t in tf] == ["manifest.json", "results.jsonl", "tasks.jsonl"]
     assert len(read_bundle(path).results) == 16
+
+
+@pytest.mark.parametrize("seed", [1, 2])  # _zip_bytes draws bzip2 (1) or deflate (2) for the member
+def test_zip_member_that_understates_its_size_is_not_inflated(tmp_path: Path, seed: int) -> None:
+    """A header claiming 10 bytes for 50 MiB of zeros: refused without inflating them (a whole-member
+    read took 133 MB here)."""
+    members = [_Member("manifest.json", b"{}"), _Member("results.jsonl", b"\0" * (50 << 20), declared=10),
+               _Member("tasks.jsonl", b"")]
+    path = tmp_path / "liar.iapo.zip"
+    path.write_bytes(_zip_bytes(members, random.Random(seed)))
+    assert path.stat().st_size < 1 << 20
+    tracemalloc.start()
+    with pytest.raises(BundleError, match=r"liar\.iapo\.zip.*(compression method 12|Bad CRC-32)"):
+        read_bundle(path)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 8 << 20

@@ -273,6 +273,20 @@ def _check_sizes(path: Path, sizes: list[tuple[str, int]]) -> None:
         raise BundleError(f"{path.name}: members add up to {total} bytes, more than the limit of {MAX_BUNDLE_BYTES}")
 
 
+def _read_zip_member(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
+    """A deflated (or stored) member, inflated 64 KiB at a time: zipfile stops at the declared size, so a
+    member whose header understates it takes no more memory than declared (a whole-member read would
+    inflate each compressed chunk in one go, and bzip2 or lzma whole blocks of any size)."""
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        raise BundleError(f"{path.name}: member {info.filename!r} uses compression method {info.compress_type}; "
+                          "bundles are deflated (or stored)")
+    chunks = []
+    with zf.open(info) as fh:
+        while chunk := fh.read(1 << 16):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _read_members(path: Path) -> dict[str, bytes]:
     """The members of a bundle file, read in memory after checking their names, kinds, count and sizes."""
     kind = archive_kind(path)
@@ -287,7 +301,7 @@ def _read_members(path: Path) -> dict[str, bytes]:
                 _check_member_set(path, [i.filename for i in infos if not i.is_dir()])
                 for info in infos:
                     if not info.is_dir():
-                        out[info.filename] = zf.read(info)
+                        out[info.filename] = _read_zip_member(path, zf, info)
         else:
             with tarfile.open(path, mode="r:gz") as tf:
                 tinfos: list[tarfile.TarInfo] = []
