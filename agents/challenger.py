@@ -16,10 +16,14 @@ shuffle once the split is used up), through the public ``env.pull(prompts, ns, q
 
 from __future__ import annotations
 
+import copy
+import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from agents import _plugin_jit
 from agents.base import Agent
 from agents.estimator import Estimator
 from agents.psst import PSST, Allocation, rounds_to_one, trimming_rounds
@@ -103,6 +107,29 @@ class CommonQueryPSST(PSST):
         return est.best_arms(self.rng, alive)
 
 
+def mv_credit_rows(probs: np.ndarray, gold: np.ndarray, n_max: int) -> np.ndarray:
+    """``mv_expected_credit`` of each row, computed with only the buckets of positive probability.
+
+    A bucket of probability 0 never receives a vote, so dropping it leaves the credit unchanged
+    (up to rounding: fewer quadrature nodes); the exact kernel's cost grows with the number of
+    buckets, and the plug-in rows of a query often have only a few.
+    """
+    n_rows = probs.shape[0]
+    out = np.empty((n_rows, n_max))
+    p_gold = probs[np.arange(n_rows), gold]
+    others = probs.copy()
+    others[np.arange(n_rows), gold] = -1.0
+    others = -np.sort(-others, axis=1)[:, :-1]  # the other buckets, largest first
+    width = (others > 0).sum(axis=1)
+    if _plugin_jit.available():
+        return _plugin_jit.credit_rows(p_gold, others, width, n_max)
+    for w in np.unique(width):
+        rows = np.flatnonzero(width == w)
+        reduced = np.column_stack([p_gold[rows], others[rows, :max(int(w), 1)]])
+        out[rows] = mv_expected_credit(reduced, np.zeros(rows.size, np.int64), n_max)
+    return out
+
+
 class PlugInEstimator(Estimator):
     """Q(c, p, N) for every N from empirical outcome distributions, through the oracle's formulas.
 
@@ -169,15 +196,20 @@ class PlugInEstimator(Estimator):
         self.sums[:, prompts, :] = (task + cost) * n_queries[None, :, None]
 
     def _mv_credit(self, queries: np.ndarray, prompts: np.ndarray) -> np.ndarray:
-        """(len(prompts), N_max) mean credit over each prompt's queries, refreshing the rows of ``queries``."""
+        """(len(prompts), N_max) mean credit over each prompt's queries, refreshing its rows of ``queries``.
+
+        Only the pulled prompts' rows are refreshed (the query's pooled prior moved for every
+        prompt, but the others' estimates are not read until they are pulled again).
+        """
         gold = self.env.table.gold
         assert gold is not None
         pooled = self.atom_counts[:, queries].sum(axis=0).astype(np.float64)  # (q, atoms) over all prompts
         prior = pooled / pooled.sum(axis=1, keepdims=True)
-        p_idx, q_pos = np.nonzero(self._seen[:, queries])
+        p_pos, q_pos = np.nonzero(self._seen[prompts][:, queries])
+        p_idx = prompts[p_pos]
         counts = self.atom_counts[p_idx, queries[q_pos]].astype(np.float64)
         probs = (counts + self.alpha * prior[q_pos]) / (counts.sum(axis=1, keepdims=True) + self.alpha)
-        self._credit[p_idx, queries[q_pos]] = mv_expected_credit(probs, gold[queries[q_pos]], self.n_max)
+        self._credit[p_idx, queries[q_pos]] = mv_credit_rows(probs, gold[queries[q_pos]], self.n_max)
         return self._credit[prompts].sum(axis=1) / self._seen[prompts].sum(axis=1)[:, None]
 
     def _bon_value(self, prompts: np.ndarray) -> np.ndarray:
@@ -232,6 +264,7 @@ class PlugInHalving(Agent):
             raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
         self.m_min = int(m_min)
         self.alpha = float(alpha)
+        _plugin_jit.warm_up()
         self.keep_last = int(keep_last)
         self.common = bool(common)
 
@@ -269,3 +302,151 @@ class PlugInHalving(Agent):
                 np.put_along_axis(rank, order, np.arange(n_prompts)[None, :].repeat(n_contexts, 0), axis=1)
                 alive &= rank < keep[:, None]
         return est.best_arms(self.rng, np.repeat(alive[:, :, None], n_max, axis=2))
+
+
+class _PlugInRun:
+    """The state of one anytime plug-in trajectory: estimator, query stream, live prompts, spend."""
+
+    def __init__(self, base: Any, alpha: float, rng: np.random.Generator) -> None:
+        self.base = base
+        self.est = PlugInEstimator(base, alpha)
+        self.stream = QueryStream(base.queries(), rng)
+        n_contexts, n_prompts, _ = self.est.sums.shape
+        self.alive = np.ones((n_contexts, n_prompts), dtype=bool)
+        self.spent = 0
+
+    def branch(self) -> _PlugInRun:
+        """A copy to run a budget's tail on: its own estimator, stream and generator (a copy of the
+        agent's, so the tail never advances the agent's own); the same env."""
+        memo = {id(self.base): self.base, id(self.est.env): self.est.env}
+        return copy.deepcopy(self, memo)
+
+
+class AnytimePlugIn(Agent):
+    """Plug-in elimination over prompts on common queries, paced by the completions spent (anytime).
+
+    A trajectory of steps that do not depend on the budget T: the first spends s0 = P * q0 *
+    n_min completions, each later one ``growth`` times what was spent before it (at least one
+    completion per live prompt). A step of b completions gives every prompt live in some
+    context the same m train queries (without replacement; a fresh shuffle once the split is
+    used up), n completions each, as many distinct queries as the split allows first:
+    n = max(n_min, ceil(b / (live * |train|))), m = floor(b / (live * n)); it is read through
+    ``PlugInEstimator``. After each step, with s completions spent in all, each context keeps
+    the top max(keep_last, ceil(P (s0 / s)^rate)) of its live prompts by max_N of the estimate.
+    A budget T stops the steps where the next one no longer fits; what is left goes into one
+    last step by the same rule, and the policy is, per context, the best (p, N) of its live
+    prompts. So ``train_budgets`` reads every budget off one trajectory.
+    """
+
+    name = "plugin_anytime"
+    anytime = True
+
+    def __init__(self, seed: int | None = None, n_min: int = 2, q0: int = 8, growth: float = 1.0,
+                 rate: float = 1.0, alpha: float = 4.0, keep_last: int = 1, kappa: float = 0.0) -> None:
+        """``n_min`` completions per (prompt, query) at least; ``q0``, ``growth``, ``rate``: the pace."""
+        super().__init__(seed)
+        for key, value in (("n_min", n_min), ("q0", q0), ("keep_last", keep_last)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+        if not float(growth) > 0.0:
+            raise ValueError(f"growth must be > 0, got {growth!r}")
+        if not float(rate) >= 0.0:
+            raise ValueError(f"rate must be >= 0, got {rate!r}")
+        if not float(alpha) >= 0.0:
+            raise ValueError(f"alpha must be >= 0, got {alpha!r}")
+        self.n_min, self.q0, self.keep_last = int(n_min), int(q0), int(keep_last)
+        self.growth, self.rate, self.alpha = float(growth), float(rate), float(alpha)
+        if not float(kappa) >= 0.0:
+            raise ValueError(f"kappa must be >= 0, got {kappa!r}")
+        self.kappa = float(kappa)
+        _plugin_jit.warm_up()
+
+    def params(self) -> dict[str, Any]:
+        """Hyper-parameters recorded with results."""
+        return {"n_min": self.n_min, "q0": self.q0, "growth": self.growth, "rate": self.rate,
+                "alpha": self.alpha, "keep_last": self.keep_last, "kappa": self.kappa}
+
+    def train(self, env: Any, budget: int) -> Policy:
+        """Spend at most ``budget`` completions of ``env``; the best live arm per context."""
+        budget = self.check_budget(budget)
+        run = _PlugInRun(self.base_env(env), self.alpha, self.rng)
+        self._advance(run, budget)
+        return self._finish(run.branch(), budget)
+
+    def train_budgets(self, env: Any, budgets: Any) -> Iterator[tuple[int, Policy]]:
+        """(budget, policy) for each budget in increasing order, from one trajectory.
+
+        Each policy is bit-identical to ``train(env, budget)`` by a fresh agent with the same
+        seed on an env reset with the same seed: the whole steps are the same for every
+        budget; each budget's last step and read-out branch off on a copy of the trajectory (with
+        its own copy of the agent's generator; the env's state is saved and restored around it).
+        """
+        checked = sorted({self.check_budget(b) for b in budgets})
+        base = self.base_env(env)
+        run = _PlugInRun(base, self.alpha, self.rng)
+        for i, budget in enumerate(checked):
+            self._advance(run, budget)
+            last = i == len(checked) - 1
+            env_state = None if last else base.snapshot()
+            policy = self._finish(run.branch(), budget)
+            yield budget, policy
+            if env_state is not None:
+                base.restore(env_state)
+
+    def _s0(self, run: _PlugInRun) -> int:
+        return run.alive.shape[1] * self.q0 * self.n_min
+
+    def _next_step(self, run: _PlugInRun) -> int:
+        """Completions of the trajectory's next whole step."""
+        live = int(run.alive.any(axis=0).sum())
+        if run.spent == 0:
+            return self._s0(run)
+        return max(self.n_min * live, math.ceil(self.growth * run.spent))
+
+    def _advance(self, run: _PlugInRun, budget: int) -> None:
+        """Take whole steps while the next one fits in ``budget``."""
+        n_prompts = run.alive.shape[1]
+        s0 = self._s0(run)
+        while (step := self._next_step(run)) <= budget - run.spent:
+            self._pull(run, step)
+            if run.spent > s0:
+                target = max(self.keep_last, math.ceil(n_prompts * (s0 / run.spent) ** self.rate))
+                self._trim(run, target)
+            elif run.spent == s0 and self.rate > 0:
+                self._trim(run, n_prompts)
+
+    def _pull(self, run: _PlugInRun, b: int) -> None:
+        """One step of at most ``b`` completions on common queries (nothing if not one per live prompt)."""
+        live = np.flatnonzero(run.alive.any(axis=0))
+        if not live.size or b < live.size:
+            return
+        n_max = run.est.sums.shape[2]
+        pool = run.stream.pool.size
+        n = max(self.n_min, math.ceil(b / (live.size * pool)))
+        if self.kappa > 0:
+            n = max(n, math.ceil(math.sqrt(b / (live.size * self.kappa))))
+        n = min(n_max, n)
+        m = b // (live.size * n)
+        if m == 0:
+            n, m = b // live.size, 1
+        queries = np.tile(run.stream.take(m), live.size)
+        pulls = run.base.pull(np.repeat(live, m), np.full(live.size * m, n), queries=queries)
+        run.spent += pulls.completions
+        run.est.update(pulls)
+
+    def _trim(self, run: _PlugInRun, target: int) -> None:
+        """Keep the top ``target`` live prompts of each context by max_N of the estimate."""
+        alive = run.alive
+        n_contexts, n_prompts = alive.shape
+        score = np.where(alive, run.est.mean(unseen=-np.inf).max(axis=2), -np.inf)
+        keep = np.minimum(alive.sum(axis=1), target)
+        order = np.lexsort((run.stream.rng.random(alive.shape), -score), axis=-1)
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(n_prompts)[None, :].repeat(n_contexts, 0), axis=1)
+        alive &= rank < keep[:, None]
+
+    def _finish(self, run: _PlugInRun, budget: int) -> Policy:
+        """The last step with what is left of ``budget``, then the read-out."""
+        self._pull(run, budget - run.spent)
+        n_max = run.est.sums.shape[2]
+        return run.est.best_arms(run.stream.rng, np.repeat(run.alive[:, :, None], n_max, axis=2))

@@ -14,7 +14,7 @@ from agents.challenger import PlugInEstimator, QueryStream
 from iapo_gym import IAPOEnv, OutcomeTable, Pulls
 from tests.conftest import tiny_bon_table, tiny_mv_table
 
-NEW = ["plugin_halving", "psst_cq", "auto"]
+NEW = ["plugin_halving", "psst_cq", "plugin_anytime", "auto"]
 
 
 class RecordingEnv(IAPOEnv):
@@ -76,7 +76,7 @@ def test_query_stream_draws_without_replacement_then_reshuffles() -> None:
         QueryStream(np.zeros(0, np.int64), np.random.default_rng(0))
 
 
-@pytest.mark.parametrize("name", ["plugin_halving", "psst_cq"])
+@pytest.mark.parametrize("name", ["plugin_halving", "psst_cq", "plugin_anytime"])
 def test_every_round_pulls_live_prompts_on_common_fresh_queries(name: str) -> None:
     env = RecordingEnv(tiny_mv_table(n_prompts=6, n_queries=200, n_max=8))
     env.reset(seed=0)
@@ -87,9 +87,12 @@ def test_every_round_pulls_live_prompts_on_common_fresh_queries(name: str) -> No
         reference = next(iter(per_prompt.values()))
         assert all(np.array_equal(q, reference) for q in per_prompt.values())  # common queries
         used.append(np.unique(pulls.queries))
-    every = np.concatenate(used)
-    assert np.unique(every).size == every.size  # no query reused across rounds (160 train queries)
-    assert np.isin(every, env.queries("train")).all()
+    pool = env.queries("train").size  # 160
+    first_pass = np.cumsum([u.size for u in used]) <= pool
+    every = np.concatenate([u for u, first in zip(used, first_pass) if first])
+    assert every.size >= 0.5 * pool
+    assert np.unique(every).size == every.size  # no query reused before the split is used up
+    assert np.isin(np.concatenate(used), env.queries("train")).all()
 
 
 def _pull_every_train_query(env: IAPOEnv, est: PlugInEstimator, pulls_per_query: int) -> None:
@@ -150,3 +153,84 @@ def test_plugin_halving_rejects_bad_parameters() -> None:
             env = IAPOEnv(table=tiny_mv_table())
             env.reset(seed=0)
             agents.make("plugin_halving", **bad).train(env, 100)
+
+
+# ---- the anytime plug-in agent (plugin_anytime) ------------------------------------------------------------
+
+
+def test_anytime_train_budgets_is_bit_identical_to_separate_runs(math_release: Path) -> None:
+    from iapo_gym.data.release import read_release
+
+    budgets = [0, 7, 900, 3_000, 5_000, 10_000]
+    for table in (read_release(str(math_release))[0], tiny_bon_table(seed=3, n_prompts=6, n_queries=40)):
+        env = IAPOEnv(table=table)
+        separate = []
+        for budget in budgets:
+            env.reset(seed=11)
+            separate.append((agents.make("plugin_anytime", seed=5).train(env, budget), env.budget_used))
+        env.reset(seed=11)
+        agent = agents.make("plugin_anytime", seed=5)
+        assert agent.anytime  # type: ignore[attr-defined]
+        shared = list(agent.train_budgets(env, reversed(budgets)))  # type: ignore[attr-defined]
+        assert [b for b, _ in shared] == budgets
+        assert [p for _, p in shared] == [p for p, _ in separate]
+        assert all(used <= b for (_, used), b in zip(separate, budgets))
+        assert env.budget_used == separate[-1][1]  # the env continues the largest budget's trajectory
+
+
+def test_anytime_steps_do_not_depend_on_the_budget() -> None:
+    """The pulls of a smaller budget are a prefix of a larger one's, up to the smaller one's last step."""
+    batches = []
+    for budget in (2_000, 6_000):
+        env = RecordingEnv(tiny_mv_table(n_prompts=8, n_queries=200, n_max=8))
+        env.reset(seed=0)
+        agents.make("plugin_anytime", seed=0).train(env, budget)
+        batches.append(env.batches)
+    small, large = batches
+    assert len(large) > len(small) >= 3
+    for a, b in zip(small[:-1], large):
+        assert np.array_equal(a.prompts, b.prompts) and np.array_equal(a.queries, b.queries)
+        assert np.array_equal(a.atoms, b.atoms)
+    assert not np.array_equal(small[-1].queries, large[len(small) - 1].queries)  # the branch: its own last step
+
+
+def test_anytime_live_prompts_shrink_at_the_documented_pace() -> None:
+    env = RecordingEnv(tiny_mv_table(n_prompts=16, n_queries=400, n_max=8))
+    env.reset(seed=0)
+    agent = agents.make("plugin_anytime", seed=0, n_min=1, q0=4, growth=1.0, rate=1.0)
+    agent.train(env, 4_000)
+    s0 = 16 * 4 * 1
+    spent = 0
+    for pulls in env.batches[:-1]:  # the whole steps
+        live = np.unique(pulls.prompts).size
+        target = 16 if spent <= s0 else max(1, int(np.ceil(16 * s0 / spent)))  # per context
+        assert live <= min(16, env.n_contexts * target), (spent, live, target)
+        spent += pulls.completions
+    assert np.unique(env.batches[0].prompts).size == 16 and np.unique(env.batches[-1].prompts).size < 16
+
+
+def test_mv_credit_rows_matches_the_exact_oracle() -> None:
+    from agents import _plugin_jit
+    from agents.challenger import mv_credit_rows
+    from iapo_gym.utility import mv_expected_credit
+
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.full(5, 0.5), size=300)
+    probs[probs < 0.08] = 0.0  # rows with 0-4 other buckets of positive probability
+    probs[:20] = np.eye(5)[rng.integers(5, size=20)]
+    probs /= probs.sum(axis=1, keepdims=True)
+    gold = rng.integers(5, size=300)
+    exact = mv_expected_credit(probs, gold, 16)
+    assert np.abs(mv_credit_rows(probs, gold, 16) - exact).max() < 1e-12
+    if _plugin_jit.available():
+        others = np.sort(np.where(np.eye(5, dtype=bool)[gold], -1.0, probs), axis=1)[:, ::-1][:, :4]
+        width = (others > 0).sum(axis=1)
+        compiled = _plugin_jit.credit_rows(probs[np.arange(300), gold], others, width, 16)
+        assert np.abs(compiled - exact).max() < 1e-12
+
+
+def test_anytime_rejects_bad_parameters() -> None:
+    for bad in ({"n_min": 0}, {"q0": 0}, {"keep_last": 0}, {"growth": 0.0}, {"rate": -1.0}, {"alpha": -1.0},
+                {"kappa": -1.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            agents.make("plugin_anytime", **bad)
