@@ -9,7 +9,6 @@ bit for bit; ``tests/test_challenger.py`` compares the two. Used when ``agents._
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
