@@ -146,12 +146,16 @@ class PlugInEstimator(Estimator):
       query would make the maximum of many draws look far too small).
     """
 
-    def __init__(self, env: Any, alpha: float = 4.0) -> None:
-        """Bind to ``env``; ``alpha`` >= 0 pseudo-votes of the query prior (majority vote)."""
+    def __init__(self, env: Any, alpha: float = 4.0, curve: float = 0.0) -> None:
+        """Bind to ``env``; ``alpha`` >= 0 pseudo-votes of the prior (majority vote); ``curve`` > 0 uses the
+        prompt's response curve over query difficulty as the prior's gold share (ridge strength ``curve``)."""
         super().__init__(env, "blocks")
         if not float(alpha) >= 0.0:
             raise ValueError(f"alpha must be >= 0, got {alpha!r}")
+        if not float(curve) >= 0.0:
+            raise ValueError(f"curve must be >= 0, got {curve!r}")
         self.alpha = float(alpha)
+        self.curve = float(curve)
         table = self.env.table
         self.atom_counts = np.zeros((self.n_prompts, table.n_queries, self.n_atoms), dtype=np.int64)
         self._cost_sum = np.zeros((self.n_prompts,))  # sum over the prompt's pulled queries of cost[p, q]
@@ -186,7 +190,9 @@ class PlugInEstimator(Estimator):
                                       minlength=self.n_prompts)
         prompts = np.unique(pulls.prompts)
         n_queries = self._seen[prompts].sum(axis=1).astype(np.float64)
-        if self.aggregator == "mv":
+        if self.aggregator == "mv" and self.curve > 0:
+            task = self._weights[:, :1, None] * self._mv_credit_curve(prompts)[None]
+        elif self.aggregator == "mv":
             task = self._weights[:, :1, None] * self._mv_credit(np.unique(pulls.queries), prompts)[None]
         else:
             task = self._bon_value(prompts)
@@ -210,6 +216,53 @@ class PlugInEstimator(Estimator):
         counts = self.atom_counts[p_idx, queries[q_pos]].astype(np.float64)
         probs = (counts + self.alpha * prior[q_pos]) / (counts.sum(axis=1, keepdims=True) + self.alpha)
         self._credit[p_idx, queries[q_pos]] = mv_credit_rows(probs, gold[queries[q_pos]], self.n_max)
+        return self._credit[prompts].sum(axis=1) / self._seen[prompts].sum(axis=1)[:, None]
+
+    def _mv_credit_curve(self, prompts: np.ndarray) -> np.ndarray:
+        """(len(prompts), N_max) mean credit over each prompt's queries, every row of ``prompts`` refreshed.
+
+        The prior of (p, q) gives gold the share sigmoid(a_p + b_p z_q), z_q the logit of q's gold
+        rate pooled over every prompt (the query's difficulty) and (a_p, b_p) the prompt's
+        response curve: a binomial logistic fit to its own gold votes, ridge-penalised by
+        ``curve`` towards (0, 1), the pooled curve. The other buckets share the rest as q's pooled
+        wrong answers do (one wrong bucket all of it while q has no wrong answer). A prompt's few votes on one query are thus read together with how it
+        does on queries of the same difficulty, not only with how other prompts do on that query.
+        """
+        gold = self.env.table.gold
+        assert gold is not None
+        n_q = self.atom_counts.shape[1]
+        cols = np.arange(n_q)
+        votes = self.atom_counts.sum(axis=2)  # (P, Q)
+        gold_votes = self.atom_counts[:, cols, gold]  # (P, Q)
+        pooled = self.atom_counts.sum(axis=0).astype(np.float64)  # (Q, atoms)
+        z = np.log((gold_votes.sum(axis=0) + 0.5) / (votes.sum(axis=0) - gold_votes.sum(axis=0) + 0.5))
+        g, n = gold_votes[prompts].astype(np.float64), votes[prompts].astype(np.float64)
+        theta = np.zeros((prompts.size, 2))
+        theta[:, 1] = 1.0
+        lam = self.curve
+        for _ in range(8):  # Newton steps of the penalised binomial log-likelihood, per prompt
+            mu = 1.0 / (1.0 + np.exp(-(theta[:, :1] + theta[:, 1:] * z[None, :])))
+            r, w = g - n * mu, n * mu * (1.0 - mu)
+            grad = np.stack([r.sum(axis=1) - lam * theta[:, 0], (r * z).sum(axis=1) - lam * (theta[:, 1] - 1.0)], 1)
+            h00 = w.sum(axis=1) + lam
+            h01 = (w * z).sum(axis=1)
+            h11 = (w * z * z).sum(axis=1) + lam
+            det = h00 * h11 - h01 * h01
+            theta[:, 0] += (h11 * grad[:, 0] - h01 * grad[:, 1]) / det
+            theta[:, 1] += (h00 * grad[:, 1] - h01 * grad[:, 0]) / det
+        p_idx, q_idx = np.nonzero(self._seen[prompts])
+        share = 1.0 / (1.0 + np.exp(-(theta[p_idx, 0] + theta[p_idx, 1] * z[q_idx])))
+        rows = np.arange(q_idx.size)
+        wrong = pooled[q_idx].copy()
+        wrong[rows, gold[q_idx]] = 0.0
+        unseen = wrong.sum(axis=1) == 0  # no wrong answer yet: one wrong bucket takes the rest
+        wrong[rows[unseen], (gold[q_idx[unseen]] + 1) % wrong.shape[1]] = 1.0
+        prior = wrong / wrong.sum(axis=1, keepdims=True) * (1.0 - share)[:, None]
+        prior[rows, gold[q_idx]] = share
+        rows_p = prompts[p_idx]
+        counts = self.atom_counts[rows_p, q_idx].astype(np.float64)
+        probs = (counts + self.alpha * prior) / (counts.sum(axis=1, keepdims=True) + self.alpha)
+        self._credit[rows_p, q_idx] = mv_credit_rows(probs, gold[q_idx], self.n_max)
         return self._credit[prompts].sum(axis=1) / self._seen[prompts].sum(axis=1)[:, None]
 
     def _bon_value(self, prompts: np.ndarray) -> np.ndarray:
@@ -307,9 +360,9 @@ class PlugInHalving(Agent):
 class _PlugInRun:
     """The state of one anytime plug-in trajectory: estimator, query stream, live prompts, spend."""
 
-    def __init__(self, base: Any, alpha: float, rng: np.random.Generator) -> None:
+    def __init__(self, base: Any, alpha: float, rng: np.random.Generator, curve: float = 0.0) -> None:
         self.base = base
-        self.est = PlugInEstimator(base, alpha)
+        self.est = PlugInEstimator(base, alpha, curve)
         self.stream = QueryStream(base.queries(), rng)
         n_contexts, n_prompts, _ = self.est.sums.shape
         self.alive = np.ones((n_contexts, n_prompts), dtype=bool)
@@ -342,7 +395,8 @@ class AnytimePlugIn(Agent):
     anytime = True
 
     def __init__(self, seed: int | None = None, n_min: int = 2, q0: int = 8, growth: float = 1.0,
-                 rate: float = 1.0, alpha: float = 4.0, keep_last: int = 1, kappa: float = 0.0) -> None:
+                 rate: float = 1.0, alpha: float = 4.0, keep_last: int = 1, kappa: float = 0.0,
+                 curve: float = 0.0) -> None:
         """``n_min`` completions per (prompt, query) at least; ``q0``, ``growth``, ``rate``: the pace."""
         super().__init__(seed)
         for key, value in (("n_min", n_min), ("q0", q0), ("keep_last", keep_last)):
@@ -359,17 +413,21 @@ class AnytimePlugIn(Agent):
         if not float(kappa) >= 0.0:
             raise ValueError(f"kappa must be >= 0, got {kappa!r}")
         self.kappa = float(kappa)
+        if not float(curve) >= 0.0:
+            raise ValueError(f"curve must be >= 0, got {curve!r}")
+        self.curve = float(curve)
         _plugin_jit.warm_up()
 
     def params(self) -> dict[str, Any]:
         """Hyper-parameters recorded with results."""
         return {"n_min": self.n_min, "q0": self.q0, "growth": self.growth, "rate": self.rate,
-                "alpha": self.alpha, "keep_last": self.keep_last, "kappa": self.kappa}
+                "alpha": self.alpha, "keep_last": self.keep_last, "kappa": self.kappa,
+                "curve": self.curve}
 
     def train(self, env: Any, budget: int) -> Policy:
         """Spend at most ``budget`` completions of ``env``; the best live arm per context."""
         budget = self.check_budget(budget)
-        run = _PlugInRun(self.base_env(env), self.alpha, self.rng)
+        run = _PlugInRun(self.base_env(env), self.alpha, self.rng, self.curve)
         self._advance(run, budget)
         return self._finish(run.branch(), budget)
 
@@ -383,7 +441,7 @@ class AnytimePlugIn(Agent):
         """
         checked = sorted({self.check_budget(b) for b in budgets})
         base = self.base_env(env)
-        run = _PlugInRun(base, self.alpha, self.rng)
+        run = _PlugInRun(base, self.alpha, self.rng, self.curve)
         for i, budget in enumerate(checked):
             self._advance(run, budget)
             last = i == len(checked) - 1
