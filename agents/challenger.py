@@ -1,15 +1,18 @@
-"""Issue 14: agents that compare prompts on common queries (``plugin_halving``/``auto``, ``psst_cq``).
+"""Agents that compare prompts on common queries: ``plugin_anytime`` (``auto``), ``plugin_halving``, ``psst_cq``.
 
 PSST draws an independent query for every pull, so two prompts' estimates differ by the
 difficulty of the queries each happened to see as well as by their quality; on MATH and the
-synthetic tasks query difficulty varies far more than prompt quality. Both agents here give
+synthetic tasks query difficulty varies far more than prompt quality. The agents here give
 every live prompt the *same* train queries in a round, drawn without replacement (a fresh
 shuffle once the split is used up), through the public ``env.pull(prompts, ns, queries=...)``:
 
-* ``PlugInHalving`` (``plugin_halving``, the recommended ``auto``): successive halving over
-  prompts, many common queries per round at a small N, and ``PlugInEstimator``, which reads
-  Q(c, p, N) for every N from empirical outcome distributions through the oracle's exact
-  formulas. It beats PSST and PSST+K4 at small budgets (docs/agents.md).
+* ``AnytimePlugIn`` (``plugin_anytime``, the recommended ``auto``): elimination over prompts
+  at a pace set by the completions spent, so one trajectory serves every budget
+  (``train_budgets``); read through ``PlugInEstimator`` with the prompts' response curves over
+  query difficulty as the majority-vote prior. Chosen and measured on held-out seeds and
+  tasks (docs/agents.md).
+* ``PlugInHalving`` (``plugin_halving``, the previous ``auto``): successive halving over prompts
+  for a known budget, many common queries per round at a small N.
 * ``CommonQueryPSST`` (``psst_cq``): PSST's rounds unchanged on common queries; a measured
   negative result kept for the record (docs/agents.md).
 """
@@ -241,7 +244,7 @@ class PlugInEstimator(Estimator):
         theta[:, 1] = 1.0
         lam = self.curve
         for _ in range(8):  # Newton steps of the penalised binomial log-likelihood, per prompt
-            mu = 1.0 / (1.0 + np.exp(-(theta[:, :1] + theta[:, 1:] * z[None, :])))
+            mu = 1.0 / (1.0 + np.exp(-np.clip(theta[:, :1] + theta[:, 1:] * z[None, :], -30.0, 30.0)))
             r, w = g - n * mu, n * mu * (1.0 - mu)
             grad = np.stack([r.sum(axis=1) - lam * theta[:, 0], (r * z).sum(axis=1) - lam * (theta[:, 1] - 1.0)], 1)
             h00 = w.sum(axis=1) + lam
@@ -251,7 +254,7 @@ class PlugInEstimator(Estimator):
             theta[:, 0] += (h11 * grad[:, 0] - h01 * grad[:, 1]) / det
             theta[:, 1] += (h00 * grad[:, 1] - h01 * grad[:, 0]) / det
         p_idx, q_idx = np.nonzero(self._seen[prompts])
-        share = 1.0 / (1.0 + np.exp(-(theta[p_idx, 0] + theta[p_idx, 1] * z[q_idx])))
+        share = 1.0 / (1.0 + np.exp(-np.clip(theta[p_idx, 0] + theta[p_idx, 1] * z[q_idx], -30.0, 30.0)))
         rows = np.arange(q_idx.size)
         wrong = pooled[q_idx].copy()
         wrong[rows, gold[q_idx]] = 0.0
@@ -382,9 +385,10 @@ class AnytimePlugIn(Agent):
     n_min completions, each later one ``growth`` times what was spent before it (at least one
     completion per live prompt). A step of b completions gives every prompt live in some
     context the same m train queries (without replacement; a fresh shuffle once the split is
-    used up), n completions each, as many distinct queries as the split allows first:
-    n = max(n_min, ceil(b / (live * |train|))), m = floor(b / (live * n)); it is read through
-    ``PlugInEstimator``. After each step, with s completions spent in all, each context keeps
+    used up), n completions each: n = min(N_max, max(n_min, ceil(sqrt(b / (live * kappa))),
+    ceil(b / (live * |train|)))) (kappa = 0 drops the square-root term), m = floor(b / (live * n));
+    it is read through ``PlugInEstimator`` (majority vote: with the prompts' response curves over
+    query difficulty, ``curve``, as the prior of ``alpha`` pseudo-votes). After each step, with s completions spent in all, each context keeps
     the top max(keep_last, ceil(P (s0 / s)^rate)) of its live prompts by max_N of the estimate.
     A budget T stops the steps where the next one no longer fits; what is left goes into one
     last step by the same rule, and the policy is, per context, the best (p, N) of its live
@@ -395,9 +399,10 @@ class AnytimePlugIn(Agent):
     anytime = True
 
     def __init__(self, seed: int | None = None, n_min: int = 2, q0: int = 8, growth: float = 1.0,
-                 rate: float = 1.0, alpha: float = 4.0, keep_last: int = 1, kappa: float = 0.0,
-                 curve: float = 0.0) -> None:
-        """``n_min`` completions per (prompt, query) at least; ``q0``, ``growth``, ``rate``: the pace."""
+                 rate: float = 1.0, alpha: float = 32.0, keep_last: int = 1, kappa: float = 2.0,
+                 curve: float = 3.0) -> None:
+        """``n_min``, ``kappa``: completions per (prompt, query); ``q0``, ``growth``, ``rate``: the pace;
+        ``alpha``, ``curve``: the estimator's prior (defaults: chosen on tuning seeds, docs/agents.md)."""
         super().__init__(seed)
         for key, value in (("n_min", n_min), ("q0", q0), ("keep_last", keep_last)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:

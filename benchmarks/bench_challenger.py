@@ -230,6 +230,17 @@ def timing(tasks: list[str], budgets: list[int], spec: str, runs: int, seed: int
     return "\n".join(lines + [""])
 
 
+def check_auto(spec: str) -> None:
+    """Say whether the registered ``auto`` is the chosen spec (the same class and parameters)."""
+    from agents import make
+    from iapo_gym.leaderboard.specs import parse_agent_spec
+
+    parsed = parse_agent_spec(spec)
+    chosen, auto = make(parsed.name, **parsed.params), make("auto")
+    same = type(chosen) is type(auto) and chosen.params() == auto.params()
+    print(f"auto {'is' if same else 'is NOT'} the chosen spec {spec} (auto: {type(auto).__name__} {auto.params()})")
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file (nothing half-written)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -262,7 +273,8 @@ def main() -> None:
     parser.add_argument("--select-from", metavar="TUNE_STORE",
                         help="choose the challenger among --candidates on this tuning store's runs (never --out's)")
     parser.add_argument("--candidates", nargs="+", default=[], metavar="SPEC",
-                        help="the candidate specs of the tuning store (with --select-from)")
+                        help="the candidate specs of the tuning store (with --select-from); the sweep of --out "
+                             "runs --challengers (auto should be the chosen one: it is checked), --loto the folds' choices")
     parser.add_argument("--select-budgets", nargs="+", type=int, default=[3000, 5000, 10000])
     parser.add_argument("--loto", action="store_true",
                         help="with --select-from: the leave-one-task-out table (choose on two tasks, report on the third)")
@@ -279,7 +291,7 @@ def main() -> None:
         chosen, scores = select(args.select_from, list(by_label), args.tasks, args.select_budgets)
         print(f"chosen on {', '.join(args.tasks)} (tuning store {args.select_from}): {chosen}; mean share removed: "
               + ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(scores.items(), key=lambda kv: -kv[1])))
-        challengers = [by_label[chosen]] + [c for c in challengers if label_of(c) != chosen]
+        check_auto(by_label[chosen])
         if args.loto:
             fold = {}
             for task in args.tasks:
