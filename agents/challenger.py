@@ -228,8 +228,9 @@ class PlugInEstimator(Estimator):
         rate pooled over every prompt (the query's difficulty) and (a_p, b_p) the prompt's
         response curve: a binomial logistic fit to its own gold votes, ridge-penalised by
         ``curve`` towards (0, 1), the pooled curve. The other buckets share the rest as q's pooled
-        wrong answers do (one wrong bucket all of it while q has no wrong answer). A prompt's few votes on one query are thus read together with how it
-        does on queries of the same difficulty, not only with how other prompts do on that query.
+        wrong answers do (one wrong bucket takes all of it while q has no wrong answer). A
+        prompt's few votes on one query are thus read together with how it does on queries of
+        the same difficulty, not only with how other prompts do on that query.
         """
         gold = self.env.table.gold
         assert gold is not None
@@ -388,8 +389,9 @@ class AnytimePlugIn(Agent):
     used up), n completions each: n = min(N_max, max(n_min, ceil(sqrt(b / (live * kappa))),
     ceil(b / (live * |train|)))) (kappa = 0 drops the square-root term), m = floor(b / (live * n));
     it is read through ``PlugInEstimator`` (majority vote: with the prompts' response curves over
-    query difficulty, ``curve``, as the prior of ``alpha`` pseudo-votes). After each step, with s completions spent in all, each context keeps
-    the top max(keep_last, ceil(P (s0 / s)^rate)) of its live prompts by max_N of the estimate.
+    query difficulty, ``curve``, as the prior of ``alpha`` pseudo-votes). After each step, with
+    s completions spent in all, each context keeps the top max(keep_last, ceil(P (s0 / s)^rate))
+    of its live prompts by max_N of the estimate.
     A budget T stops the steps where the next one no longer fits; what is left goes into one
     last step by the same rule, and the policy is, per context, the best (p, N) of its live
     prompts. So ``train_budgets`` reads every budget off one trajectory.
