@@ -104,12 +104,12 @@ def _pull_every_train_query(env: IAPOEnv, est: PlugInEstimator, pulls_per_query:
     est.update(env.pull(prompts, np.full(prompts.size, env.n_max), queries=queries))
 
 
-@pytest.mark.parametrize("alpha", [0.0, 4.0])
-def test_plug_in_majority_vote_converges_to_the_exact_train_q_table(alpha: float) -> None:
+@pytest.mark.parametrize(("alpha", "curve"), [(0.0, 0.0), (4.0, 0.0), (4.0, 3.0)])
+def test_plug_in_majority_vote_converges_to_the_exact_train_q_table(alpha: float, curve: float) -> None:
     table = tiny_mv_table(seed=1, n_prompts=4, n_queries=30, n_buckets=3, n_max=6)
     env = IAPOEnv(table=table)
     env.reset(seed=0)
-    est = PlugInEstimator(env, alpha=alpha)
+    est = PlugInEstimator(env, alpha=alpha, curve=curve)
     for _ in range(4):  # 4 x 1002 completions of every (prompt, train query), in several updates
         _pull_every_train_query(env, est, 167)
     exact = env.q_table("train")
@@ -228,6 +228,38 @@ def test_mv_credit_rows_matches_the_exact_oracle() -> None:
         width = (others > 0).sum(axis=1)
         compiled = _plugin_jit.credit_rows(probs[np.arange(300), gold], others, width, 16)
         assert np.abs(compiled - exact).max() < 1e-12
+
+
+def test_response_curve_prior_separates_a_steep_prompt_from_a_flat_one() -> None:
+    """Prompt 0 is right with 0.95 on easy and 0.3 on hard queries, prompt 1 with 0.65 on both.
+
+    At N = 15 prompt 1 wins (majority votes: about 0.87 against 0.5 * 1 + 0.5 * 0.05). With two
+    votes per (prompt, query) the pooled prior pulls both towards the same per-query accuracy;
+    the response curves keep the difference, so their large-N estimate is closer to the truth.
+    """
+    n_queries = 400
+    easy = np.arange(n_queries) % 2 == 0
+    correct = np.stack([np.where(easy, 0.95, 0.3), np.full(n_queries, 0.65), np.where(easy, 0.9, 0.45)])
+    probs = np.stack([correct, 1 - correct], axis=-1)
+    table = OutcomeTable(
+        task="steep_flat", aggregator="mv", probs=probs, cost=np.full(3, 0.0), n_max=15,
+        context_weights=np.array([[1.0, 0.0]]), context_names=("free",), context_probs=np.array([1.0]),
+        objective_names=("correct",), gold=np.zeros(n_queries, np.int64),
+        split=(np.arange(n_queries) >= n_queries - 4).astype(np.uint8),
+    )
+    env = IAPOEnv(table=table)
+    exact = env.q_table("train")[0, :, -1]
+    errors, gaps = {}, {}
+    for curve in (0.0, 3.0):
+        env.reset(seed=0)
+        est = PlugInEstimator(env, alpha=32.0, curve=curve)
+        train = env.queries("train")
+        prompts = np.repeat(np.arange(3), train.size)
+        est.update(env.pull(prompts, np.full(prompts.size, 2), queries=np.tile(train, 3)))
+        errors[curve] = np.abs(est.mean()[0, :, -1] - exact).max()
+        gaps[curve] = est.mean()[0, 1, -1] - est.mean()[0, 0, -1]  # truth: about 0.36
+    assert errors[3.0] < 0.8 * errors[0.0], errors
+    assert gaps[3.0] > 0.1 and gaps[3.0] > 3 * gaps[0.0], gaps
 
 
 def test_anytime_rejects_bad_parameters() -> None:
