@@ -24,6 +24,6 @@ register("psst_cq", "agents.challenger:CommonQueryPSST")
 register("plugin_halving", "agents.challenger:PlugInHalving")
 register("plugin_anytime", "agents.challenger:AnytimePlugIn")
 #: The recommended agent: the strongest measured one (docs/agents.md, "auto").
-register("auto", "agents.challenger:AnytimePlugIn")
+register("auto", "agents.challenger:PlugInHalving")
 
 __all__ = ["REGISTRY", "Agent", "AgentLike", "available", "make", "register"]

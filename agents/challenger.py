@@ -1,4 +1,4 @@
-"""Agents that compare prompts on common queries: ``plugin_anytime`` (``auto``), ``plugin_halving``, ``psst_cq``.
+"""Agents that compare prompts on common queries: ``plugin_halving`` (``auto``), ``plugin_anytime``, ``psst_cq``.
 
 PSST draws an independent query for every pull, so two prompts' estimates differ by the
 difficulty of the queries each happened to see as well as by their quality; on MATH and the
@@ -6,13 +6,14 @@ synthetic tasks query difficulty varies far more than prompt quality. The agents
 every live prompt the *same* train queries in a round, drawn without replacement (a fresh
 shuffle once the split is used up), through the public ``env.pull(prompts, ns, queries=...)``:
 
-* ``AnytimePlugIn`` (``plugin_anytime``, the recommended ``auto``): elimination over prompts
-  at a pace set by the completions spent, so one trajectory serves every budget
-  (``train_budgets``); read through ``PlugInEstimator`` with the prompts' response curves over
-  query difficulty as the majority-vote prior. Chosen and measured on held-out seeds and
-  tasks (docs/agents.md).
-* ``PlugInHalving`` (``plugin_halving``, the previous ``auto``): successive halving over prompts
-  for a known budget, many common queries per round at a small N.
+* ``PlugInHalving`` (``plugin_halving``, the recommended ``auto``): successive halving over
+  prompts for a known budget, many common queries per round at a small N, read through
+  ``PlugInEstimator``.
+* ``AnytimePlugIn`` (``plugin_anytime``): elimination over prompts at a pace set by the
+  completions spent, so one trajectory serves every budget (``train_budgets``), with the
+  prompts' response curves over query difficulty as the majority-vote prior. On held-out seeds
+  it beats ``auto`` at small budgets on one task and loses at 30K-40K on two (docs/agents.md),
+  so it is not ``auto``.
 * ``CommonQueryPSST`` (``psst_cq``): PSST's rounds unchanged on common queries; a measured
   negative result kept for the record (docs/agents.md).
 """

@@ -230,6 +230,21 @@ def timing(tasks: list[str], budgets: list[int], spec: str, runs: int, seed: int
     return "\n".join(lines + [""])
 
 
+def versus_table(cells: Cells, label: str, other: str) -> str:
+    """``label`` against ``other`` per cell: paired gain ± SEM, Holm-corrected Wilcoxon over the cells."""
+    keys = [k for k in cells if label in cells[k] and other in cells[k]]
+    gains = [mean_sem(cells[k][label][0] - cells[k][other][0]) for k in keys]
+    adjusted = adjust_pvalues([paired_test(cells[k][label][0], cells[k][other][0]).p_value for k in keys], "holm")
+    lines = [f"**{label}** against **{other}** (paired mean difference of test ACR ± SEM; p: two-sided Wilcoxon "
+             "signed-rank, Holm-corrected over the cells)", "",
+             f"| task | T | runs | regret {label} | regret {other} | gain | p (Holm) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for key, gain, p in zip(keys, gains, adjusted, strict=True):
+        cell = cells[key]
+        r1, r2 = (float(np.mean(cell[x][1] - cell[x][0])) for x in (label, other))
+        lines.append(f"| {key[0]} | {key[1]} | {gain[2]} | {r1:.4f} | {r2:.4f} | {gain[0]:+.4f} ± {gain[1]:.4f} | {p:.2g} |")
+    return "\n".join(lines + [""])
+
+
 def check_auto(spec: str) -> None:
     """Say whether the registered ``auto`` is the chosen spec (the same class and parameters)."""
     from agents import make
@@ -279,6 +294,8 @@ def main() -> None:
     parser.add_argument("--loto", action="store_true",
                         help="with --select-from: the leave-one-task-out table (choose on two tasks, report on the third)")
     parser.add_argument("--loto-markdown", type=Path, help="also write the leave-one-task-out table here")
+    parser.add_argument("--versus", metavar="LABEL",
+                        help="also compare the first challenger with this one (a label among --challengers)")
     parser.add_argument("--timing", type=int, default=0, metavar="RUNS",
                         help="also time the first challenger against PSST alone on RUNS runs per task")
     parser.add_argument("--timing-markdown", type=Path, help="also write the timing table here")
@@ -311,6 +328,9 @@ def main() -> None:
     cells = load_cells(args.out, [PSST, TOPK, *labels_ch])
     text = analyse(cells, labels_ch)
     print(text)
+    if args.versus:
+        text += "\n" + versus_table(cells, labels_ch[0], args.versus)
+        print(text[text.rindex("**" + labels_ch[0] + "** against **"):])
     if args.markdown:
         write_atomic(args.markdown, text + "\n")
     if args.plot:

@@ -1,4 +1,4 @@
-"""The common-query agents: anytime plug-in elimination (``auto``), plug-in halving and common-query PSST."""
+"""The common-query agents: plug-in halving (``auto``), anytime plug-in elimination and common-query PSST."""
 
 from __future__ import annotations
 
@@ -30,10 +30,9 @@ class RecordingEnv(IAPOEnv):
         return pulls
 
 
-def test_auto_is_the_anytime_plug_in_agent_with_its_defaults() -> None:
-    auto, plugin = agents.make("auto", seed=0), agents.make("plugin_anytime", seed=0)
+def test_auto_is_plugin_halving_with_its_defaults() -> None:
+    auto, plugin = agents.make("auto", seed=0), agents.make("plugin_halving", seed=0)
     assert type(auto) is type(plugin) and auto.params() == plugin.params()  # type: ignore[attr-defined]
-    assert auto.anytime  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("name", NEW)
