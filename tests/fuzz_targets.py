@@ -134,8 +134,9 @@ def run_isolated(target: Target, data: bytes, timeout: float = 5.0) -> Outcome:
         os._exit(0)
     os.close(write)
     deadline = time.monotonic() + timeout
+    status = 0
     while time.monotonic() < deadline:
-        done, _ = os.waitpid(pid, os.WNOHANG)
+        done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             break
         time.sleep(0.002)
@@ -147,7 +148,8 @@ def run_isolated(target: Target, data: bytes, timeout: float = 5.0) -> Outcome:
     with os.fdopen(read, "rb") as fh:
         answer = fh.read()
     if not answer:
-        return Outcome("failed", "the parsing process died")
+        how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit status {os.waitstatus_to_exitcode(status)}"
+        return Outcome("failed", f"the parsing process died ({how})")
     kind, detail = json.loads(answer)
     return Outcome(kind, detail)
 
