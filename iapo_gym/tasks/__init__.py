@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from iapo_gym.exact import stored
 from iapo_gym.paths import cache_dir
 from iapo_gym.tables import OutcomeTable, TableError, read_table, write_table
 from iapo_gym.tasks.synthetic import GENERATOR_VERSION, GENERATORS
@@ -86,9 +87,9 @@ def load_synthetic(name: str, instance: int = 0) -> OutcomeTable:
         except TableError as exc:
             logger.warning("regenerating unreadable cached table %s: %s", path, exc)
         else:
-            if "task_reward" in table._cache:
+            if stored(table) is not None:
                 return table
-            # an older cache file without the stored exact tensor (or a stale one): store it now
+            # a cache file without the stored exact tensor (or a stale one): store it now
     if table is None:
         table = GENERATORS[name](instance)
     try:
