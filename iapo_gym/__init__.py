@@ -11,10 +11,11 @@ from typing import Any
 import gymnasium as gym
 
 from iapo_gym._version import __version__
+from iapo_gym.data import load_task_table
 from iapo_gym.env import IAPOEnv, Pulls
 from iapo_gym.policy import Policy, PolicyLike
 from iapo_gym.tables import OutcomeTable, TableError, read_metadata, read_table, validate, write_table
-from iapo_gym.tasks import TASKS, get_task, load_task_table
+from iapo_gym.tasks import TASKS, get_task
 
 __all__ = [
     "IAPOEnv", "OutcomeTable", "Policy", "Pulls", "TASKS", "TableError", "__version__", "evaluate",

@@ -88,7 +88,7 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
             if task is None:
                 table = read_table(str(path))
             else:
-                from iapo_gym.tasks import load_task_table
+                from iapo_gym.data import load_task_table
 
                 table = load_task_table(task, instance=instance, path=path)
         if split not in SPLITS:

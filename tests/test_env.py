@@ -12,8 +12,9 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import iapo_gym
+from iapo_gym.data import MissingTableError
 from iapo_gym.env import IAPOEnv
-from iapo_gym.tasks import TASKS, MissingTableError
+from iapo_gym.tasks import TASKS
 from tests.conftest import tiny_bon_table, tiny_mv_table
 
 SYNTHETIC_IDS = ["IAPO-SyntheticBernoulli-v0", "IAPO-SyntheticCategorical-v0"]

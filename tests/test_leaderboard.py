@@ -19,6 +19,7 @@ import pytest
 
 import iapo_gym.data
 from iapo_gym.cli import main
+from iapo_gym.data import MissingTableError
 from iapo_gym.env import IAPOEnv
 from iapo_gym.leaderboard import (
     ResultStore,
@@ -34,7 +35,6 @@ from iapo_gym.leaderboard.specs import AgentSpec
 from iapo_gym.policy import Policy
 from iapo_gym.seeding import derive_seed
 from iapo_gym.tables import read_table, write_table
-from iapo_gym.tasks import MissingTableError
 from tests.conftest import tiny_bon_table, tiny_mv_table
 
 REPO = Path(__file__).resolve().parents[1]

@@ -156,7 +156,7 @@ def test_version_1_file_without_exact_group_still_reads_and_computes_on_first_us
 
 
 def test_synthetic_cache_of_an_older_schema_is_upgraded_in_place(tmp_path: Path, monkeypatch) -> None:
-    from iapo_gym.tasks import load_synthetic, synthetic_cache_path
+    from iapo_gym.data import load_synthetic, synthetic_cache_path
 
     monkeypatch.setenv("IAPO_GYM_CACHE", str(tmp_path))
     load_synthetic("synthetic_bernoulli", 3)

@@ -23,7 +23,7 @@ import numpy as np
 
 from iapo_gym.data.registry import ReleaseEntry
 from iapo_gym.tables import TEST, TRAIN, OutcomeTable, TableError, write_table
-from iapo_gym.tasks.synthetic import bon_grid_contexts, mv_cost_contexts
+from iapo_gym.tasks.contexts import bon_grid_contexts, mv_cost_contexts
 
 #: The environment classes of the release, by the module path the pickles name.
 ENV_CLASSES = {

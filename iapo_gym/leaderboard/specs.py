@@ -188,7 +188,7 @@ class TaskRef:
         """The table of run ``run``: instance ``run`` of a synthetic family, else the task's one table."""
         if self.path is not None:
             return read_table(self.path)
-        from iapo_gym.tasks import load_task_table
+        from iapo_gym.data import load_task_table
 
         return load_task_table(self.name, instance=run if self.synthetic else 0)
 
@@ -209,9 +209,8 @@ def task_available(ref: TaskRef) -> str | None:
     else the data layer's message saying why not and how to get it."""
     if ref.path is not None or ref.synthetic:
         return None
-    from iapo_gym.data import resolve_table
+    from iapo_gym.data import MissingTableError, resolve_table
     from iapo_gym.data.download import DownloadError
-    from iapo_gym.tasks import MissingTableError
 
     try:
         resolve_table(TASKS[ref.name])

@@ -32,7 +32,7 @@ from iapo_gym.oracle import policy_arms
 from iapo_gym.paths import cache_dir
 from iapo_gym.policy import Policy, PolicyLike
 from iapo_gym.tables import TEST, TRAIN, OutcomeTable
-from iapo_gym.tasks.synthetic import mv_cost_contexts
+from iapo_gym.tasks.contexts import mv_cost_contexts
 
 NO_ORACLE = ("a live endpoint has no exact oracle: collect a table with `iapo-gym collect SPEC --out DIR` and "
              "open DIR/TASK.h5 with iapo_gym.IAPOEnv(path=...) for exact evaluation, or call "
