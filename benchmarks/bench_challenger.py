@@ -24,9 +24,9 @@ import numpy as np
 from regret_plot import plot_regret
 
 from iapo_gym.cli import main as cli_main
-from iapo_gym.leaderboard.specs import PAPER_BUDGETS
-from iapo_gym.leaderboard.stats import adjust_pvalues, mean_sem, paired_test
-from iapo_gym.leaderboard.store import ResultStore
+from iapo_gym.leaderboard.report.stats import adjust_pvalues, mean_sem, paired_test
+from iapo_gym.leaderboard.run.specs import PAPER_BUDGETS
+from iapo_gym.leaderboard.run.store import ResultStore
 
 PSST, TOPK = "psst", "psst+K4"
 BASELINES = (PSST, f"psst_topk:k=4,rho=0.2@{TOPK}")

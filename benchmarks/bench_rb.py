@@ -23,8 +23,8 @@ import numpy as np
 from regret_plot import plot_regret
 
 from iapo_gym.cli import main as cli_main
-from iapo_gym.leaderboard.stats import adjust_pvalues, mean_sem, paired_test
-from iapo_gym.leaderboard.store import ResultStore
+from iapo_gym.leaderboard.report.stats import adjust_pvalues, mean_sem, paired_test
+from iapo_gym.leaderboard.run.store import ResultStore
 
 BLOCKS, RB, CEILING = "psst", "psst_rb", "psst_query_oracle"
 #: PSST (blocks), PSST with all-subset reuse, and the no-completion-noise ceiling (rb_ceiling.py).

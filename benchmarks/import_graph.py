@@ -142,7 +142,7 @@ def trace_table(root: Path, floor_of: dict[str, int], mods: dict[str, Path]) -> 
     env_module = "iapo_gym.env"
     cut = sequence.index(env_module) + 1 if env_module in sequence else len(sequence)
     path = sequence[:cut]
-    climbs = sum(1 for a, b in zip(path, path[1:]) if floor_of[b] > floor_of[a])
+    climbs = sum(1 for a, b in zip(path, path[1:], strict=False) if floor_of[b] > floor_of[a])
     seen: set[str] = set()
     returns = 0
     for m in path:

@@ -157,7 +157,7 @@ def test_update_one_refuses_subset_reuse() -> None:
 
 @pytest.mark.parametrize("name", ["softmax", "epsilon_greedy", "ucb"])
 def test_env_subclasses_see_every_draw(name: str) -> None:
-    from iapo_gym.leaderboard.runner import MeteredEnv
+    from iapo_gym.leaderboard.run.runner import MeteredEnv
 
     class CountingEnv(IAPOEnv):  # intercepts pull only: the agents must fall back to it
         calls = 0
@@ -178,7 +178,7 @@ def test_env_subclasses_see_every_draw(name: str) -> None:
 
 
 def test_metered_env_counts_single_pulls_once() -> None:
-    from iapo_gym.leaderboard.runner import MeteredEnv
+    from iapo_gym.leaderboard.run.runner import MeteredEnv
 
     env = MeteredEnv(tiny_mv_table(n_max=8))
     env.reset(seed=0)

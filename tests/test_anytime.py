@@ -15,9 +15,9 @@ import pytest
 
 import agents
 from agents.baselines import _Sequential
-from iapo_gym.leaderboard.runner import MeteredEnv, run_sweep
-from iapo_gym.leaderboard.specs import parse_agent_spec, resolve_task
-from iapo_gym.leaderboard.store import ResultStore
+from iapo_gym.leaderboard.run.runner import MeteredEnv, run_sweep
+from iapo_gym.leaderboard.run.specs import parse_agent_spec, resolve_task
+from iapo_gym.leaderboard.run.store import ResultStore
 from iapo_gym.tables import OutcomeTable
 from tests.conftest import tiny_bon_table, tiny_mv_table
 

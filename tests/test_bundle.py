@@ -16,7 +16,11 @@ import numpy as np
 import pytest
 
 from iapo_gym.cli import main
-from iapo_gym.leaderboard.bundle import (
+from iapo_gym.leaderboard.report.model import display_path
+from iapo_gym.leaderboard.run.runner import run_sweep
+from iapo_gym.leaderboard.run.specs import parse_agent_spec, resolve_task
+from iapo_gym.leaderboard.run.store import ResultStore
+from iapo_gym.leaderboard.submit.bundle import (
     BUNDLE_SCHEMA_VERSION,
     MANIFEST,
     REQUIRED,
@@ -26,12 +30,8 @@ from iapo_gym.leaderboard.bundle import (
     sha256_bytes,
     write_bundle,
 )
-from iapo_gym.leaderboard.merge import MergeError, merge
-from iapo_gym.leaderboard.report import display_path
-from iapo_gym.leaderboard.runner import run_sweep
-from iapo_gym.leaderboard.specs import parse_agent_spec, resolve_task
-from iapo_gym.leaderboard.store import ResultStore
-from iapo_gym.leaderboard.verify import verify_bundle
+from iapo_gym.leaderboard.submit.merge import MergeError, merge
+from iapo_gym.leaderboard.submit.verify import verify_bundle
 from iapo_gym.tables import read_table, write_table
 from tests.conftest import tiny_mv_table
 

@@ -19,7 +19,7 @@ import agents
 from agents import _jit
 from agents.baselines import _Sequential, _Trajectory
 from iapo_gym import IAPOEnv
-from iapo_gym.leaderboard.runner import MeteredEnv
+from iapo_gym.leaderboard.run.runner import MeteredEnv
 from iapo_gym.tables import OutcomeTable
 from tests.conftest import tiny_bon_table, tiny_mv_table
 

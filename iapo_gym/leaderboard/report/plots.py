@@ -12,8 +12,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 
-from iapo_gym.leaderboard.report import Report, budgets_of, cells_by_label, labels_by_rank, modal_arms  # noqa: E402
-from iapo_gym.leaderboard.stats import win_matrix  # noqa: E402
+from iapo_gym.leaderboard.report.model import Report, budgets_of, cells_by_label, labels_by_rank, modal_arms  # noqa: E402
+from iapo_gym.leaderboard.report.stats import win_matrix  # noqa: E402
 
 _WIN_CMAP = ListedColormap(["#d7301f", "#f0f0f0", "#1a9850"])
 

@@ -30,6 +30,9 @@ from iapo_gym.tables import OutcomeTable, read_table
 from iapo_gym.tasks import TASKS, get_task
 
 #: The paper's budgets (section 5): completions per training run.
+#: The protocol's root seed of every derived seed and the train share of each resplit.
+DEFAULT_ROOT_SEED = 0
+DEFAULT_TRAIN_FRACTION = 0.8
 PAPER_BUDGETS: tuple[int, ...] = (3000, 5000, 10000, 20000, 30000, 40000)
 #: The paper's number of independent runs per (task, agent, budget).
 PAPER_RUNS = 200

@@ -19,8 +19,8 @@ from typing import Any
 
 import jinja2
 
-from iapo_gym.leaderboard.report import Report, budgets_of, cells_by_label, display_path, labels_by_rank
-from iapo_gym.leaderboard.stats import win_matrix
+from iapo_gym.leaderboard.report.model import Report, budgets_of, cells_by_label, display_path, labels_by_rank
+from iapo_gym.leaderboard.report.stats import win_matrix
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 ASSETS = ("site.css", "site.js")
@@ -89,21 +89,6 @@ def _task_view(report: Report, task: str) -> dict[str, Any]:
     }
 
 
-def _provenance(out_dir: str | Path) -> list[dict[str, Any]]:
-    """The inputs merged into ``out_dir`` (provenance.json), or the folder itself described as a bundle."""
-    from iapo_gym.leaderboard.bundle import BundleError, load
-    from iapo_gym.leaderboard.merge import provenance_entries, read_provenance
-
-    merged = read_provenance(out_dir)
-    if merged:
-        return merged
-    try:
-        return provenance_entries(load(out_dir))
-    except BundleError as exc:
-        return [{"name": Path(out_dir).name, "kind": "folder", "sha256": None, "manifest": None,
-                 "verify": None, "error": str(exc)}]
-
-
 def _provenance_view(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for e in entries:
@@ -132,7 +117,8 @@ def write_site(report: Report, out_dir: str | Path, site_dir: str | Path) -> Pat
     Written into a temporary sibling folder first and moved into place, so a failure leaves the
     previous site intact.
     """
-    from iapo_gym.leaderboard.plots import plot_acr_vs_budget, plot_win_matrices
+    from iapo_gym.leaderboard.provenance import site_provenance
+    from iapo_gym.leaderboard.report.plots import plot_acr_vs_budget, plot_win_matrices
 
     site = Path(site_dir)
     site.parent.mkdir(parents=True, exist_ok=True)
@@ -151,7 +137,7 @@ def write_site(report: Report, out_dir: str | Path, site_dir: str | Path) -> Pat
             shutil.copyfile(TEMPLATES / name, assets / name)
         page = _environment().get_template("index.html.j2").render(
             tasks=views, meta=report.meta, test=report.test, correction=report.correction, alpha=report.alpha,
-            provenance=_provenance_view(_provenance(out_dir)), source=display_path(out_dir),
+            provenance=_provenance_view(site_provenance(out_dir)), source=display_path(out_dir),
         )
         (tmp / "index.html").write_text(page, encoding="utf-8")
         if site.exists():

@@ -33,14 +33,19 @@ import numpy as np
 
 from iapo_gym._version import __version__
 from iapo_gym.env import IAPOEnv, Pulls
-from iapo_gym.leaderboard.specs import AgentSpec, TaskRef, check_unique_labels, table_checksum, task_available
-from iapo_gym.leaderboard.store import ResultStore, RunResult, TaskInfo
+from iapo_gym.leaderboard.run.specs import (
+    DEFAULT_ROOT_SEED,
+    DEFAULT_TRAIN_FRACTION,
+    AgentSpec,
+    TaskRef,
+    check_unique_labels,
+    table_checksum,
+    task_available,
+)
+from iapo_gym.leaderboard.run.store import ResultStore, RunResult, TaskInfo
 from iapo_gym.oracle import acr_from_q, greedy_policy, policy_arms, q_table
 from iapo_gym.seeding import derive_seed
 from iapo_gym.tables import OutcomeTable
-
-DEFAULT_ROOT_SEED = 0
-DEFAULT_TRAIN_FRACTION = 0.8
 
 
 @dataclass(frozen=True)

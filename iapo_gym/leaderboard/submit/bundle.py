@@ -35,8 +35,8 @@ import numpy as np
 
 from iapo_gym._version import __version__
 from iapo_gym.data.download import file_hashes
-from iapo_gym.leaderboard.specs import AgentSpec
-from iapo_gym.leaderboard.store import DB_NAME, ResultStore, RunResult, TaskInfo
+from iapo_gym.leaderboard.run.specs import AgentSpec
+from iapo_gym.leaderboard.run.store import DB_NAME, ResultStore, RunResult, TaskInfo
 
 BUNDLE_FORMAT = "iapo-gym-bundle"
 #: Version of the manifest schema this iapo-gym writes and the newest it reads.
@@ -128,7 +128,7 @@ def _release_blob(task: str, digests: set[str]) -> str | None:
         return None
     try:
         from iapo_gym.data import resolve_table
-        from iapo_gym.leaderboard.specs import table_checksum
+        from iapo_gym.leaderboard.run.specs import table_checksum
         from iapo_gym.tables import read_metadata, read_table
 
         path = resolve_table(spec)
@@ -453,9 +453,5 @@ def load(source: str | os.PathLike[str]) -> Bundle:
     if path.is_dir():
         if not (path / DB_NAME).is_file():
             raise BundleError(f"{path} is a folder without {DB_NAME}: not a leaderboard results folder")
-        bundle = collect(path)
-        from iapo_gym.leaderboard.merge import read_provenance
-
-        bundle.extra["provenance"] = read_provenance(path)
-        return bundle
+        return collect(path)
     return read_bundle(path)
