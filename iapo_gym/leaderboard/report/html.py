@@ -117,8 +117,8 @@ def write_site(report: Report, out_dir: str | Path, site_dir: str | Path) -> Pat
     Written into a temporary sibling folder first and moved into place, so a failure leaves the
     previous site intact.
     """
-    from iapo_gym.leaderboard.provenance import site_provenance
     from iapo_gym.leaderboard.report.plots import plot_acr_vs_budget, plot_win_matrices
+    from iapo_gym.leaderboard.submit.provenance import site_provenance
 
     site = Path(site_dir)
     site.parent.mkdir(parents=True, exist_ok=True)

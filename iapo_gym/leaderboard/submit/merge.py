@@ -18,10 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from iapo_gym.leaderboard.provenance import PROVENANCE, ProvenanceError, load_source, provenance_entries
 from iapo_gym.leaderboard.run.specs import AgentSpec, check_unique_labels
 from iapo_gym.leaderboard.run.store import ResultStore, RunResult, TaskInfo
 from iapo_gym.leaderboard.submit.bundle import Bundle, BundleError
+from iapo_gym.leaderboard.submit.provenance import PROVENANCE, ProvenanceError, load_source, provenance_entries
 
 #: Fields of a run that a re-run reproduces exactly (everything but wall time, label and bookkeeping).
 COMPUTED = ("table_sha256", "root_seed", "split_seed", "env_seed", "agent_seed", "acr", "optimal_acr",
