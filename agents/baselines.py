@@ -188,11 +188,8 @@ class _Sequential(Agent):
                     c = int(self.rng.integers(n_contexts))  # the same draw as size=1, 4x cheaper
                     arm = self.choose(means[c], counts[c], feasible)
                     p, n = divmod(arm, n_max)
-                    if run.lean:  # what pull draws, without a Pulls object
-                        query, atoms = base.pull_one(p, n + 1)
-                        est.update_one(p, n + 1, query, atoms)
-                    else:
-                        est.update(base.pull(np.array([p]), np.array([n + 1])))
+                    query, atoms = base.pull_one(p, n + 1)  # what pull draws, without a Pulls object
+                    est.update_one(p, n + 1, query, atoms)
                     run.spent += n + 1
                     touched = slice(arm - n, arm + 1)  # arms (p, 1..N)
                     means[:, touched] = sums[:, touched] / counts[:, touched]
@@ -222,17 +219,12 @@ class _Trajectory:
         self.sums = self.est.sums.reshape(base.n_contexts, -1)  # views: updated with the estimator
         self.counts = self.est.counts.reshape(base.n_contexts, -1)
         self.spent = 0
-        # The Pulls-free step, unless a subclass of the env intercepts pull but not pull_one.
-        self.lean = type(base).pull is IAPOEnv.pull or type(base).pull_one is not IAPOEnv.pull_one
-        # The compiled loop draws what IAPOEnv.pull_one draws and accounts through record_draws.
-        env_cls = type(base)
+        # The compiled loop draws what IAPOEnv.pull_one draws from the table and accounts through record_draws.
         rule = agent.jit_rule()
         self.compiled = rule if (
-            _jit.enabled() and rule is not None and agent.batch_size == 1 and agent.reuse == "blocks" and self.lean
-            and base.n_max <= _jit.MAX_N
-            and type(self.est).task_sums is Estimator.task_sums
-            and env_cls._draw_one is IAPOEnv._draw_one and env_cls._get_sampler is IAPOEnv._get_sampler
-            and (env_cls.pull_one is IAPOEnv.pull_one or env_cls.record_draws is not IAPOEnv.record_draws)) else None
+            _jit.enabled() and rule is not None and agent.batch_size == 1 and agent.reuse == "blocks"
+            and base.draws_from_table and base.n_max <= _jit.MAX_N
+            and type(self.est).task_sums is Estimator.task_sums) else None
         self.tables: tuple[Any, ...] = ()
         if self.compiled is not None:
             table, sampler = base.table, base.sampler

@@ -78,6 +78,9 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
     """
 
     metadata: dict[str, Any] = {"render_modes": []}
+    #: True when completions are drawn from ``table`` by ``sampler`` (so a compiled agent loop may replicate
+    #: ``pull_one``'s draws and account for them with ``record_draws``); False for a live endpoint.
+    draws_from_table: bool = True
 
     def __init__(self, task: str | None = None, *, table: OutcomeTable | None = None,
                  path: str | None = None, instance: int = 0, split: str = "train") -> None:
@@ -96,7 +99,8 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         self.table = table
         self.split = split
         self.task = table.task
-        self.budget_used = 0
+        self.completions_drawn = 0  # every completion this env has drawn; no reset clears it
+        self._drawn_at_seed = 0  # completions_drawn at the last seeded reset
         n_obj = table.n_objectives + 1
         low = float(min(0.0, table.context_weights.min()))
         high = float(max(0.0, table.context_weights.max()))
@@ -125,6 +129,11 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         return self.table.n_contexts
 
     @property
+    def budget_used(self) -> int:
+        """Completions drawn since the last seeded reset (``info["budget_used"]``; ``completions_drawn`` counts all)."""
+        return self.completions_drawn - self._drawn_at_seed
+
+    @property
     def context(self) -> int:
         """Index of the context drawn by the last ``reset``."""
         return self._context
@@ -141,11 +150,12 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         """Draw a context from the context distribution (``options={"context": c}`` fixes it).
 
         A seeded reset starts the experiment over: the generator is re-seeded and
-        ``budget_used`` returns to 0 (so a seeded rerun is identical, info included).
+        ``budget_used`` returns to 0 (so a seeded rerun is identical, info included);
+        ``completions_drawn``, the env's one completion counter, keeps counting.
         """
         super().reset(seed=seed)
         if seed is not None:
-            self.budget_used = 0
+            self._drawn_at_seed = self.completions_drawn
         if options and "context" in options:
             self._context = _as_index(options["context"], "options['context']", 0, self.n_contexts - 1)
         else:
@@ -229,7 +239,7 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         atoms = self._get_sampler().sample(rows, self.np_random)
         offsets = np.zeros(prompts.size + 1, dtype=np.int64)
         np.cumsum(ns, out=offsets[1:])
-        self.budget_used += int(offsets[-1])
+        self.completions_drawn += int(offsets[-1])
         return Pulls(prompts, ns, queries, atoms, offsets)
 
     def _pull_one(self, prompt: int, n: int) -> Pulls:
@@ -255,7 +265,7 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         rng = self.np_random
         query = int(pool[rng.integers(pool.size)])
         atoms = self._get_sampler().sample_row(prompt * self.table.n_queries + query, n, rng)
-        self.budget_used += n
+        self.completions_drawn += n
         return query, atoms
 
     @property
@@ -267,25 +277,27 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         """Spend ``completions`` drawn from ``np_random`` by a loop that replicates ``pull_one`` outside it.
 
         Used by the compiled sequential agents (``agents/_jit.py``), which draw exactly what
-        ``pull_one`` draws. A subclass that meters ``pull_one`` must meter here too; agents
-        only bypass an overridden ``pull_one`` when ``record_draws`` is overridden as well.
+        ``pull_one`` draws from the table (only where ``draws_from_table``).
         """
-        self.budget_used += int(completions)
+        self.completions_drawn += int(completions)
 
     def snapshot(self) -> dict[str, Any]:
-        """The env's mutable sampling state (generator state, ``budget_used``), for ``restore``.
+        """The env's mutable sampling state (generator state, ``budget_used``, ``completions_drawn``), for ``restore``.
 
         Lets an anytime agent branch one trajectory into several budgets: restoring a
         snapshot replays exactly the draws that followed it. The current context is not included.
         """
-        return {"rng": self.np_random.bit_generator.state, "budget_used": self.budget_used}
+        return {"rng": self.np_random.bit_generator.state, "budget_used": self.budget_used,
+                "completions_drawn": self.completions_drawn}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         """Return to a state taken by ``snapshot`` (the same draws follow)."""
         if not isinstance(snapshot, dict) or not {"rng", "budget_used"} <= snapshot.keys():
             raise ValueError(f"restore takes a dict from snapshot() with keys 'rng' and 'budget_used', got {snapshot!r}"[:300])
         self.np_random.bit_generator.state = snapshot["rng"]
-        self.budget_used = int(snapshot["budget_used"])
+        drawn = snapshot.get("completions_drawn", self._drawn_at_seed + int(snapshot["budget_used"]))
+        self.completions_drawn = int(drawn)
+        self._drawn_at_seed = self.completions_drawn - int(snapshot["budget_used"])
 
     def utilities(self, pulls: Pulls) -> np.ndarray:
         """Utilities (C, n) of every pull under every context (the paper's cross-context reuse)."""

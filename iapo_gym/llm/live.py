@@ -73,6 +73,8 @@ def _schema_table(spec: Spec) -> OutcomeTable:
 class LiveEnv(IAPOEnv):
     """The IAPO contextual bandit on a live OpenAI-compatible endpoint (``gym.make("IAPO-Live-v0", spec=...)``)."""
 
+    draws_from_table = False
+
     def __init__(self, spec: str | os.PathLike[str] | Spec, *, split: str = "train",
                  cache: str | os.PathLike[str] | None = None) -> None:
         """``spec``: a spec file or ``Spec``; ``cache``: the response cache file (default: the spec's, else the user cache)."""
@@ -127,7 +129,7 @@ class LiveEnv(IAPOEnv):
         self._drawn = drawn  # only a pull that completed uses up its sample indices
         offsets = np.zeros(prompts.size + 1, dtype=np.int64)
         np.cumsum(ns, out=offsets[1:])
-        self.budget_used += int(offsets[-1])
+        self.completions_drawn += int(offsets[-1])
         return Pulls(prompts, ns, queries, atoms.astype(np.int64), offsets)
 
     def pull_one(self, prompt: int, n: int) -> tuple[int, np.ndarray]:

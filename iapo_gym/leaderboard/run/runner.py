@@ -32,7 +32,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from iapo_gym._version import __version__
-from iapo_gym.env import IAPOEnv, Pulls
+from iapo_gym.env import IAPOEnv
 from iapo_gym.leaderboard.run.specs import (
     DEFAULT_ROOT_SEED,
     DEFAULT_TRAIN_FRACTION,
@@ -82,41 +82,6 @@ class UnitOutcome:
 
 class BudgetExceededError(RuntimeError):
     """An agent drew more completions than its budget."""
-
-
-class MeteredEnv(IAPOEnv):
-    """A train-split IAPOEnv that counts every completion drawn (a seeded reset does not clear it)."""
-
-    def __init__(self, table: OutcomeTable, split: str = "train") -> None:
-        """An env over ``table``'s ``split``."""
-        super().__init__(table=table, split=split)
-        self.completions_drawn = 0
-
-    def pull(self, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray | None = None) -> Pulls:
-        """``IAPOEnv.pull``, metered."""
-        pulls = super().pull(prompts, ns, queries)
-        self.completions_drawn += pulls.completions
-        return pulls
-
-    def pull_one(self, prompt: int, n: int) -> tuple[int, np.ndarray]:
-        """``IAPOEnv.pull_one``, metered."""
-        drawn = super().pull_one(prompt, n)
-        self.completions_drawn += n
-        return drawn
-
-    def record_draws(self, completions: int) -> None:
-        """``IAPOEnv.record_draws`` (completions drawn by a compiled agent loop), metered."""
-        super().record_draws(completions)
-        self.completions_drawn += int(completions)
-
-    def snapshot(self) -> dict[str, Any]:
-        """``IAPOEnv.snapshot`` plus the meter, so a restored branch is metered as a fresh run."""
-        return {**super().snapshot(), "completions_drawn": self.completions_drawn}
-
-    def restore(self, snapshot: dict[str, Any]) -> None:
-        """``IAPOEnv.restore``, meter included."""
-        super().restore(snapshot)
-        self.completions_drawn = int(snapshot["completions_drawn"])
 
 
 # ---- worker side ----------------------------------------------------------------------------
@@ -247,7 +212,7 @@ def _failure(context: _UnitContext, spec: AgentSpec, budget: int, exc: BaseExcep
 def _run_one(context: _UnitContext, spec: AgentSpec, budget: int, agent_seed: int, outcome: UnitOutcome) -> None:
     """A fresh agent on a freshly seeded env, trained for one budget."""
     try:
-        env = MeteredEnv(context.table)
+        env = IAPOEnv(table=context.table)
         env.reset(seed=context.env_seed)
         agent = build_agent(spec, agent_seed)
         start = time.perf_counter()
@@ -265,7 +230,7 @@ def _run_shared(context: _UnitContext, spec: AgentSpec, budgets: list[int], agen
     Each row's ``train_seconds`` is the trajectory's time up to that budget's policy; the
     meter is restored with the env around each branch, so ``budget_spent`` is the branch's own.
     """
-    env = MeteredEnv(context.table)
+    env = IAPOEnv(table=context.table)
     env.reset(seed=context.env_seed)
     pending = sorted(budgets)
     seconds = 0.0
