@@ -30,7 +30,6 @@ def _check_reuse(reuse: Any) -> None:
 class RandomAgent(Agent):
     """A uniformly random arm per context (the agent's own generator); spends nothing."""
 
-    name = "random"
 
     def train(self, env: Any, budget: int) -> Policy:
         """Ignore the budget and return one uniformly random arm (p, N) per context."""
@@ -50,7 +49,6 @@ class Uniform(Agent):
     P N_max is spent entirely that way. Returns the best estimate per context.
     """
 
-    name = "uniform"
 
     def __init__(self, seed: int | None = None, reuse: Reuse = "blocks") -> None:
         """``reuse``: how the estimator reads nested scales ("blocks" or "all_subsets")."""
@@ -59,7 +57,7 @@ class Uniform(Agent):
         self.reuse: Reuse = reuse
 
     def params(self) -> dict[str, Any]:
-        """Hyper-parameters recorded with results."""
+        """The effective hyper-parameters, defaults included."""
         return {"reuse": self.reuse}
 
     def train(self, env: Any, budget: int) -> Policy:
@@ -100,7 +98,7 @@ class _Sequential(Agent):
         self.batch_size = int(batch_size)
 
     def params(self) -> dict[str, Any]:
-        """Hyper-parameters recorded with results."""
+        """The effective hyper-parameters, defaults included."""
         return {"reuse": self.reuse, "batch_size": self.batch_size}
 
     @abstractmethod
@@ -250,7 +248,6 @@ class EpsilonGreedy(_Sequential):
     """A random context each step; its greedy arm w.p. 1 - epsilon, else a uniformly random
     feasible arm. Unsampled arms count as 0 (the reference code's convention)."""
 
-    name = "epsilon_greedy"
 
     def __init__(self, seed: int | None = None, epsilon: float = 0.15, reuse: Reuse = "blocks",
                  batch_size: int = 1) -> None:
@@ -261,7 +258,7 @@ class EpsilonGreedy(_Sequential):
         self.epsilon = float(epsilon)
 
     def params(self) -> dict[str, Any]:
-        """Hyper-parameters recorded with results."""
+        """The effective hyper-parameters, defaults included."""
         return {"epsilon": self.epsilon, **super().params()}
 
     def choose(self, means: np.ndarray, counts: np.ndarray, feasible: np.ndarray | None) -> int:
@@ -285,7 +282,6 @@ class Softmax(_Sequential):
     0.05 below the best is e times less likely. Unsampled arms count as 0.
     """
 
-    name = "softmax"
 
     def __init__(self, seed: int | None = None, temperature: float = 0.05, reuse: Reuse = "blocks",
                  batch_size: int = 1) -> None:
@@ -296,7 +292,7 @@ class Softmax(_Sequential):
         self.temperature = float(temperature)
 
     def params(self) -> dict[str, Any]:
-        """Hyper-parameters recorded with results."""
+        """The effective hyper-parameters, defaults included."""
         return {"temperature": self.temperature, **super().params()}
 
     def choose(self, means: np.ndarray, counts: np.ndarray, feasible: np.ndarray | None) -> int:
@@ -319,7 +315,6 @@ class UCB(_Sequential):
     samples included, as in the reference code); unsampled arms come first (ties at random).
     """
 
-    name = "ucb"
 
     def __init__(self, seed: int | None = None, c: float = 0.1, reuse: Reuse = "blocks", batch_size: int = 1) -> None:
         """``c`` is the exploration constant (paper: 0.1)."""
@@ -329,7 +324,7 @@ class UCB(_Sequential):
         self.c = float(c)
 
     def params(self) -> dict[str, Any]:
-        """Hyper-parameters recorded with results."""
+        """The effective hyper-parameters, defaults included."""
         return {"c": self.c, **super().params()}
 
     def choose(self, means: np.ndarray, counts: np.ndarray, feasible: np.ndarray | None) -> int:

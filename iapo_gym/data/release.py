@@ -14,7 +14,7 @@ import importlib
 import io
 import os
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -423,12 +423,3 @@ def _unofficial_message(path: Path, name: str, entry: ReleaseEntry | None) -> st
             f"written. Import it under a name of its own (`iapo-gym data import {path} --task {own}`) and open "
             f"it with `gym.make({spec.env_id!r}, path=<folder>/{own}.h5)` (or `--tasks <folder>/{own}.h5` "
             f"in the leaderboard)")
-
-
-def describe(tables: Sequence[OutcomeTable]) -> str:
-    """One line per table: task, aggregator and shape (for command-line messages)."""
-    return "\n".join(
-        f"{t.task}: {t.aggregator}, {t.n_prompts} prompts x {t.n_queries} queries "
-        f"({int((t.split == TRAIN).sum()) if t.split is not None else t.n_queries} train) x {t.n_atoms} atoms, N_max {t.n_max}"
-        for t in tables
-    )

@@ -131,6 +131,8 @@ def build_agent(spec: AgentSpec, seed: int) -> Any:
 
 def run_unit(unit: WorkUnit) -> UnitOutcome:
     """Run every pending (agent, budget) of one (task, run); errors become Failures, not exceptions."""
+    from agents.base import AnytimeAgent
+
     outcome = UnitOutcome(unit)
     task = unit.task
     table, checksum = _load(task, unit.run)
@@ -164,7 +166,7 @@ def run_unit(unit: WorkUnit) -> UnitOutcome:
         except Exception as exc:
             outcome.failures.extend(_failure(context, spec, b, exc) for b in budgets)
             continue
-        if len(budgets) > 1 and getattr(agent, "anytime", False) and hasattr(agent, "train_budgets"):
+        if len(budgets) > 1 and isinstance(agent, AnytimeAgent) and agent.anytime:
             _run_shared(context, spec, budgets, agent, agent_seed, outcome)
         else:
             for budget in budgets:

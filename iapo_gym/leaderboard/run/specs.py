@@ -4,9 +4,9 @@ Agent spec syntax (one string per agent), split on ``:``; a last part containing
 the parameters ``key=value,key=value``:
 
 - ``psst``                       a registered agent (``agents.available()``)
-- ``psst_topk:K=4,rho=0.2``      a registered agent with parameters
+- ``psst_topk:k=4,rho=0.2``      a registered agent with parameters
 - ``mypkg.module:MyAgent``       any class by import path (``module:Class``)
-- ``mypkg.module:MyAgent:K=4``   an import path with parameters
+- ``mypkg.module:MyAgent:k=4``   an import path with parameters
 - any of these + ``@label``      a display label (default ``name[k=v,...]``), e.g.
   ``psst_topk:k=4,rho=0.2@psst+K4``
 
@@ -63,7 +63,7 @@ def _parse_value(text: str) -> Any:
 
 
 def parse_params(text: str, where: str = "agent spec") -> dict[str, Any]:
-    """``"K=4,rho=0.2"`` -> ``{"K": 4, "rho": 0.2}``; a ValueError names a malformed item."""
+    """``"k=4,rho=0.2"`` -> ``{"k": 4, "rho": 0.2}``; a ValueError names a malformed item."""
     params: dict[str, Any] = {}
     for item in text.split(","):
         if not item.strip():
@@ -123,7 +123,7 @@ class AgentSpec:
 
 
 def default_label(name: str, params: dict[str, Any]) -> str:
-    """Display label: ``psst_topk[K=4,rho=0.2]`` (the class name for import paths)."""
+    """Display label: ``psst_topk[k=4,rho=0.2]`` (the class name for import paths)."""
     base = name.rsplit(":", 1)[-1] if ":" in name else name
     if not params:
         return base
@@ -140,7 +140,7 @@ def parse_agent_spec(text: str, label: str | None = None) -> AgentSpec:
             raise ValueError(f"agent spec {text!r}: empty label after '@'")
         label = label or suffix.strip()
     if not raw:
-        raise ValueError("empty agent spec; expected e.g. 'psst', 'psst_topk:K=4,rho=0.2' or 'pkg.mod:Class'")
+        raise ValueError("empty agent spec; expected e.g. 'psst', 'psst_topk:k=4,rho=0.2' or 'pkg.mod:Class'")
     parts = raw.split(":")
     params: dict[str, Any] = {}
     if len(parts) > 1 and "=" in parts[-1]:
