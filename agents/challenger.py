@@ -1,4 +1,4 @@
-"""Issue 14: agents that compare prompts on common queries (``plugin_halving``/``auto``, ``psst_cq``).
+"""Agents that compare prompts on common queries (``plugin_halving``/``auto``, ``psst_cq``).
 
 PSST draws an independent query for every pull, so two prompts' estimates differ by the
 difficulty of the queries each happened to see as well as by their quality; on MATH and the

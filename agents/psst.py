@@ -146,7 +146,7 @@ def _check_choice(name: str, value: Any, options: tuple[str, ...]) -> None:
 class PSST(Agent):
     """Prompt Scaling via Sequential Trimming (paper Algorithm 1) with the shared estimator.
 
-    ``reuse``: "blocks" (paper) or "all_subsets" (issue 7); ``stockpile`` keeps earlier
+    ``reuse``: "blocks" (paper) or "all_subsets" (all-subset reuse, docs/estimator.md); ``stockpile`` keeps earlier
     rounds' samples (default, as the paper recommends); ``leftover``: "carry" or "drop".
     """
 

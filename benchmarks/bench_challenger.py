@@ -1,4 +1,4 @@
-"""Issue 14: the recommended agent (``auto``) against the paper's best, PSST and PSST+K4, paired per run.
+"""The recommended agent (``auto``) against the paper's best, PSST and PSST+K4, paired per run.
 
 Runs (or resumes) a leaderboard sweep of ``psst``, ``psst_topk:k=4,rho=0.2`` and the challengers
 (default: ``auto``), then prints per (task, budget): each agent's regret against the

@@ -1,4 +1,4 @@
-"""Issue 7: all-subset (Rao-Blackwellized) reuse against the paper's blocks, paired per run.
+"""All-subset (Rao-Blackwellized) reuse against the paper's blocks, paired per run.
 
 Runs (or resumes) a leaderboard sweep of ``psst`` (blocks), ``psst_rb`` (all subsets) and
 ``psst_query_oracle`` (``rb_ceiling.py``: every sample is the exact conditional mean given the

@@ -1,4 +1,4 @@
-"""A measuring stick for issue 7: PSST whose samples carry no completion noise at all.
+"""A measuring stick for all-subset reuse: PSST whose samples carry no completion noise at all.
 
 ``QueryOraclePSST`` is PSST unchanged except for how a pull is read: a pull of (p, N) on query
 x counts, at every scale k <= N, as floor(N / k) samples of value R_x(p, k), the *exact*

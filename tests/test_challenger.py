@@ -1,4 +1,4 @@
-"""Issue 14 agents: plug-in halving (``auto``) and common-query PSST on the public pull interface."""
+"""The challenger agents: plug-in halving (``auto``) and common-query PSST on the public pull interface."""
 
 from __future__ import annotations
 

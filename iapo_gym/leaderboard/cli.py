@@ -30,7 +30,7 @@ class Preset:
     runs: int
 
 
-#: ``--quick``: the README's main job, about a minute on two cores.
+#: ``--quick``: the README's main job (its measured time is in the README).
 QUICK = Preset(
     tasks=("synthetic_bernoulli", "synthetic_categorical"),
     agents=("psst", "psst_topk:k=4,rho=0.2@psst+K4", "uniform", "ucb", "triple_n1"),

@@ -140,9 +140,16 @@ def write_site(report: Report, out_dir: str | Path, site_dir: str | Path) -> Pat
             provenance=_provenance_view(site_provenance(out_dir)), source=display_path(out_dir),
         )
         (tmp / "index.html").write_text(page, encoding="utf-8")
+        old = site.with_name(f".{site.name}.old-{os.getpid()}")
         if site.exists():
-            shutil.rmtree(site)
-        os.replace(tmp, site)
+            os.replace(site, old)  # kept until the new site is in place
+        try:
+            os.replace(tmp, site)
+        except BaseException:
+            if old.exists():
+                os.replace(old, site)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
