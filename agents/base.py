@@ -11,7 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from iapo_gym import IAPOEnv, Policy
+from iapo_gym import IAPOEnv, Policy, base_env
 from iapo_gym.policy import PolicyLike
 
 
@@ -65,10 +65,7 @@ class Agent(ABC):
     @staticmethod
     def base_env(env: Any) -> IAPOEnv:
         """The IAPOEnv under any wrappers (its vectorized path lives there)."""
-        base = getattr(env, "unwrapped", env)
-        if not isinstance(base, IAPOEnv):
-            raise TypeError(f"agents train on an IAPOEnv (or a wrapper of one), got {type(base).__name__}")
-        return base
+        return base_env(env, "agents train on")
 
     @staticmethod
     def check_budget(budget: Any) -> int:

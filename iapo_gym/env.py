@@ -344,3 +344,11 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
                              seed: int | None = None) -> tuple[float, float]:
         """The paper's n-sample ACR estimate (mean, standard error), from its own seeded generator."""
         return monte_carlo_acr(self.table, policy, self.queries(split), n_samples, np.random.default_rng(seed))
+
+
+def base_env(env: Any, needs: str = "expected") -> IAPOEnv:
+    """The IAPOEnv under any wrappers; else a TypeError: "``needs`` an IAPOEnv (or a wrapper of one), got ..."."""
+    base = getattr(env, "unwrapped", env)
+    if not isinstance(base, IAPOEnv):
+        raise TypeError(f"{needs} an IAPOEnv (or a wrapper of one), got {type(base).__name__}")
+    return base

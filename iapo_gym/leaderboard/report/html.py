@@ -19,7 +19,14 @@ from typing import Any
 
 import jinja2
 
-from iapo_gym.leaderboard.report.model import Report, budgets_of, cells_by_label, display_path, labels_by_rank
+from iapo_gym.leaderboard.report.model import (
+    Report,
+    budgets_of,
+    cells_by_label,
+    display_path,
+    labels_by_rank,
+    optimal_means,
+)
 from iapo_gym.leaderboard.report.stats import win_matrix
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -70,8 +77,7 @@ def _task_view(report: Report, task: str) -> dict[str, Any]:
                                       "loss" if losses[i][j] > wins[i][j] else "even"}
                                      for j in range(len(labels))]} for i, a in enumerate(labels)]
     task_cells = [s for s in report.summary if s.task == task]
-    optimal = sum(s.optimal_acr_mean for s in task_cells) / len(task_cells)
-    train_opt = sum(s.train_optimal_acr_mean for s in task_cells) / len(task_cells)
+    optimal, train_opt = optimal_means(report, task)
     best = rows[0] if rows else None
     last = budgets[-1]
     best_last = next((s for s in cells[str(best["label"])] if s.budget == last), None) if best else None

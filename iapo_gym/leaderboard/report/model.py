@@ -104,3 +104,10 @@ def cells_by_label(report: Report, task: str) -> dict[str, list[SummaryRow]]:
     for rows in out.values():
         rows.sort(key=lambda s: s.budget)
     return out
+
+
+def optimal_means(report: Report, task: str) -> tuple[float, float]:
+    """The task's optimal and train-optimal test ACR, each the mean over its summary rows (for the dashed lines)."""
+    cells = [s for s in report.summary if s.task == task]
+    return (sum(s.optimal_acr_mean for s in cells) / len(cells),
+            sum(s.train_optimal_acr_mean for s in cells) / len(cells))

@@ -10,7 +10,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from iapo_gym.leaderboard.report.model import Report, build_report, modal_arms
+from iapo_gym.leaderboard.report.model import Report, build_report, modal_arms, optimal_means
 from iapo_gym.leaderboard.report.stats import DEFAULT_ALPHA, PairwiseRow, SummaryRow
 from iapo_gym.leaderboard.run.store import TaskInfo
 
@@ -38,8 +38,7 @@ def markdown(report: Report, policies: bool = True) -> str:
         budgets = sorted({s.budget for s in report.summary if s.task == task})
         ranks = [r for r in report.ranking if r.task == task]
         cells = [s for s in report.summary if s.task == task]
-        optimal = sum(s.optimal_acr_mean for s in cells) / len(cells)
-        train_opt = sum(s.train_optimal_acr_mean for s in cells) / len(cells)
+        optimal, train_opt = optimal_means(report, task)
         title = info.title if info else task
         n_runs = max(s.n_runs for s in cells)
         lines += ["", f"## {title} (`{task}`)", "",
