@@ -7,8 +7,8 @@ the traced run, which opens the MATH table)
 Every import counts, also those inside functions. A module's floor is the length of the longest chain of imports
 below it (floor 0 imports nothing else of the package; a circle's modules share one floor). The trace records,
 for one run of ``run_unit`` on MATH with the ``uniform`` agent at one budget, the package files entered in call
-order: how many distinct files, how often a call climbs to a higher floor, and how often it returns to a file it
-had left.
+order: how many distinct files, how many calls go up to a file on a higher floor (a circle's files share one
+floor, so calls inside a circle are not counted), and how often the data returns to a file it had left.
 """
 
 from __future__ import annotations
@@ -121,28 +121,34 @@ def trace_table(root: Path, floor_of: dict[str, int], mods: dict[str, Path]) -> 
         else importlib.import_module("iapo_gym.leaderboard.specs")
     by_file = {str(f.resolve()): m for m, f in mods.items() if m.startswith("iapo_gym")}
     unit = runner.plan_units([specs.resolve_task("math")], [specs.parse_agent_spec("uniform")], [50], 1, set())[0]
-    sequence: list[str] = []
+    sequence: list[str] = []  # package files in the order the data is in them (calls and returns)
+    calls: list[tuple[str, str]] = []  # (caller, callee) of every call from one package file into another
 
     def profile(frame, event, arg):  # noqa: ANN001, ANN202
+        here = by_file.get(frame.f_code.co_filename)
+        back = by_file.get(frame.f_back.f_code.co_filename) if frame.f_back is not None else None
         if event == "call":
-            m = by_file.get(frame.f_code.co_filename)
-            if m is not None and (not sequence or sequence[-1] != m):
-                sequence.append(m)
-        elif event == "return" and frame.f_back is not None:
-            m = by_file.get(frame.f_back.f_code.co_filename)
-            if m is not None and (not sequence or sequence[-1] != m):
-                sequence.append(m)
+            if here is not None and back is not None and here != back:
+                calls.append((back, here))
+            m = here
+        elif event == "return":
+            m = back
+        else:
+            return
+        if m is not None and (not sequence or sequence[-1] != m):
+            sequence.append(m)
 
     sys.setprofile(profile)
     try:
         runner.run_unit(unit)
     finally:
         sys.setprofile(None)
-    # from run_unit to the env: stop at the first time the env module is entered
+    # from run_unit to the env: up to the first time the env module is entered
     env_module = "iapo_gym.env"
     cut = sequence.index(env_module) + 1 if env_module in sequence else len(sequence)
     path = sequence[:cut]
-    climbs = sum(1 for a, b in zip(path, path[1:], strict=False) if floor_of[b] > floor_of[a])
+    cut_calls = next((i + 1 for i, (_, callee) in enumerate(calls) if callee == env_module), len(calls))
+    climbs = sum(1 for caller, callee in calls[:cut_calls] if floor_of[callee] > floor_of[caller])
     seen: set[str] = set()
     returns = 0
     for m in path:
@@ -171,8 +177,9 @@ def main() -> None:
     folder, most = max(lines.items(), key=lambda kv: kv[1])
     print(f"lines (iapo_gym + agents): {total}; largest folder: {folder} {most} lines = {most / total:.1%}")
     n_files, climbs, returns, path = trace_table(root, floor_of, mods)
-    print(f"one run's table, run_unit to the env: {n_files} files, {climbs} climbs up a floor, "
+    print(f"one run's table, run_unit to the env: {n_files} files, {climbs} calls up a floor, "
           f"{returns} returns to a file it had left ({len(path)} steps)")
+    print("  " + " -> ".join(f"{m.removeprefix('iapo_gym.')}({floor_of[m]})" for m in path))
 
 
 if __name__ == "__main__":
