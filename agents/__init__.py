@@ -22,6 +22,7 @@ register("sequential_halving", "agents.sequential_halving:SequentialHalving")
 register("sb3", "agents.sb3:SB3Agent")
 register("psst_cq", "agents.challenger:CommonQueryPSST")
 register("plugin_halving", "agents.challenger:PlugInHalving")
+register("plugin_anytime", "agents.challenger:AnytimePlugIn")
 #: The recommended agent: the strongest measured one (docs/agents.md, "auto").
 register("auto", "agents.challenger:PlugInHalving")
 register_entry_points()  # third-party agents (entry-point group ``iapo_gym.agents``)

@@ -1,25 +1,33 @@
-"""Agents that compare prompts on common queries (``plugin_halving``/``auto``, ``psst_cq``).
+"""Agents that compare prompts on common queries: ``plugin_halving`` (``auto``), ``plugin_anytime``, ``psst_cq``.
 
 PSST draws an independent query for every pull, so two prompts' estimates differ by the
 difficulty of the queries each happened to see as well as by their quality; on MATH and the
-synthetic tasks query difficulty varies far more than prompt quality. Both agents here give
+synthetic tasks query difficulty varies far more than prompt quality. The agents here give
 every live prompt the *same* train queries in a round, drawn without replacement (a fresh
 shuffle once the split is used up), through the public ``env.pull(prompts, ns, queries=...)``:
 
 * ``PlugInHalving`` (``plugin_halving``, the recommended ``auto``): successive halving over
-  prompts, many common queries per round at a small N, and ``PlugInEstimator``, which reads
-  Q(c, p, N) for every N from empirical outcome distributions through the oracle's exact
-  formulas. It beats PSST and PSST+K4 at small budgets (docs/agents.md).
+  prompts for a known budget, many common queries per round at a small N, read through
+  ``PlugInEstimator``.
+* ``AnytimePlugIn`` (``plugin_anytime``): elimination over prompts at a pace set by the
+  completions spent, so one trajectory serves every budget (``train_budgets``), with the
+  prompts' response curves over query difficulty as the majority-vote prior. On held-out seeds
+  it beats ``auto`` at small budgets on one task and loses at 30K-40K on two (docs/agents.md),
+  so it is not ``auto``.
 * ``CommonQueryPSST`` (``psst_cq``): PSST's rounds unchanged on common queries; a measured
   negative result kept for the record (docs/agents.md).
 """
 
 from __future__ import annotations
 
+import copy
+import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from agents import _plugin_jit
 from agents.base import Agent
 from agents.estimator import Estimator
 from agents.psst import PSST, Allocation, rounds_to_one, trimming_rounds
@@ -102,6 +110,29 @@ class CommonQueryPSST(PSST):
         return est.best_arms(self.rng, alive)
 
 
+def mv_credit_rows(probs: np.ndarray, gold: np.ndarray, n_max: int) -> np.ndarray:
+    """``mv_expected_credit`` of each row, computed with only the buckets of positive probability.
+
+    A bucket of probability 0 never receives a vote, so dropping it leaves the credit unchanged
+    (up to rounding: fewer quadrature nodes); the exact kernel's cost grows with the number of
+    buckets, and the plug-in rows of a query often have only a few.
+    """
+    n_rows = probs.shape[0]
+    out = np.empty((n_rows, n_max))
+    p_gold = probs[np.arange(n_rows), gold]
+    others = probs.copy()
+    others[np.arange(n_rows), gold] = -1.0
+    others = -np.sort(-others, axis=1)[:, :-1]  # the other buckets, largest first
+    width = (others > 0).sum(axis=1)
+    if _plugin_jit.available():
+        return _plugin_jit.credit_rows(p_gold, others, width, n_max)
+    for w in np.unique(width):
+        rows = np.flatnonzero(width == w)
+        reduced = np.column_stack([p_gold[rows], others[rows, :max(int(w), 1)]])
+        out[rows] = mv_expected_credit(reduced, np.zeros(rows.size, np.int64), n_max)
+    return out
+
+
 class PlugInEstimator(Estimator):
     """Q(c, p, N) for every N from empirical outcome distributions, through the oracle's formulas.
 
@@ -118,12 +149,16 @@ class PlugInEstimator(Estimator):
       query would make the maximum of many draws look far too small).
     """
 
-    def __init__(self, env: Any, alpha: float = 4.0) -> None:
-        """Bind to ``env``; ``alpha`` >= 0 pseudo-votes of the query prior (majority vote)."""
+    def __init__(self, env: Any, alpha: float = 4.0, curve: float = 0.0) -> None:
+        """Bind to ``env``; ``alpha`` >= 0 pseudo-votes of the prior (majority vote); ``curve`` > 0 uses the
+        prompt's response curve over query difficulty as the prior's gold share (ridge strength ``curve``)."""
         super().__init__(env, "blocks")
         if not float(alpha) >= 0.0:
             raise ValueError(f"alpha must be >= 0, got {alpha!r}")
+        if not float(curve) >= 0.0:
+            raise ValueError(f"curve must be >= 0, got {curve!r}")
         self.alpha = float(alpha)
+        self.curve = float(curve)
         table = self.env.table
         self.atom_counts = np.zeros((self.n_prompts, table.n_queries, self.n_atoms), dtype=np.int64)
         self._cost_sum = np.zeros((self.n_prompts,))  # sum over the prompt's pulled queries of cost[p, q]
@@ -158,7 +193,9 @@ class PlugInEstimator(Estimator):
                                       minlength=self.n_prompts)
         prompts = np.unique(pulls.prompts)
         n_queries = self._seen[prompts].sum(axis=1).astype(np.float64)
-        if self.aggregator == "mv":
+        if self.aggregator == "mv" and self.curve > 0:
+            task = self._weights[:, :1, None] * self._mv_credit_curve(prompts)[None]
+        elif self.aggregator == "mv":
             task = self._weights[:, :1, None] * self._mv_credit(np.unique(pulls.queries), prompts)[None]
         else:
             task = self._bon_value(prompts)
@@ -168,15 +205,68 @@ class PlugInEstimator(Estimator):
         self.sums[:, prompts, :] = (task + cost) * n_queries[None, :, None]
 
     def _mv_credit(self, queries: np.ndarray, prompts: np.ndarray) -> np.ndarray:
-        """(len(prompts), N_max) mean credit over each prompt's queries, refreshing the rows of ``queries``."""
+        """(len(prompts), N_max) mean credit over each prompt's queries, refreshing its rows of ``queries``.
+
+        Only the pulled prompts' rows are refreshed (the query's pooled prior moved for every
+        prompt, but the others' estimates are not read until they are pulled again).
+        """
         gold = self.env.table.gold
         assert gold is not None
         pooled = self.atom_counts[:, queries].sum(axis=0).astype(np.float64)  # (q, atoms) over all prompts
         prior = pooled / pooled.sum(axis=1, keepdims=True)
-        p_idx, q_pos = np.nonzero(self._seen[:, queries])
+        p_pos, q_pos = np.nonzero(self._seen[prompts][:, queries])
+        p_idx = prompts[p_pos]
         counts = self.atom_counts[p_idx, queries[q_pos]].astype(np.float64)
         probs = (counts + self.alpha * prior[q_pos]) / (counts.sum(axis=1, keepdims=True) + self.alpha)
-        self._credit[p_idx, queries[q_pos]] = mv_expected_credit(probs, gold[queries[q_pos]], self.n_max)
+        self._credit[p_idx, queries[q_pos]] = mv_credit_rows(probs, gold[queries[q_pos]], self.n_max)
+        return self._credit[prompts].sum(axis=1) / self._seen[prompts].sum(axis=1)[:, None]
+
+    def _mv_credit_curve(self, prompts: np.ndarray) -> np.ndarray:
+        """(len(prompts), N_max) mean credit over each prompt's queries, every row of ``prompts`` refreshed.
+
+        The prior of (p, q) gives gold the share sigmoid(a_p + b_p z_q), z_q the logit of q's gold
+        rate pooled over every prompt (the query's difficulty) and (a_p, b_p) the prompt's
+        response curve: a binomial logistic fit to its own gold votes, ridge-penalised by
+        ``curve`` towards (0, 1), the pooled curve. The other buckets share the rest as q's pooled
+        wrong answers do (one wrong bucket takes all of it while q has no wrong answer). A
+        prompt's few votes on one query are thus read together with how it does on queries of
+        the same difficulty, not only with how other prompts do on that query.
+        """
+        gold = self.env.table.gold
+        assert gold is not None
+        n_q = self.atom_counts.shape[1]
+        cols = np.arange(n_q)
+        votes = self.atom_counts.sum(axis=2)  # (P, Q)
+        gold_votes = self.atom_counts[:, cols, gold]  # (P, Q)
+        pooled = self.atom_counts.sum(axis=0).astype(np.float64)  # (Q, atoms)
+        z = np.log((gold_votes.sum(axis=0) + 0.5) / (votes.sum(axis=0) - gold_votes.sum(axis=0) + 0.5))
+        g, n = gold_votes[prompts].astype(np.float64), votes[prompts].astype(np.float64)
+        theta = np.zeros((prompts.size, 2))
+        theta[:, 1] = 1.0
+        lam = self.curve
+        for _ in range(8):  # Newton steps of the penalised binomial log-likelihood, per prompt
+            mu = 1.0 / (1.0 + np.exp(-np.clip(theta[:, :1] + theta[:, 1:] * z[None, :], -30.0, 30.0)))
+            r, w = g - n * mu, n * mu * (1.0 - mu)
+            grad = np.stack([r.sum(axis=1) - lam * theta[:, 0], (r * z).sum(axis=1) - lam * (theta[:, 1] - 1.0)], 1)
+            h00 = w.sum(axis=1) + lam
+            h01 = (w * z).sum(axis=1)
+            h11 = (w * z * z).sum(axis=1) + lam
+            det = h00 * h11 - h01 * h01
+            theta[:, 0] += (h11 * grad[:, 0] - h01 * grad[:, 1]) / det
+            theta[:, 1] += (h00 * grad[:, 1] - h01 * grad[:, 0]) / det
+        p_idx, q_idx = np.nonzero(self._seen[prompts])
+        share = 1.0 / (1.0 + np.exp(-np.clip(theta[p_idx, 0] + theta[p_idx, 1] * z[q_idx], -30.0, 30.0)))
+        rows = np.arange(q_idx.size)
+        wrong = pooled[q_idx].copy()
+        wrong[rows, gold[q_idx]] = 0.0
+        unseen = wrong.sum(axis=1) == 0  # no wrong answer yet: one wrong bucket takes the rest
+        wrong[rows[unseen], (gold[q_idx[unseen]] + 1) % wrong.shape[1]] = 1.0
+        prior = wrong / wrong.sum(axis=1, keepdims=True) * (1.0 - share)[:, None]
+        prior[rows, gold[q_idx]] = share
+        rows_p = prompts[p_idx]
+        counts = self.atom_counts[rows_p, q_idx].astype(np.float64)
+        probs = (counts + self.alpha * prior) / (counts.sum(axis=1, keepdims=True) + self.alpha)
+        self._credit[rows_p, q_idx] = mv_credit_rows(probs, gold[q_idx], self.n_max)
         return self._credit[prompts].sum(axis=1) / self._seen[prompts].sum(axis=1)[:, None]
 
     def _bon_value(self, prompts: np.ndarray) -> np.ndarray:
@@ -230,6 +320,7 @@ class PlugInHalving(Agent):
             raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
         self.m_min = int(m_min)
         self.alpha = float(alpha)
+        _plugin_jit.warm_up()
         self.keep_last = int(keep_last)
         self.common = bool(common)
 
@@ -267,3 +358,159 @@ class PlugInHalving(Agent):
                 np.put_along_axis(rank, order, np.arange(n_prompts)[None, :].repeat(n_contexts, 0), axis=1)
                 alive &= rank < keep[:, None]
         return est.best_arms(self.rng, np.repeat(alive[:, :, None], n_max, axis=2))
+
+
+class _PlugInRun:
+    """The state of one anytime plug-in trajectory: estimator, query stream, live prompts, spend."""
+
+    def __init__(self, base: Any, alpha: float, rng: np.random.Generator, curve: float = 0.0) -> None:
+        self.base = base
+        self.est = PlugInEstimator(base, alpha, curve)
+        self.stream = QueryStream(base.queries(), rng)
+        n_contexts, n_prompts, _ = self.est.sums.shape
+        self.alive = np.ones((n_contexts, n_prompts), dtype=bool)
+        self.spent = 0
+
+    def branch(self) -> _PlugInRun:
+        """A copy to run a budget's tail on: its own estimator, stream and generator (a copy of the
+        agent's, so the tail never advances the agent's own); the same env."""
+        memo = {id(self.base): self.base, id(self.est.env): self.est.env}
+        return copy.deepcopy(self, memo)
+
+
+class AnytimePlugIn(Agent):
+    """Plug-in elimination over prompts on common queries, paced by the completions spent (anytime).
+
+    A trajectory of steps that do not depend on the budget T: the first spends s0 = P * q0 *
+    n_min completions, each later one ``growth`` times what was spent before it (at least one
+    completion per live prompt). A step of b completions gives every prompt live in some
+    context the same m train queries (without replacement; a fresh shuffle once the split is
+    used up), n completions each: n = min(N_max, max(n_min, ceil(sqrt(b / (live * kappa))),
+    ceil(b / (live * |train|)))) (kappa = 0 drops the square-root term), m = floor(b / (live * n));
+    it is read through ``PlugInEstimator`` (majority vote: with the prompts' response curves over
+    query difficulty, ``curve``, as the prior of ``alpha`` pseudo-votes). After each step, with
+    s completions spent in all, each context keeps the top max(keep_last, ceil(P (s0 / s)^rate))
+    of its live prompts by max_N of the estimate.
+    A budget T stops the steps where the next one no longer fits; what is left goes into one
+    last step by the same rule, and the policy is, per context, the best (p, N) of its live
+    prompts. So ``train_budgets`` reads every budget off one trajectory.
+    """
+
+    name = "plugin_anytime"
+    anytime = True
+
+    def __init__(self, seed: int | None = None, n_min: int = 2, q0: int = 8, growth: float = 1.0,
+                 rate: float = 1.0, alpha: float = 32.0, keep_last: int = 1, kappa: float = 2.0,
+                 curve: float = 3.0) -> None:
+        """``n_min``, ``kappa``: completions per (prompt, query); ``q0``, ``growth``, ``rate``: the pace;
+        ``alpha``, ``curve``: the estimator's prior (defaults: chosen on tuning seeds, docs/agents.md)."""
+        super().__init__(seed)
+        for key, value in (("n_min", n_min), ("q0", q0), ("keep_last", keep_last)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+        if not float(growth) > 0.0:
+            raise ValueError(f"growth must be > 0, got {growth!r}")
+        if not float(rate) >= 0.0:
+            raise ValueError(f"rate must be >= 0, got {rate!r}")
+        if not float(alpha) >= 0.0:
+            raise ValueError(f"alpha must be >= 0, got {alpha!r}")
+        self.n_min, self.q0, self.keep_last = int(n_min), int(q0), int(keep_last)
+        self.growth, self.rate, self.alpha = float(growth), float(rate), float(alpha)
+        if not float(kappa) >= 0.0:
+            raise ValueError(f"kappa must be >= 0, got {kappa!r}")
+        self.kappa = float(kappa)
+        if not float(curve) >= 0.0:
+            raise ValueError(f"curve must be >= 0, got {curve!r}")
+        self.curve = float(curve)
+        _plugin_jit.warm_up()
+
+    def params(self) -> dict[str, Any]:
+        """Hyper-parameters recorded with results."""
+        return {"n_min": self.n_min, "q0": self.q0, "growth": self.growth, "rate": self.rate,
+                "alpha": self.alpha, "keep_last": self.keep_last, "kappa": self.kappa,
+                "curve": self.curve}
+
+    def train(self, env: Any, budget: int) -> Policy:
+        """Spend at most ``budget`` completions of ``env``; the best live arm per context."""
+        budget = self.check_budget(budget)
+        run = _PlugInRun(self.base_env(env), self.alpha, self.rng, self.curve)
+        self._advance(run, budget)
+        return self._finish(run.branch(), budget)
+
+    def train_budgets(self, env: Any, budgets: Any) -> Iterator[tuple[int, Policy]]:
+        """(budget, policy) for each budget in increasing order, from one trajectory.
+
+        Each policy is bit-identical to ``train(env, budget)`` by a fresh agent with the same
+        seed on an env reset with the same seed: the whole steps are the same for every
+        budget; each budget's last step and read-out branch off on a copy of the trajectory (with
+        its own copy of the agent's generator; the env's state is saved and restored around it).
+        """
+        checked = sorted({self.check_budget(b) for b in budgets})
+        base = self.base_env(env)
+        run = _PlugInRun(base, self.alpha, self.rng, self.curve)
+        for i, budget in enumerate(checked):
+            self._advance(run, budget)
+            last = i == len(checked) - 1
+            env_state = None if last else base.snapshot()
+            policy = self._finish(run.branch(), budget)
+            yield budget, policy
+            if env_state is not None:
+                base.restore(env_state)
+
+    def _s0(self, run: _PlugInRun) -> int:
+        return run.alive.shape[1] * self.q0 * self.n_min
+
+    def _next_step(self, run: _PlugInRun) -> int:
+        """Completions of the trajectory's next whole step."""
+        live = int(run.alive.any(axis=0).sum())
+        if run.spent == 0:
+            return self._s0(run)
+        return max(self.n_min * live, math.ceil(self.growth * run.spent))
+
+    def _advance(self, run: _PlugInRun, budget: int) -> None:
+        """Take whole steps while the next one fits in ``budget``."""
+        n_prompts = run.alive.shape[1]
+        s0 = self._s0(run)
+        while (step := self._next_step(run)) <= budget - run.spent:
+            self._pull(run, step)
+            if run.spent > s0:
+                target = max(self.keep_last, math.ceil(n_prompts * (s0 / run.spent) ** self.rate))
+                self._trim(run, target)
+            elif run.spent == s0 and self.rate > 0:
+                self._trim(run, n_prompts)
+
+    def _pull(self, run: _PlugInRun, b: int) -> None:
+        """One step of at most ``b`` completions on common queries (nothing if not one per live prompt)."""
+        live = np.flatnonzero(run.alive.any(axis=0))
+        if not live.size or b < live.size:
+            return
+        n_max = run.est.sums.shape[2]
+        pool = run.stream.pool.size
+        n = max(self.n_min, math.ceil(b / (live.size * pool)))
+        if self.kappa > 0:
+            n = max(n, math.ceil(math.sqrt(b / (live.size * self.kappa))))
+        n = min(n_max, n)
+        m = b // (live.size * n)
+        if m == 0:
+            n, m = b // live.size, 1
+        queries = np.tile(run.stream.take(m), live.size)
+        pulls = run.base.pull(np.repeat(live, m), np.full(live.size * m, n), queries=queries)
+        run.spent += pulls.completions
+        run.est.update(pulls)
+
+    def _trim(self, run: _PlugInRun, target: int) -> None:
+        """Keep the top ``target`` live prompts of each context by max_N of the estimate."""
+        alive = run.alive
+        n_contexts, n_prompts = alive.shape
+        score = np.where(alive, run.est.mean(unseen=-np.inf).max(axis=2), -np.inf)
+        keep = np.minimum(alive.sum(axis=1), target)
+        order = np.lexsort((run.stream.rng.random(alive.shape), -score), axis=-1)
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(n_prompts)[None, :].repeat(n_contexts, 0), axis=1)
+        alive &= rank < keep[:, None]
+
+    def _finish(self, run: _PlugInRun, budget: int) -> Policy:
+        """The last step with what is left of ``budget``, then the read-out."""
+        self._pull(run, budget - run.spent)
+        n_max = run.est.sums.shape[2]
+        return run.est.best_arms(run.stream.rng, np.repeat(run.alive[:, :, None], n_max, axis=2))

@@ -1,4 +1,4 @@
-"""The recommended agent (``auto``) against the paper's best, PSST and PSST+K4, paired per run.
+"""The recommended agent (``auto``) against the paper's best, PSST and PSST+K4, paired per run, with a held-out protocol.
 
 Runs (or resumes) a leaderboard sweep of ``psst``, ``psst_topk:k=4,rho=0.2`` and the challengers
 (default: ``auto``), then prints per (task, budget): each agent's regret against the
@@ -9,9 +9,22 @@ test ACR), each with the two-sided Wilcoxon signed-rank p-value Holm-corrected o
 ratio of mean training time to PSST's. ``--markdown`` writes the table, ``--plot`` the regret
 against the budget (one panel per task).
 
+The tuning protocol (docs/agents.md, "How auto is chosen and measured"):
+
+1. tune: sweep the candidate specs with ``--seed TUNE_SEED`` into a tuning store;
+2. ``--select-from TUNE_STORE --candidates SPEC...`` picks, from the tuning store only, the
+   candidate with the largest mean share of the better agent's regret removed over the
+   ``--select-budgets`` cells of the selection tasks: all tasks for the fresh-seed table,
+   the two other tasks for each task of the leave-one-task-out (``--loto``) table;
+3. report: the picked spec(s) run with a fresh ``--seed`` never used in tuning.
+
     IAPO_GYM_OFFLINE=1 IAPO_GYM_DATA=../shared/iapo-release nice -n 10 python benchmarks/bench_challenger.py \\
         --out results/challenger --runs 200 --jobs 2 \\
         --markdown docs/challenger_figures/table.md --plot docs/challenger_figures/regret_vs_budget.png
+
+``--timing RUNS`` times the training alone (PSST ``train`` per budget; an anytime challenger
+both by ``train_budgets`` up to each budget, as the leaderboard times it, and by ``train``
+for one budget), on tables whose samplers are built before any clock starts.
 """
 
 from __future__ import annotations
@@ -111,6 +124,155 @@ def plot(cells: Cells, labels: list[str], path: Path) -> Path:
     return plot_regret(cells, labels, path)
 
 
+def share_removed(cell: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], label: str) -> float:
+    """The share of the better of PSST / PSST+K4's regret that ``label`` removes in one cell (paired means)."""
+    better = PSST if cell[PSST][0].mean() >= cell[TOPK][0].mean() else TOPK
+    regret = float(np.mean(cell[better][1] - cell[better][0]))
+    gain = float(np.mean(cell[label][0] - cell[better][0]))
+    return gain / regret if regret > 0 else float("nan")
+
+
+def select(store: str, candidates: list[str], tasks: list[str], budgets: list[int]) -> tuple[str, dict[str, float]]:
+    """The candidate label of largest mean share removed over the (task, budget) cells named; and every score.
+
+    Reads only ``store`` (the tuning store), so the choice never sees the report seeds; each
+    candidate is paired with PSST and PSST+K4 on the runs all three completed.
+    """
+    scores = {}
+    for label in candidates:
+        cells = load_cells(store, [PSST, TOPK, label])
+        keys = [k for k in cells if k[0] in tasks and k[1] in budgets]
+        if len(keys) < len(tasks) * len(budgets):
+            raise SystemExit(f"candidate {label!r} lacks tuning runs in {store} for tasks {tasks} x budgets {budgets}")
+        scores[label] = float(np.mean([share_removed(cells[k], label) for k in keys]))
+    best = max(candidates, key=lambda label: scores[label])
+    return best, scores
+
+
+def loto_table(store: str, chosen: dict[str, str], budgets: list[int]) -> str:
+    """The leave-one-task-out table: per held-out task, the candidate chosen on the others, against the better
+    of PSST / PSST+K4 (paired gain ± SEM, Holm-corrected Wilcoxon over the table's cells, share removed)."""
+    rows, pvals = [], []
+    for task, label in chosen.items():
+        cells = load_cells(store, [PSST, TOPK, label])
+        for budget in budgets:
+            cell = cells.get((task, budget))
+            if cell is None or label not in cell:
+                continue
+            better = PSST if cell[PSST][0].mean() >= cell[TOPK][0].mean() else TOPK
+            gain = mean_sem(cell[label][0] - cell[better][0])
+            rows.append((task, budget, label, cell[label][0].size, better, gain, share_removed(cell, label)))
+            pvals.append(paired_test(cell[label][0], cell[better][0]).p_value)
+    adjusted = adjust_pvalues(pvals, "holm")
+    lines = ["Leave-one-task-out: each task's agent is the candidate chosen on the other two tasks' tuning runs "
+             "(gain = paired mean difference of test ACR against the better of PSST / PSST+K4 ± SEM; p: two-sided "
+             "Wilcoxon signed-rank, Holm-corrected over the cells of this table; removed = gain / the better "
+             "agent's regret)", "",
+             "| held-out task | T | chosen on the other two | runs | better | gain vs better | p (Holm) | removed |",
+             "|---|---:|---|---:|---|---:|---:|---:|"]
+    for (task, budget, label, n, better, gain, removed), p in zip(rows, adjusted, strict=True):
+        lines.append(f"| {task} | {budget} | {label} | {n} | {better} | {gain[0]:+.4f} ± {gain[1]:.4f} | {p:.2g} "
+                     f"| {100 * removed:.0f}% |")
+    return "\n".join(lines + [""])
+
+
+def timing(tasks: list[str], budgets: list[int], spec: str, runs: int, seed: int) -> str:
+    """Mean training time of ``spec`` over PSST's per (task, budget), timed alone on warmed tables.
+
+    PSST runs ``train`` per budget; the challenger runs ``train_budgets`` over every budget (the
+    clock up to each budget's policy, as the leaderboard times an anytime agent) when it is
+    anytime, and ``train`` for each budget alone. Paired by run, interleaved, so load moves both.
+    """
+    import time
+
+    from agents import make
+    from iapo_gym import IAPOEnv
+    from iapo_gym.leaderboard.run.runner import build_agent
+    from iapo_gym.leaderboard.run.specs import parse_agent_spec
+    from iapo_gym.seeding import derive_seed
+    from iapo_gym.tasks import load_task_table
+
+    parsed = parse_agent_spec(spec)
+    lines = [f"Training time of {parsed.label} / PSST's (mean over {runs} runs per cell, tables and samplers built "
+             "before the clocks start)", "",
+             "| task | T | psst (ms) | train (ms) | train / psst | train_budgets up to T (ms) | train_budgets / psst |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for task in tasks:
+        totals: dict[str, np.ndarray] = {k: np.zeros(len(budgets)) for k in ("psst", "train", "shared")}
+        for run in range(runs):
+            env = IAPOEnv(table=load_task_table(task, run))
+            env.reset(seed=0)
+            env.pull(np.zeros(1, np.int64), np.ones(1, np.int64))  # builds the table's sampler
+            env_seed = derive_seed(seed, "timing", task, run)
+            for i, budget in enumerate(budgets):
+                env.reset(seed=env_seed)
+                agent = make("psst", seed=run)
+                start = time.perf_counter()
+                agent.train(env, budget)
+                totals["psst"][i] += time.perf_counter() - start
+                env.reset(seed=env_seed)
+                agent = build_agent(parsed, run)
+                start = time.perf_counter()
+                agent.train(env, budget)
+                totals["train"][i] += time.perf_counter() - start
+            agent = build_agent(parsed, run)
+            if getattr(agent, "anytime", False):
+                env.reset(seed=env_seed)
+                start = time.perf_counter()
+                for i, (_, _policy) in enumerate(agent.train_budgets(env, budgets)):
+                    totals["shared"][i] += time.perf_counter() - start
+            else:
+                totals["shared"][:] = np.nan
+        for i, budget in enumerate(budgets):
+            psst, train, shared = (1000 * totals[k][i] / runs for k in ("psst", "train", "shared"))
+            lines.append(f"| {task} | {budget} | {psst:.1f} | {train:.1f} | {train / psst:.1f}x | {shared:.1f} "
+                         f"| {shared / psst:.1f}x |")
+    return "\n".join(lines + [""])
+
+
+def versus_table(cells: Cells, label: str, other: str) -> str:
+    """``label`` against ``other`` per cell: paired gain ± SEM, Holm-corrected Wilcoxon over the cells."""
+    keys = [k for k in cells if label in cells[k] and other in cells[k]]
+    gains = [mean_sem(cells[k][label][0] - cells[k][other][0]) for k in keys]
+    adjusted = adjust_pvalues([paired_test(cells[k][label][0], cells[k][other][0]).p_value for k in keys], "holm")
+    lines = [f"**{label}** against **{other}** (paired mean difference of test ACR ± SEM; p: two-sided Wilcoxon "
+             "signed-rank, Holm-corrected over the cells)", "",
+             f"| task | T | runs | regret {label} | regret {other} | gain | p (Holm) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for key, gain, p in zip(keys, gains, adjusted, strict=True):
+        cell = cells[key]
+        r1, r2 = (float(np.mean(cell[x][1] - cell[x][0])) for x in (label, other))
+        lines.append(f"| {key[0]} | {key[1]} | {gain[2]} | {r1:.4f} | {r2:.4f} | {gain[0]:+.4f} ± {gain[1]:.4f} | {p:.2g} |")
+    return "\n".join(lines + [""])
+
+
+def check_auto(spec: str) -> None:
+    """Say whether the registered ``auto`` is the chosen spec (the same class and parameters)."""
+    from agents import make
+    from iapo_gym.leaderboard.run.specs import parse_agent_spec
+
+    parsed = parse_agent_spec(spec)
+    chosen, auto = make(parsed.name, **parsed.params), make("auto")
+    same = type(chosen) is type(auto) and chosen.params() == auto.params()
+    print(f"auto {'is' if same else 'is NOT'} the chosen spec {spec} (auto: {type(auto).__name__} {auto.params()})")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file (nothing half-written)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def sweep(args: argparse.Namespace, tasks: list[str], challengers: list[str]) -> None:
+    """Run (or resume) the leaderboard of the baselines and ``challengers`` on ``tasks`` into ``args.out``."""
+    status = cli_main(["leaderboard", "--tasks", *tasks, "--agents", *BASELINES, *challengers,
+                       "--budgets", *args.budgets, "--runs", args.runs, "--jobs", args.jobs,
+                       "--seed", args.seed, "--out", args.out, "--no-table"])
+    if status != 0:
+        raise SystemExit(status)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/challenger")
@@ -119,29 +281,65 @@ def main() -> None:
     parser.add_argument("--challengers", nargs="+", default=["auto"], help="leaderboard agent specs")
     parser.add_argument("--runs", default="200")
     parser.add_argument("--jobs", default="2")
-    parser.add_argument("--seed", default="0", help="the leaderboard's root seed (screen on another than the table's)")
+    parser.add_argument("--seed", default="0", help="the leaderboard's root seed (tune on another than the table's)")
     parser.add_argument("--markdown", type=Path, help="also write the table into this Markdown file")
     parser.add_argument("--plot", type=Path, help="also draw the regret against the budget into this PNG")
     parser.add_argument("--analyse-only", action="store_true", help="only read the results already in --out")
+    parser.add_argument("--select-from", metavar="TUNE_STORE",
+                        help="choose the challenger among --candidates on this tuning store's runs (never --out's)")
+    parser.add_argument("--candidates", nargs="+", default=[], metavar="SPEC",
+                        help="the candidate specs of the tuning store (with --select-from); the sweep of --out "
+                             "runs --challengers (auto should be the chosen one: it is checked), --loto the folds' choices")
+    parser.add_argument("--select-budgets", nargs="+", type=int, default=[3000, 5000, 10000])
+    parser.add_argument("--loto", action="store_true",
+                        help="with --select-from: the leave-one-task-out table (choose on two tasks, report on the third)")
+    parser.add_argument("--loto-markdown", type=Path, help="also write the leave-one-task-out table here")
+    parser.add_argument("--versus", metavar="LABEL",
+                        help="also compare the first challenger with this one (a label among --challengers)")
+    parser.add_argument("--timing", type=int, default=0, metavar="RUNS",
+                        help="also time the first challenger against PSST alone on RUNS runs per task")
+    parser.add_argument("--timing-markdown", type=Path, help="also write the timing table here")
     args = parser.parse_args()
+    challengers = list(args.challengers)
+    if args.select_from:
+        by_label = {label_of(c): c for c in args.candidates}
+        if not by_label:
+            raise SystemExit("--select-from needs --candidates")
+        chosen, scores = select(args.select_from, list(by_label), args.tasks, args.select_budgets)
+        print(f"chosen on {', '.join(args.tasks)} (tuning store {args.select_from}): {chosen}; mean share removed: "
+              + ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(scores.items(), key=lambda kv: -kv[1])))
+        check_auto(by_label[chosen])
+        if args.loto:
+            fold = {}
+            for task in args.tasks:
+                others = [t for t in args.tasks if t != task]
+                fold[task], _ = select(args.select_from, list(by_label), others, args.select_budgets)
+                print(f"held out {task}: chosen on {', '.join(others)}: {fold[task]}")
+            if not args.analyse_only:
+                for task in args.tasks:
+                    sweep(args, [task], [by_label[fold[task]]])
+            text = loto_table(args.out, fold, [int(b) for b in args.budgets])
+            print(text)
+            if args.loto_markdown:
+                write_atomic(args.loto_markdown, text)
     if not args.analyse_only:
-        status = cli_main(["leaderboard", "--tasks", *args.tasks, "--agents", *BASELINES, *args.challengers,
-                           "--budgets", *args.budgets, "--runs", args.runs, "--jobs", args.jobs,
-                           "--seed", args.seed, "--out", args.out, "--no-table"])
-        if status != 0:
-            raise SystemExit(status)
-    challengers = [label_of(s) for s in args.challengers]
-    labels = [PSST, TOPK, *challengers]
-    cells = load_cells(args.out, labels)
-    text = analyse(cells, challengers)
+        sweep(args, args.tasks, challengers)
+    labels_ch = [label_of(c) for c in challengers]
+    cells = load_cells(args.out, [PSST, TOPK, *labels_ch])
+    text = analyse(cells, labels_ch)
     print(text)
+    if args.versus:
+        text += "\n" + versus_table(cells, labels_ch[0], args.versus)
+        print(text[text.rindex("**" + labels_ch[0] + "** against **"):])
     if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.markdown.with_suffix(".tmp")
-        tmp.write_text(text + "\n")
-        tmp.replace(args.markdown)
+        write_atomic(args.markdown, text + "\n")
     if args.plot:
-        print(f"plot: {plot(cells, labels, args.plot)}")
+        print(f"plot: {plot(cells, [PSST, TOPK, *labels_ch], args.plot)}")
+    if args.timing:
+        text = timing(args.tasks, [int(b) for b in args.budgets], challengers[0], args.timing, int(args.seed))
+        print(text)
+        if args.timing_markdown:
+            write_atomic(args.timing_markdown, text)
 
 
 if __name__ == "__main__":

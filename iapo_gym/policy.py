@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Union
 
 Arm = tuple[int, int]
@@ -42,6 +44,28 @@ class Policy:
         """Inverse of ``to_json``."""
         data: Any = json.loads(text)
         return cls(tuple(tuple(a) for a in data["arms"]))
+
+    def save(self, path: str | os.PathLike[str], source: Any, *, spec: Any = None,
+             learned: Mapping[str, Any] | None = None, estimate: Mapping[str, Any] | None = None) -> Path:
+        """Write the deployable policy file (docs/deploy.md) for this policy, learned on env ``source``.
+
+        ``spec``: the collection spec that gives the prompts' texts and the scorer (a live env's own
+        by default; a table alone has prompt ids only, and such a file cannot be served). An env with
+        an exact oracle adds the exact test values; ``learned`` and ``estimate`` are stored as given.
+        """
+        from iapo_gym.deploy.policyfile import describe
+
+        return describe(self.arms, source, spec=spec, learned=learned, estimate=estimate).save(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Policy:
+        """The policy of a policy file, after checking it (schema, consistency, checksum).
+
+        ``iapo_gym.deploy.load_policy`` gives the whole document (prompts, contexts, estimates).
+        """
+        from iapo_gym.deploy.policyfile import load_policy
+
+        return cls(load_policy(path).arms)
 
     @classmethod
     def coerce(cls, policy: PolicyLike, n_contexts: int) -> Policy:

@@ -1,9 +1,12 @@
 """An error-injecting HTTP proxy for the collector tests: a real process in front of the llama.cpp server.
 
 Each POST is handled by the next action of ``--schedule`` (then ``ok``): ``ok`` forwards it,
-``429`` answers Too Many Requests with Retry-After: 1, ``500`` an internal error, ``drop`` closes
+``429`` answers Too Many Requests with Retry-After: 1, ``503`` Service Unavailable with Retry-After: 1,
+``500`` an internal error, ``drop`` closes
 the connection without an answer, ``slow`` waits ``--slow`` seconds before forwarding (past the
-client's timeout), ``400``/``401`` a client error. ``GET /__stats`` returns the counters as JSON.
+client's timeout), ``400``/``401`` a client error. ``GET /__stats`` returns the counters as JSON (``choices``: completions
+forwarded back); ``GET /__headers`` the headers of every POST received, in order (names lower-cased), so tests can
+see which ``Authorization`` reached this host.
 """
 
 from __future__ import annotations
@@ -27,10 +30,13 @@ def main() -> None:
     opts = ap.parse_args()
     schedule = [a for a in opts.schedule.split(",") if a]
     lock = threading.Lock()
-    stats = {"posts": 0, "forwarded": 0, "injected": 0, "completion_tokens": 0, "in_flight": 0, "max_in_flight": 0}
+    stats = {"posts": 0, "forwarded": 0, "injected": 0, "completion_tokens": 0, "choices": 0, "in_flight": 0,
+             "max_in_flight": 0}
+    seen_headers: list[dict[str, str]] = []
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # headers and body go out as two writes: no 40 ms delayed-ACK stall
 
         def log_message(self, *args: object) -> None:
             pass
@@ -50,17 +56,25 @@ def main() -> None:
                     body = json.dumps(stats).encode()
                 self._send(200, body)
                 return
+            if self.path == "/__headers":
+                with lock:
+                    body = json.dumps(seen_headers).encode()
+                self._send(200, body)
+                return
             self._forward(b"", "GET")
 
         def do_POST(self) -> None:  # noqa: N802
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             with lock:
                 stats["posts"] += 1
+                seen_headers.append({k.lower(): v for k, v in self.headers.items()})
                 action = schedule.pop(0) if schedule else "ok"
                 if action != "ok":
                     stats["injected"] += 1
             if action == "429":
                 self._send(429, b'{"error": {"message": "rate limited by the test proxy"}}', {"Retry-After": "1"})
+            elif action == "503":
+                self._send(503, b'{"error": {"message": "injected: overloaded"}}', {"Retry-After": "1"})
             elif action == "500":
                 self._send(500, b'{"error": {"message": "injected server error"}}')
             elif action == "400":
@@ -94,10 +108,12 @@ def main() -> None:
                 with lock:
                     stats["in_flight"] -= 1
             if method == "POST" and status == 200:
-                usage = json.loads(data).get("usage") or {}
+                answer = json.loads(data)
+                usage = answer.get("usage") or {}
                 with lock:
                     stats["forwarded"] += 1
                     stats["completion_tokens"] += int(usage.get("completion_tokens", 0))
+                    stats["choices"] += len(answer.get("choices") or ())
             self._send(status, data)
 
     server = ThreadingHTTPServer(("127.0.0.1", opts.port), Handler)

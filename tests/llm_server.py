@@ -164,6 +164,13 @@ def proxy_stats(port: int) -> dict[str, int]:
     return stats
 
 
+def proxy_headers(port: int) -> list[dict[str, str]]:
+    """The headers of every POST the proxy received, in order (names lower-cased)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/__headers", timeout=5) as resp:
+        headers: list[dict[str, str]] = json.loads(resp.read())
+    return headers
+
+
 def stop(proc: subprocess.Popen[bytes]) -> None:
     """Terminate a process and wait for it (kill if it lingers)."""
     if proc.poll() is None:
@@ -240,3 +247,51 @@ def write_spec(folder: Path, port: int, *, aggregator: str = "mv", n_max: int = 
     path = folder / name
     path.write_text(json.dumps(doc), encoding="utf-8")
     return path
+
+
+class RewardServer:
+    """A reward endpoint on 127.0.0.1 in this process (``tests.llm_scorer.score``), recording every request.
+
+    ``bodies`` are the JSON bodies received, ``headers`` their headers (names lower-cased).
+    """
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from tests.llm_scorer import score
+
+        self.bodies: list[dict] = []
+        self.headers: list[dict[str, str]] = []
+        outer = self
+
+        class Reward(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.bodies.append(body)
+                outer.headers.append({k.lower(): v for k, v in self.headers.items()})
+                data = json.dumps({"scores": score(body["completion"], body["query"])}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Reward)
+        self._server.daemon_threads = True
+        self.port = int(self._server.server_port)
+        self.url = f"http://127.0.0.1:{self.port}/score"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        """Stop serving."""
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> RewardServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,4 +1,4 @@
-"""The challenger agents: plug-in halving (``auto``) and common-query PSST on the public pull interface."""
+"""The common-query agents: plug-in halving (``auto``), anytime plug-in elimination and common-query PSST."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from agents.challenger import PlugInEstimator, QueryStream
 from iapo_gym import IAPOEnv, OutcomeTable, Pulls
 from tests.conftest import tiny_bon_table, tiny_mv_table
 
-NEW = ["plugin_halving", "psst_cq", "auto"]
+NEW = ["plugin_halving", "psst_cq", "plugin_anytime", "auto"]
 
 
 class RecordingEnv(IAPOEnv):
@@ -76,7 +76,7 @@ def test_query_stream_draws_without_replacement_then_reshuffles() -> None:
         QueryStream(np.zeros(0, np.int64), np.random.default_rng(0))
 
 
-@pytest.mark.parametrize("name", ["plugin_halving", "psst_cq"])
+@pytest.mark.parametrize("name", ["plugin_halving", "psst_cq", "plugin_anytime"])
 def test_every_round_pulls_live_prompts_on_common_fresh_queries(name: str) -> None:
     env = RecordingEnv(tiny_mv_table(n_prompts=6, n_queries=200, n_max=8))
     env.reset(seed=0)
@@ -87,9 +87,12 @@ def test_every_round_pulls_live_prompts_on_common_fresh_queries(name: str) -> No
         reference = next(iter(per_prompt.values()))
         assert all(np.array_equal(q, reference) for q in per_prompt.values())  # common queries
         used.append(np.unique(pulls.queries))
-    every = np.concatenate(used)
-    assert np.unique(every).size == every.size  # no query reused across rounds (160 train queries)
-    assert np.isin(every, env.queries("train")).all()
+    pool = env.queries("train").size  # 160
+    first_pass = np.cumsum([u.size for u in used]) <= pool
+    every = np.concatenate([u for u, first in zip(used, first_pass) if first])
+    assert every.size >= 0.5 * pool
+    assert np.unique(every).size == every.size  # no query reused before the split is used up
+    assert np.isin(np.concatenate(used), env.queries("train")).all()
 
 
 def _pull_every_train_query(env: IAPOEnv, est: PlugInEstimator, pulls_per_query: int) -> None:
@@ -100,12 +103,12 @@ def _pull_every_train_query(env: IAPOEnv, est: PlugInEstimator, pulls_per_query:
     est.update(env.pull(prompts, np.full(prompts.size, env.n_max), queries=queries))
 
 
-@pytest.mark.parametrize("alpha", [0.0, 4.0])
-def test_plug_in_majority_vote_converges_to_the_exact_train_q_table(alpha: float) -> None:
+@pytest.mark.parametrize(("alpha", "curve"), [(0.0, 0.0), (4.0, 0.0), (4.0, 3.0)])
+def test_plug_in_majority_vote_converges_to_the_exact_train_q_table(alpha: float, curve: float) -> None:
     table = tiny_mv_table(seed=1, n_prompts=4, n_queries=30, n_buckets=3, n_max=6)
     env = IAPOEnv(table=table)
     env.reset(seed=0)
-    est = PlugInEstimator(env, alpha=alpha)
+    est = PlugInEstimator(env, alpha=alpha, curve=curve)
     for _ in range(4):  # 4 x 1002 completions of every (prompt, train query), in several updates
         _pull_every_train_query(env, est, 167)
     exact = env.q_table("train")
@@ -150,3 +153,116 @@ def test_plugin_halving_rejects_bad_parameters() -> None:
             env = IAPOEnv(table=tiny_mv_table())
             env.reset(seed=0)
             agents.make("plugin_halving", **bad).train(env, 100)
+
+
+# ---- the anytime plug-in agent (plugin_anytime) ------------------------------------------------------------
+
+
+def test_anytime_train_budgets_is_bit_identical_to_separate_runs(math_release: Path) -> None:
+    from iapo_gym.data.release import read_release
+
+    budgets = [0, 7, 900, 3_000, 5_000, 10_000]
+    for table in (read_release(str(math_release))[0], tiny_bon_table(seed=3, n_prompts=6, n_queries=40)):
+        env = IAPOEnv(table=table)
+        separate = []
+        for budget in budgets:
+            env.reset(seed=11)
+            separate.append((agents.make("plugin_anytime", seed=5).train(env, budget), env.budget_used))
+        env.reset(seed=11)
+        agent = agents.make("plugin_anytime", seed=5)
+        assert agent.anytime  # type: ignore[attr-defined]
+        shared = list(agent.train_budgets(env, reversed(budgets)))  # type: ignore[attr-defined]
+        assert [b for b, _ in shared] == budgets
+        assert [p for _, p in shared] == [p for p, _ in separate]
+        assert all(used <= b for (_, used), b in zip(separate, budgets))
+        assert env.budget_used == separate[-1][1]  # the env continues the largest budget's trajectory
+
+
+def test_anytime_steps_do_not_depend_on_the_budget() -> None:
+    """The pulls of a smaller budget are a prefix of a larger one's, up to the smaller one's last step."""
+    batches = []
+    for budget in (2_000, 6_000):
+        env = RecordingEnv(tiny_mv_table(n_prompts=8, n_queries=200, n_max=8))
+        env.reset(seed=0)
+        agents.make("plugin_anytime", seed=0).train(env, budget)
+        batches.append(env.batches)
+    small, large = batches
+    assert len(large) > len(small) >= 3
+    for a, b in zip(small[:-1], large):
+        assert np.array_equal(a.prompts, b.prompts) and np.array_equal(a.queries, b.queries)
+        assert np.array_equal(a.atoms, b.atoms)
+    assert not np.array_equal(small[-1].queries, large[len(small) - 1].queries)  # the branch: its own last step
+
+
+def test_anytime_live_prompts_shrink_at_the_documented_pace() -> None:
+    env = RecordingEnv(tiny_mv_table(n_prompts=16, n_queries=400, n_max=8))
+    env.reset(seed=0)
+    agent = agents.make("plugin_anytime", seed=0, n_min=1, q0=4, growth=1.0, rate=1.0)
+    agent.train(env, 4_000)
+    s0 = 16 * 4 * 1
+    spent = 0
+    for pulls in env.batches[:-1]:  # the whole steps
+        live = np.unique(pulls.prompts).size
+        target = 16 if spent <= s0 else max(1, int(np.ceil(16 * s0 / spent)))  # per context
+        assert live <= min(16, env.n_contexts * target), (spent, live, target)
+        spent += pulls.completions
+    assert np.unique(env.batches[0].prompts).size == 16 and np.unique(env.batches[-1].prompts).size < 16
+
+
+def test_mv_credit_rows_matches_the_exact_oracle() -> None:
+    from agents import _plugin_jit
+    from agents.challenger import mv_credit_rows
+    from iapo_gym.utility import mv_expected_credit
+
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.full(5, 0.5), size=300)
+    probs[probs < 0.08] = 0.0  # rows with 0-4 other buckets of positive probability
+    probs[:20] = np.eye(5)[rng.integers(5, size=20)]
+    probs /= probs.sum(axis=1, keepdims=True)
+    gold = rng.integers(5, size=300)
+    exact = mv_expected_credit(probs, gold, 16)
+    assert np.abs(mv_credit_rows(probs, gold, 16) - exact).max() < 1e-12
+    if _plugin_jit.available():
+        others = np.sort(np.where(np.eye(5, dtype=bool)[gold], -1.0, probs), axis=1)[:, ::-1][:, :4]
+        width = (others > 0).sum(axis=1)
+        compiled = _plugin_jit.credit_rows(probs[np.arange(300), gold], others, width, 16)
+        assert np.abs(compiled - exact).max() < 1e-12
+
+
+def test_response_curve_prior_separates_a_steep_prompt_from_a_flat_one() -> None:
+    """Prompt 0 is right with 0.95 on easy and 0.3 on hard queries, prompt 1 with 0.65 on both.
+
+    At N = 15 prompt 1 wins (majority votes: about 0.87 against 0.5 * 1 + 0.5 * 0.05). With two
+    votes per (prompt, query) the pooled prior pulls both towards the same per-query accuracy;
+    the response curves keep the difference, so their large-N estimate is closer to the truth.
+    """
+    n_queries = 400
+    easy = np.arange(n_queries) % 2 == 0
+    correct = np.stack([np.where(easy, 0.95, 0.3), np.full(n_queries, 0.65), np.where(easy, 0.9, 0.45)])
+    probs = np.stack([correct, 1 - correct], axis=-1)
+    table = OutcomeTable(
+        task="steep_flat", aggregator="mv", probs=probs, cost=np.full(3, 0.0), n_max=15,
+        context_weights=np.array([[1.0, 0.0]]), context_names=("free",), context_probs=np.array([1.0]),
+        objective_names=("correct",), gold=np.zeros(n_queries, np.int64),
+        split=(np.arange(n_queries) >= n_queries - 4).astype(np.uint8),
+    )
+    env = IAPOEnv(table=table)
+    exact = env.q_table("train")[0, :, -1]
+    errors, gaps = {}, {}
+    for curve in (0.0, 3.0):
+        env.reset(seed=0)
+        est = PlugInEstimator(env, alpha=32.0, curve=curve)
+        train = env.queries("train")
+        prompts = np.repeat(np.arange(3), train.size)
+        est.update(env.pull(prompts, np.full(prompts.size, 2), queries=np.tile(train, 3)))
+        errors[curve] = np.abs(est.mean()[0, :, -1] - exact).max()
+        gaps[curve] = est.mean()[0, 1, -1] - est.mean()[0, 0, -1]  # truth: about 0.36
+    assert errors[3.0] < 0.8 * errors[0.0], errors
+    assert gaps[3.0] > 0.1 and gaps[3.0] > 3 * gaps[0.0], gaps
+
+
+def test_anytime_rejects_bad_parameters() -> None:
+    for bad in ({"n_min": 0}, {"q0": 0}, {"keep_last": 0}, {"growth": 0.0}, {"rate": -1.0}, {"alpha": -1.0},
+                {"kappa": -1.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            agents.make("plugin_anytime", **bad)

@@ -33,7 +33,7 @@ class Preset:
 #: ``--quick``: the README's main job (its measured time is in the README).
 QUICK = Preset(
     tasks=("synthetic_bernoulli", "synthetic_categorical"),
-    agents=("psst", "psst_topk:k=4,rho=0.2@psst+K4", "uniform", "ucb", "triple_n1"),
+    agents=("auto", "psst", "psst_topk:k=4,rho=0.2@psst+K4", "uniform", "ucb", "triple_n1"),
     budgets=(3000, 10000),
     runs=20,
 )

@@ -1,4 +1,4 @@
-"""``iapo-gym collect SPEC [--out DIR]``: collect a table from an OpenAI-compatible endpoint (docs/collect.md)."""
+"""``iapo-gym collect SPEC [--out DIR] [--dry-run]``: collect a table from an OpenAI-compatible endpoint (docs/collect.md)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,29 @@ import argparse
 import sys
 from typing import Any
 
+#: Exit status when an endpoint stopped answering (refused or dropped connections, timeouts) and the
+#: run stopped early: everything received is kept, and the same command resumes.
+EXIT_UNREACHABLE = 3
+
+
+def dry_run(spec: Any, out: str) -> None:
+    """Print what a run would contact and send, without sending anything: hosts and key variable NAMES."""
+    from pathlib import Path
+
+    print(f"iapo-gym collect --dry-run: {spec.path}; nothing is sent")
+    print(f"  {spec.llm_route().describe()}")
+    reward = spec.reward_route()
+    if reward is not None:
+        print(f"  {reward.describe()}")
+    total = len(spec.prompts) * len(spec.queries) * spec.n_max
+    log = Path(out) / f"{spec.task}.jsonl"
+    done = log.read_bytes().count(b"\n") if log.exists() else 0  # read only: a dry run changes nothing
+    print(f"  {len(spec.prompts)} prompts x {len(spec.queries)} queries x N_max {spec.n_max} = {total} completions, "
+          f"{done} already in {log}")
+
 
 def cmd_collect(args: argparse.Namespace) -> int:
-    """Run (or resume) a collection; exit 0 when the table is written, 1 on a reported failure."""
+    """Run (or resume) a collection; exit 0 when the table is written, 1 on a reported failure, 3 if unreachable."""
     from iapo_gym.data.build import LogFormatError
     from iapo_gym.llm.client import EndpointError
     from iapo_gym.llm.collect import collect
@@ -17,6 +37,9 @@ def cmd_collect(args: argparse.Namespace) -> int:
     try:
         spec = load_spec(args.spec)
         out = args.out or spec.task
+        if args.dry_run:
+            dry_run(spec, out)
+            return 0
         result = collect(spec, out, progress=not args.quiet)
     except (SpecError, EndpointError, LogFormatError, ImportError, ValueError) as exc:
         print(f"iapo-gym collect: error: {exc}", file=sys.stderr)
@@ -24,7 +47,14 @@ def cmd_collect(args: argparse.Namespace) -> int:
     cost = result.tokens * spec.budget.price_per_1k_tokens / 1000.0
     print(f"{result.total}/{result.expected} completions in {result.log} ({result.new} new, {result.cached} from the "
           f"cache); {result.requests} requests, {result.retries} retries, {result.tokens} completion tokens"
-          + (f", cost {cost:.4f}" if spec.budget.price_per_1k_tokens else ""))
+          + (f", cost {cost:.4f}" if spec.budget.price_per_1k_tokens else "")
+          + (f"; reward endpoint: {result.reward_requests} requests, {result.reward_retries} retries"
+             if result.reward_requests else ""))
+    if result.unreachable:
+        print(f"iapo-gym collect: stopped: {result.unreachable}. {result.total} of {result.expected} completions are "
+              f"kept in {result.log}; run the same command again to resume once the endpoint answers",
+              file=sys.stderr)
+        return EXIT_UNREACHABLE
     if result.budget_exhausted:
         print(f"iapo-gym collect: stopped: {result.budget_exhausted}; raise the cap and run the same command "
               "again to resume", file=sys.stderr)
@@ -41,9 +71,15 @@ def add_commands(subparsers: Any) -> None:
     p = subparsers.add_parser("collect", help="collect a table from an OpenAI-compatible LLM endpoint",
                               description="Sample N_max completions per (prompt, query) from the spec's endpoint, "
                                           "log them (docs/log-format.md) and build the table. Running it again on "
-                                          "the same --out folder resumes. OPENAI_BASE_URL and OPENAI_API_KEY "
-                                          "override the spec's endpoint and key.")
+                                          "the same --out folder resumes. OPENAI_BASE_URL overrides the spec's "
+                                          "endpoint; which key goes where is in docs/collect.md ('What is sent "
+                                          "where'), and --dry-run prints it. Exit status: 0 table written, 1 error "
+                                          "or stopped by the spending cap, 3 an endpoint is unreachable (the same "
+                                          "command resumes).")
     p.add_argument("spec", help="collection spec, .toml or .json (docs/collect.md)")
     p.add_argument("--out", help="output folder for the log, the table and the response cache (default: ./TASK)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--dry-run", action="store_true",
+                   help="send nothing: print each host that would be contacted and the NAME of the key variable "
+                        "it would get (never the value), and how many completions are left")
     p.set_defaults(func=cmd_collect)

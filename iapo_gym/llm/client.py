@@ -2,33 +2,46 @@
 
 Built on ``openai.AsyncOpenAI`` with its own retries disabled (``max_retries=0``) so that every
 HTTP attempt passes through the spending cap here: a request first reserves its worst case
-(one request, ``n * max_tokens`` completion tokens), and settles with the server's ``usage``.
-Connection errors, timeouts, 429 and 5xx are retried with exponential backoff and jitter
-(honouring ``Retry-After``); any other 4xx stops at once with ``EndpointError``.
+(one request, ``n * max_tokens`` completion tokens) and settles with the server's ``usage``. A
+connection that was refused (nothing reached a server) gives its reservation back; a request that
+may have been processed (timed out, dropped after sending, 5xx) keeps its worst case. Retries
+follow ``iapo_gym.llm.retry``; the key goes only where ``Spec.llm_route`` says, enforced on every
+request by an HTTP hook.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
+import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from iapo_gym.llm.cache import ResponseCache, completion_key
-from iapo_gym.llm.spec import Spec
+from iapo_gym.llm.loop import gather_all
+from iapo_gym.llm.retry import (
+    EndpointError,
+    EndpointUnreachable,
+    Retrier,
+    Retry,
+    RetryPolicy,
+    retry_after,
+    retryable_status,
+)
+from iapo_gym.llm.spec import Route, Spec, origin
 from iapo_gym.seeding import derive_rng, derive_seed
+
+__all__ = ["BudgetExhausted", "Completion", "EndpointError", "EndpointUnreachable", "LLMClient", "SpendingCap",
+           "require_openai", "route_hook"]
 
 RETRY_KEY = "iapo_gym.llm.retry"
 #: Tokens a server may add past ``max_tokens`` per completion: llama.cpp finishes a multi-byte UTF-8
 #: character (at most 3 more byte tokens), so the worst case reserved for a completion includes them.
 OVERSHOOT_TOKENS = 3
 SAMPLE_SEED_KEY = "iapo_gym.llm.sample"
-
-
-class EndpointError(RuntimeError):
-    """The endpoint refused a request for a reason retrying cannot fix (4xx other than 429), or retries ran out."""
+#: Headers the openai library fills from OPENAI_* variables; they go only where OPENAI_API_KEY goes.
+OPENAI_ACCOUNT_HEADERS = ("openai-organization", "openai-project")
 
 
 class BudgetExhausted(RuntimeError):
@@ -46,12 +59,16 @@ def require_openai() -> Any:
 
 @dataclass
 class Completion:
-    """One completion: its text, completion tokens (the cost signal), finish reason, and whether it was cached."""
+    """One completion: its text, completion tokens (the cost signal), finish reason, and whether it was cached.
+
+    ``prompt_tokens`` is this completion's share of the request's prompt tokens (0 when cached).
+    """
 
     text: str
     tokens: int
     finish: str | None
     cached: bool = False
+    prompt_tokens: int = 0
 
 
 class SpendingCap:
@@ -86,40 +103,110 @@ class SpendingCap:
         self.reserved_tokens -= reserved
         self.tokens += used
 
+    def release(self, reserved: int) -> None:
+        """Give a reservation back whole: the request never reached a server (connection refused)."""
+        self.reserved_tokens -= reserved
+        self.requests -= 1
+
+
+def route_hook(route: Route, environ: dict[str, str] | None = None) -> Callable[[Any], Awaitable[None]]:
+    """An HTTP request hook that sets exactly the route's key on requests to the route's origin, and none elsewhere.
+
+    It runs on every request the client sends (redirects included), after the libraries have built
+    their headers, so no key from the environment reaches another host whatever those libraries read.
+    Unless the route's key is ``OPENAI_API_KEY``, the OpenAI account headers and any header named in
+    ``OPENAI_CUSTOM_HEADERS`` are removed too.
+    """
+    env = dict(os.environ if environ is None else environ)
+    key = route.key(env)
+    strip: tuple[str, ...] = ()
+    if route.key_env != "OPENAI_API_KEY":
+        custom = [line.split(":", 1)[0].strip().lower() for line in env.get("OPENAI_CUSTOM_HEADERS", "").split("\n")
+                  if ":" in line]
+        strip = (*OPENAI_ACCOUNT_HEADERS, *custom)
+
+    async def hook(request: Any) -> None:
+        headers = request.headers
+        for name in strip:
+            headers.pop(name, None)
+        if key is not None and origin(str(request.url)) == route.origin:
+            headers["Authorization"] = f"Bearer {key}"
+        else:
+            headers.pop("Authorization", None)
+    return hook
+
+
+def _not_reached(exc: BaseException) -> bool:
+    """Whether a connection error happened before anything was sent (refused, unresolvable, connect timeout).
+
+    Anything else (a dropped connection, a read timeout) may have reached the server and counts.
+    """
+    seen: BaseException | None = exc
+    while seen is not None:
+        if type(seen).__name__ in ("ConnectError", "ConnectTimeout"):
+            return True
+        seen = seen.__cause__  # the libraries chain the transport's error as the cause
+    return False
+
 
 class LLMClient:
     """Completions of rendered prompts, by sample index, through the cache and the spending cap.
 
     Use inside one event loop: ``async with LLMClient(spec) as client: await client.complete(...)``.
+    ``stop_on_failure``: after a refusal (4xx) or a request out of retries nothing more is sent (a
+    collection); a server sets it False so one caller's failed request does not stop the others.
     """
 
+    stop_on_failure = True
+
     def __init__(self, spec: Spec, cache: ResponseCache | None = None) -> None:
-        """Bind to ``spec``'s endpoint (``OPENAI_BASE_URL``/``OPENAI_API_KEY`` override it) and budget."""
+        """Bind to ``spec``'s endpoint and key (``Spec.llm_route``) and budget."""
         self.spec = spec
-        self.base_url = spec.base_url()
+        self.route = spec.llm_route()
+        self.base_url = self.route.url
         self.cache = cache
         self.cap = SpendingCap(spec.budget.max_requests, spec.budget.max_tokens_total)
         self.sampling = spec.sampling.as_dict()
         # "auto": learn from the first multi-completion answer whether the server honours n
         self.n_supported: bool | None = {"auto": None, "yes": True, "no": False}[spec.endpoint.use_n]
         self._rng = derive_rng(spec.build.seed, RETRY_KEY)
+        self.policy = RetryPolicy(spec.endpoint.max_retries, spec.endpoint.backoff, spec.endpoint.max_backoff)
         self._client: Any = None
-        self._sem: asyncio.Semaphore | None = None
-        self.retries = 0
-        self.failed: EndpointError | None = None  # after a refusal, nothing more is sent
+        self._http: Any = None
+        self._retrier: Retrier | None = None  # concurrency, retries and the stop signal, in the client's loop
+        self.refused = 0  # connection attempts refused (nothing reached a server; not counted by the cap)
+        self.in_flight = 0  # completions in requests on the wire now
+
+    @property
+    def failed(self) -> EndpointError | None:
+        """The failure that stopped this client (a refusal, or a request out of retries), if any."""
+        return None if self._retrier is None else self._retrier.stop.error
+
+    @property
+    def retries(self) -> int:
+        """HTTP attempts retried so far."""
+        return 0 if self._retrier is None else self._retrier.retries
 
     async def __aenter__(self) -> LLMClient:
         openai = require_openai()
         ep = self.spec.endpoint
-        self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.spec.api_key(), max_retries=0,
-                                          timeout=ep.timeout)
-        self._sem = asyncio.Semaphore(ep.concurrency)
+        self._http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [route_hook(self.route)]},
+                                                    follow_redirects=False)
+        # the library needs some key to build a request; the hook replaces or removes it before sending.
+        # OPENAI_ORG_ID / OPENAI_PROJECT_ID (read by the library when given None) go where OPENAI_API_KEY goes
+        account = None if self.route.key_env == "OPENAI_API_KEY" else ""
+        self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.route.key() or "no-key",
+                                          organization=account, project=account, max_retries=0,
+                                          timeout=ep.timeout, http_client=self._http)
+        self._retrier = Retrier("the endpoint", self.base_url, self.policy, self._rng, ep.concurrency,
+                                stop_on_failure=self.stop_on_failure)
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         if self._client is not None:
             await self._client.close()
-            self._client = None
+            await self._http.aclose()
+            self._client = self._http = None
 
     def key(self, prompt: Any, index: int) -> str:
         """The cache key of completion ``index`` of a rendered prompt."""
@@ -138,7 +225,7 @@ class LLMClient:
         found: dict[int, Completion] = {}
         if self.cache is not None:
             keys = {i: self.key(prompt, i) for i in indices}
-            hits = self.cache.get_many(list(keys.values()))
+            hits = await self.cache.aget_many(list(keys.values()))
             for i, k in keys.items():
                 if k in hits:
                     text, tokens, finish = hits[k]
@@ -158,20 +245,17 @@ class LLMClient:
             async def one(i: int) -> None:
                 found[i] = self._store(prompt, i, (await self._request(prompt, [i]))[0])
             # each completion is cached as it arrives; a failure waits for the requests already in flight
-            outcomes = await asyncio.gather(*(one(i) for i in missing), return_exceptions=True)
-            for outcome in outcomes:
-                if isinstance(outcome, BaseException):
-                    raise outcome
+            await gather_all(*(one(i) for i in missing))
         return [found[i] for i in indices]
 
     def _store(self, prompt: Any, index: int, completion: Completion) -> Completion:
-        if self.cache is not None:
+        if self.cache is not None:  # queued: the cache's thread commits it
             self.cache.put(self.key(prompt, index), completion.text, completion.tokens, completion.finish)
         return completion
 
     async def _request(self, prompt: Any, indices: list[int]) -> list[Completion]:
         """One logical request for ``len(indices)`` completions, retried; each HTTP attempt passes the cap."""
-        assert self._client is not None and self._sem is not None, "use LLMClient inside 'async with'"
+        assert self._client is not None and self._retrier is not None, "use LLMClient inside 'async with'"
         ep = self.spec.endpoint
         n = len(indices)
         params = dict(self.sampling)
@@ -182,74 +266,61 @@ class LLMClient:
             extra["n"] = n
         worst = n * (self.spec.sampling.max_tokens + OVERSHOOT_TOKENS)
         openai = require_openai()
-        attempt = 0
-        while True:
-            async with self._sem:
-                if self.failed is not None:
-                    raise self.failed
-                self.cap.reserve(worst)
-                used = worst  # a request whose usage is unknown (timeout, dropped) counts its worst case
-                try:
-                    if ep.api == "chat":
-                        resp = await self._client.chat.completions.create(model=ep.model, messages=prompt,
-                                                                          **params, **extra)
-                        choices = [(c.message.content or "", c.finish_reason) for c in resp.choices]
-                    else:
-                        resp = await self._client.completions.create(model=ep.model, prompt=prompt, **params, **extra)
-                        choices = [(c.text or "", c.finish_reason) for c in resp.choices]
-                    usage = getattr(resp, "usage", None)
-                    total = int(usage.completion_tokens) if usage is not None and usage.completion_tokens is not None \
-                        else worst
-                    used = total
-                    return _split_usage(choices, total)
-                except openai.APIStatusError as exc:
-                    used = 0  # the server answered with an error: no completion tokens were produced
-                    status = exc.status_code
-                    if status != 429 and status < 500:
-                        self.failed = EndpointError(f"the endpoint {self.base_url} refused the request with HTTP "
-                                                    f"{status}{_hint(status)}: {_message(exc)}")
-                        raise self.failed from None
-                    error: Exception = exc
-                    retry_after = _retry_after(exc)
-                except (openai.APIConnectionError, openai.APITimeoutError) as exc:
-                    error, retry_after = exc, None
-                finally:
-                    self.cap.settle(worst, used)
-            attempt += 1
-            self.retries += 1
-            if attempt > ep.max_retries:
-                raise EndpointError(f"giving up on {self.base_url} after {ep.max_retries} retries: "
-                                    f"{type(error).__name__}: {error}") from None
-            delay = min(ep.max_backoff, ep.backoff * 2 ** (attempt - 1)) * (0.5 + float(self._rng.random()))
-            if retry_after is not None:
-                delay = max(delay, retry_after)
-            await asyncio.sleep(delay)
+        client, cap = self._client, self.cap
+
+        async def attempt() -> list[Completion]:
+            cap.reserve(worst)
+            used: int | None = worst  # a request whose usage is unknown (timeout, dropped, 5xx) counts its worst case
+            self.in_flight += n
+            try:
+                if ep.api == "chat":
+                    resp = await client.chat.completions.create(model=ep.model, messages=prompt, **params, **extra)
+                    choices = [(c.message.content or "", c.finish_reason) for c in resp.choices]
+                else:
+                    resp = await client.completions.create(model=ep.model, prompt=prompt, **params, **extra)
+                    choices = [(c.text or "", c.finish_reason) for c in resp.choices]
+                usage = getattr(resp, "usage", None)
+                total = int(usage.completion_tokens) if usage is not None and usage.completion_tokens is not None \
+                    else worst
+                used = total
+                prompt_total = int(usage.prompt_tokens or 0) if usage is not None else 0
+                return _split_usage(choices, total, prompt_total)
+            except openai.APIStatusError as exc:
+                status = exc.status_code
+                if not retryable_status(status):
+                    used = 0  # refused before any work: no completion tokens were produced
+                    raise EndpointError(f"the endpoint {self.base_url} refused the request with HTTP "
+                                        f"{status}{_hint(status)}: {_message(exc)}", status) from None
+                if status == 429:
+                    used = 0  # rate limited: turned away before any work
+                raise Retry(exc, server_asks=retry_after(getattr(getattr(exc, "response", None), "headers", None))) \
+                    from None
+            except (openai.APIConnectionError, openai.APITimeoutError) as exc:
+                if _not_reached(exc):
+                    used = None  # nothing reached a server: no request, no tokens
+                    self.refused += 1
+                raise Retry(exc, connection=True) from None
+            finally:
+                self.in_flight -= n
+                if used is None:
+                    cap.release(worst)
+                else:
+                    cap.settle(worst, used)
+        return await self._retrier.call(attempt)
 
 
-def _split_usage(choices: list[tuple[str, str | None]], total: int) -> list[Completion]:
-    """Share a response's completion tokens among its choices (exact for one choice; by text length for n > 1)."""
+def _split_usage(choices: list[tuple[str, str | None]], total: int, prompt_total: int = 0) -> list[Completion]:
+    """Share a response's completion tokens among its choices (exact for one choice; by text length for n > 1);
+    its prompt tokens are shared evenly (the remainder to the first choices)."""
+    prompt = np.full(len(choices), prompt_total // max(len(choices), 1), dtype=np.int64)
+    prompt[: prompt_total - int(prompt.sum())] += 1
     if len(choices) == 1:
-        return [Completion(choices[0][0], total, choices[0][1])]
+        return [Completion(choices[0][0], total, choices[0][1], prompt_tokens=prompt_total)]
     lengths = np.array([max(len(t), 1) for t, _ in choices], dtype=np.float64)
     shares = np.floor(total * lengths / lengths.sum()).astype(np.int64)
     shares[: total - int(shares.sum())] += 1
-    return [Completion(t, int(s), f) for (t, f), s in zip(choices, shares, strict=True)]
-
-
-def _retry_after(exc: Any) -> float | None:
-    headers = getattr(getattr(exc, "response", None), "headers", None) or {}
-    value = headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        from email.utils import parsedate_to_datetime
-
-        try:
-            return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
-        except (TypeError, ValueError):
-            return None
+    return [Completion(t, int(s), f, prompt_tokens=int(pt))
+            for (t, f), s, pt in zip(choices, shares, prompt, strict=True)]
 
 
 def _message(exc: Any) -> str:
@@ -262,6 +333,6 @@ def _message(exc: Any) -> str:
 
 
 def _hint(status: int) -> str:
-    return {401: " (unauthorized: check the API key variable named by endpoint.api_key_env, or OPENAI_API_KEY)",
+    return {401: " (unauthorized: check the key; `iapo-gym collect SPEC --dry-run` names the variable it is read from)",
             403: " (forbidden)", 404: " (not found: check endpoint.base_url and endpoint.model)",
             400: " (bad request)"}.get(status, "")

@@ -3,7 +3,9 @@
 The log (``OUT/<task>.jsonl``) is in the format of ``docs/log-format.md`` with two extra fields,
 ``key`` ("prompt/query/sample") and ``text``; each line is appended whole and flushed, so a crash
 or ``kill -9`` loses at most the in-flight requests (whose answers the response cache usually keeps),
-and a rerun skips every key already logged. The table is built by ``iapo_gym.data.build``.
+and a rerun skips every key already logged. A bounded pool of workers (one per allowed concurrent
+request) takes (prompt, query) groups in order and logs each group as soon as its samples are in,
+so the log grows steadily. The table is built by ``iapo_gym.data.build``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +24,9 @@ from typing import Any, TextIO
 
 from iapo_gym.llm.cache import ResponseCache
 from iapo_gym.llm.client import BudgetExhausted, Completion, LLMClient
+from iapo_gym.llm.loop import gather_all
+from iapo_gym.llm.loop import run as run_sync
+from iapo_gym.llm.retry import EndpointUnreachable
 from iapo_gym.llm.scoring import make_extractor, make_scorer
 from iapo_gym.llm.spec import Query, Spec, SpecError
 from iapo_gym.tables import OutcomeTable, write_table
@@ -44,6 +50,9 @@ class CollectResult:
     cached: int
     retries: int
     budget_exhausted: str | None = None
+    unreachable: str | None = None  # why the run stopped on an endpoint that does not answer (resumable)
+    reward_requests: int = 0
+    reward_retries: int = 0
 
     @property
     def complete(self) -> bool:
@@ -91,25 +100,40 @@ def read_done(log: Path) -> set[str]:
 
 
 class _Progress:
-    """A one-line progress report on stderr: done / total, rate and ETA."""
+    """A one-line progress report on stderr: logged / total, from the cache, in flight, rate and ETA."""
 
     def __init__(self, total: int, done: int, stream: TextIO | None) -> None:
         self.total, self.start_done, self.done = total, done, done
+        self.cached = 0
         self.stream = stream
         self.t0 = self.last = time.monotonic()
+        self.in_flight: Any = lambda: 0
+        self.shown = False
 
-    def update(self, k: int) -> None:
+    def update(self, k: int, cached: int) -> None:
         self.done += k
+        self.cached += cached
+        self.show(force=self.done == self.total)
+
+    def show(self, force: bool = False) -> None:
         now = time.monotonic()
-        if self.stream is not None and (now - self.last >= 0.5 or self.done == self.total):
+        if self.stream is not None and (force or now - self.last >= 0.5):
             self.last = now
+            self.shown = True
             rate = (self.done - self.start_done) / max(now - self.t0, 1e-9)
-            eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-            self.stream.write(f"\rcollect: {self.done}/{self.total} completions, {rate:.1f}/s, ETA {eta:.0f}s   ")
+            eta = f"{(self.total - self.done) / rate:.0f}s" if rate > 0 else "?"
+            self.stream.write(f"\rcollect: {self.done}/{self.total} completions logged ({self.cached} of them from "
+                              f"the cache), {self.in_flight()} in flight, {rate:.1f}/s, ETA {eta}   ")
             self.stream.flush()
 
+    async def tick(self) -> None:
+        """Refresh the line every half second, also while nothing is logged (a slow or stalled endpoint)."""
+        while True:
+            await asyncio.sleep(0.5)
+            self.show()
+
     def close(self) -> None:
-        if self.stream is not None and self.done > self.start_done:
+        if self.stream is not None and self.shown:
             self.stream.write("\n")
 
 
@@ -125,7 +149,7 @@ class Collector:
         self.cache_path = spec.cache or self.out / "cache.sqlite"
         self.progress = progress
         self.extract = make_extractor(spec.scorer) if spec.aggregator == "mv" else None
-        self.score = make_scorer(spec.scorer, spec.endpoint.timeout) if spec.aggregator == "bon" else None
+        self.score = make_scorer(spec) if spec.aggregator == "bon" else None
 
     def _check_manifest(self) -> None:
         manifest = self.out / "collect.json"
@@ -145,7 +169,7 @@ class Collector:
         """Collect what is missing, then build and write the table if every completion is logged."""
         self.out.mkdir(parents=True, exist_ok=True)
         self._check_manifest()
-        return asyncio.run(self._run())
+        return run_sync(self._run())  # also from inside a running event loop (a notebook)
 
     def _line(self, prompt: str, query: Query, sample: int, c: Completion, outcome: Any) -> str:
         rec: dict[str, Any] = {"key": line_key(prompt, query.id, sample), "prompt": prompt, "query": query.id,
@@ -165,8 +189,7 @@ class Collector:
         if self.extract is not None:
             return [self.extract(c.text) for c in completions]
         assert self.score is not None
-        score = self.score
-        return list(await asyncio.gather(*(asyncio.to_thread(score, c.text, query.text) for c in completions)))
+        return await gather_all(*(self.score(c.text, query.text) for c in completions))
 
     async def _run(self) -> CollectResult:
         spec = self.spec
@@ -180,47 +203,69 @@ class Collector:
         expected = len(spec.prompts) * len(spec.queries) * spec.n_max
         stream = sys.stderr if self.progress else None
         progress = _Progress(expected, len(done), stream)
-        cache = ResponseCache(self.cache_path)
+        cache = await asyncio.to_thread(ResponseCache, self.cache_path)  # opening may create and sync the file
         exhausted: list[str] = []
+        unreachable: EndpointUnreachable | None = None
         new = cached = 0
         synced = [time.monotonic()]
+        syncing: list[asyncio.Future[None]] = []
         handle = self.log.open("a", encoding="utf-8")
+        groups = iter(work)  # shared by the workers: each takes the next group when it is free
+        client = LLMClient(spec, cache)
+        requests = tokens = retries = 0
+        ticker: asyncio.Task[None] | None = None
         try:
-            async with LLMClient(spec, cache) as client:
-                async def pair(pi: int, qi: int, samples: list[int]) -> None:
+            async with client:
+                async def worker() -> None:
                     nonlocal new, cached
-                    if exhausted:
-                        return
-                    p, q = spec.prompts[pi], spec.queries[qi]
-                    try:
-                        comps = await client.complete(p.render(q.text), samples)
-                    except BudgetExhausted as exc:
-                        exhausted.append(str(exc))
-                        return
-                    outs = await self.outcomes(comps, q)
-                    handle.write("".join(self._line(p.id, q, s, c, o) for s, c, o in zip(samples, comps, outs, strict=True)))
-                    handle.flush()  # in the OS from here on: a killed process loses nothing written
-                    if time.monotonic() - synced[0] >= FSYNC_EVERY:  # and on disk at least every FSYNC_EVERY s
-                        os.fsync(handle.fileno())
-                        synced[0] = time.monotonic()
-                    new += len(comps)
-                    cached += sum(c.cached for c in comps)
-                    progress.update(len(comps))
+                    for pi, qi, samples in groups:
+                        if exhausted:
+                            return
+                        p, q = spec.prompts[pi], spec.queries[qi]
+                        try:
+                            comps = await client.complete(p.render(q.text), samples)
+                        except BudgetExhausted as exc:
+                            exhausted.append(str(exc))
+                            return
+                        outs = await self.outcomes(comps, q)
+                        handle.write("".join(self._line(p.id, q, s, c, o)
+                                             for s, c, o in zip(samples, comps, outs, strict=True)))
+                        handle.flush()  # in the OS from here on: a killed process loses nothing written
+                        if time.monotonic() - synced[0] >= FSYNC_EVERY and not syncing:  # on disk every FSYNC_EVERY s
+                            synced[0] = time.monotonic()
+                            syncing.append(asyncio.ensure_future(asyncio.to_thread(os.fsync, handle.fileno())))
+                            await asyncio.shield(syncing[0])  # a cancelled worker leaves it to the finally below
+                            syncing.clear()
+                        new += len(comps)
+                        hits = sum(c.cached for c in comps)
+                        cached += hits
+                        progress.update(len(comps), hits)
 
-                tasks = [asyncio.ensure_future(pair(pi, qi, samples)) for pi, qi, samples in work]
+                progress.in_flight = lambda: client.in_flight
+                if stream is not None:
+                    ticker = asyncio.ensure_future(progress.tick())
+                tasks = [asyncio.ensure_future(worker()) for _ in range(min(spec.endpoint.concurrency, len(work)))]
                 try:
                     await asyncio.gather(*tasks)
-                except BaseException:  # the first failure stops the run: cancel the rest, then report it
+                except BaseException as exc:  # the first failure stops the run: cancel the rest, then report it
                     for t in tasks:
                         t.cancel()
                     await asyncio.gather(*tasks, return_exceptions=True)
-                    raise
+                    if not isinstance(exc, EndpointUnreachable):
+                        raise
+                    unreachable = exc
                 requests, tokens, retries = client.cap.requests, client.cap.tokens, client.retries
         finally:
+            if ticker is not None:
+                ticker.cancel()
+            if syncing:  # a cancelled worker's fsync still runs in its thread: let it end before closing
+                await asyncio.gather(*syncing, return_exceptions=True)
             handle.flush()
             os.fsync(handle.fileno())
             handle.close()
-            cache.close()
+            if self.score is not None:
+                await self.score.aclose()
+            await asyncio.to_thread(cache.close)  # the last commit
             progress.close()
         total = len(done) + new
         table = None
@@ -229,7 +274,26 @@ class Collector:
             write_table(self.build_table(), table)
         return CollectResult(log=self.log, table=table, new=new, total=total, expected=expected, requests=requests,
                              tokens=tokens, cached=cached, retries=retries,
-                             budget_exhausted=exhausted[0] if exhausted else None)
+                             budget_exhausted=exhausted[0] if exhausted else None,
+                             unreachable=str(unreachable) if unreachable is not None else None,
+                             reward_requests=getattr(self.score, "requests", 0),
+                             reward_retries=getattr(self.score, "retries", 0))
+
+    def _canonical_lines(self) -> list[str]:
+        """The log's lines ordered by the spec's prompts, then its queries, then the sample index."""
+        prompts = {p.id: i for i, p in enumerate(self.spec.prompts)}
+        queries = {q.id: i for i, q in enumerate(self.spec.queries)}
+        ranked = []
+        for lineno, line in enumerate(self.log.read_text(encoding="utf-8").splitlines(keepends=True), start=1):
+            if line.strip():
+                rec = json.loads(line)
+                if rec.get("prompt") not in prompts or rec.get("query") not in queries:
+                    raise SpecError(f"{self.log}:{lineno}: prompt {rec.get('prompt')!r}, query {rec.get('query')!r} "
+                                    "is not in the spec; resume with the same prompts and queries or use a new "
+                                    "--out folder")
+                ranked.append(((prompts[rec["prompt"]], queries[rec["query"]], int(rec["sample"])), line))
+        ranked.sort(key=lambda item: item[0])
+        return [line for _, line in ranked]
 
     def build_table(self) -> OutcomeTable:
         """The table of the finished log, through ``iapo_gym.data.build`` (the one table builder)."""
@@ -242,7 +306,12 @@ class Collector:
             options["top_k"] = b.top_k
         else:
             options["grid"] = spec.scorer.grid
-        table = build_table(self.log, spec.aggregator, **options)
+        with tempfile.TemporaryDirectory(dir=self.out, prefix=".build-") as tmp:
+            # the builder numbers prompts, queries and tied answers by first appearance; the log's order
+            # depends on timing and on where a run was resumed, so build from the lines in the spec's order
+            canonical = Path(tmp) / self.log.name
+            canonical.write_text("".join(self._canonical_lines()), encoding="utf-8")
+            table = build_table(canonical, spec.aggregator, **options)
         attrs = {**table.attrs, "collected": f"iapo-gym collect, model {spec.endpoint.model!r} "
                                              f"({spec.endpoint.api} API), sampling {json.dumps(spec.sampling.as_dict())}"}
         return dataclasses.replace(table, attrs=attrs)

@@ -15,7 +15,6 @@ are unknown, so the exact oracle is refused and ``evaluate_monte_carlo`` samples
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 from typing import Any, SupportsFloat
@@ -26,6 +25,7 @@ from iapo_gym.data.build import bon_contexts
 from iapo_gym.env import IAPOEnv, Pulls
 from iapo_gym.llm.cache import ResponseCache
 from iapo_gym.llm.client import LLMClient
+from iapo_gym.llm.loop import LoopThread, gather_all
 from iapo_gym.llm.scoring import make_extractor, make_scorer
 from iapo_gym.llm.spec import Spec, SpecError, load_spec
 from iapo_gym.oracle import policy_arms
@@ -84,11 +84,12 @@ class LiveEnv(IAPOEnv):
         self.response_cache = ResponseCache(path)
         self._extract = make_extractor(self.llm_spec.scorer) if self.llm_spec.aggregator == "mv" else None
         bon = self.llm_spec.aggregator == "bon"
-        self._score = make_scorer(self.llm_spec.scorer, self.llm_spec.endpoint.timeout) if bon else None
+        self._score = make_scorer(self.llm_spec) if bon else None
         self._drawn = np.zeros((self.n_prompts, self.table.n_queries), dtype=np.int64)  # samples used per pair
-        self._loop = asyncio.new_event_loop()
+        # the client's loop runs on its own thread, so the env also works inside a running loop (a notebook)
+        self._loop = LoopThread("iapo-gym-live")
         self.client = LLMClient(self.llm_spec, self.response_cache)
-        self._loop.run_until_complete(self.client.__aenter__())
+        self._loop.run(self.client.__aenter__())
         self._last_tokens = np.zeros(0, dtype=np.int64)
         self._last_texts: list[str] = []
         if self.llm_spec.aggregator == "bon":
@@ -122,7 +123,7 @@ class LiveEnv(IAPOEnv):
         for i, (p, q, n) in enumerate(zip(prompts.tolist(), queries.tolist(), ns.tolist(), strict=True)):
             starts[i] = drawn[p, q]
             drawn[p, q] += n
-        results = self._loop.run_until_complete(self._fetch(prompts, queries, ns, starts))
+        results = self._loop.run(self._fetch(prompts, queries, ns, starts))
         atoms = np.concatenate([a for a, _, _ in results]) if results else np.zeros(0, dtype=np.int64)
         self._last_tokens = np.concatenate([t for _, t, _ in results]) if results else np.zeros(0, dtype=np.int64)
         self._last_texts = [text for _, _, texts in results for text in texts]
@@ -169,11 +170,11 @@ class LiveEnv(IAPOEnv):
             if self._extract is not None:
                 return self._mv_atoms([self._extract(t) for t in texts], query.gold), tokens, texts
             assert self._score is not None
-            score = self._score
-            scores = await asyncio.gather(*(asyncio.to_thread(score, c.text, query.text) for c in comps))
+            scores = await gather_all(*(self._score(c.text, query.text) for c in comps))
             return self._bon_atoms(scores), tokens, texts
-        return list(await asyncio.gather(*(one(int(p), int(q), int(n), int(s))
-                                           for p, q, n, s in zip(prompts, queries, ns, starts, strict=True))))
+        # every pull ends before a failure is raised: the loop outlives this call
+        return await gather_all(*(one(int(p), int(q), int(n), int(s))
+                                  for p, q, n, s in zip(prompts, queries, ns, starts, strict=True)))
 
     def _mv_atoms(self, answers: list[str | None], gold: str | None) -> np.ndarray:
         """Gold -> 0, other answers -> 1.. by first appearance in the pull, no answer -> N_max + 1."""
@@ -238,8 +239,10 @@ class LiveEnv(IAPOEnv):
 
     def close(self) -> None:
         """Close the client, its event loop and the cache."""
-        if not self._loop.is_closed():
-            self._loop.run_until_complete(self.client.__aexit__(None, None, None))
+        if not self._loop.closed:
+            self._loop.run(self.client.__aexit__(None, None, None))
+            if self._score is not None:
+                self._loop.run(self._score.aclose())
             self._loop.close()
             self.response_cache.close()
         super().close()

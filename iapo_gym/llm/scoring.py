@@ -1,7 +1,14 @@
-"""Completions to outcomes: answer extractors for majority vote, objective scorers for Best-of-N."""
+"""Completions to outcomes: answer extractors for majority vote, objective scorers for Best-of-N.
+
+A Best-of-N scorer is async: ``await scorer(completion, query) -> {objective: score}``. A Python
+callable runs in a worker thread; a reward endpoint is posted to with the HTTP client ``openai`` is
+built on (``httpx2``), under the same retry policy and concurrency limit as the LLM
+endpoint (``iapo_gym.llm.retry``) and with its own key only (``Spec.reward_route``).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import math
@@ -9,7 +16,12 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from iapo_gym.llm.spec import Scorer
+from iapo_gym.llm.client import route_hook
+from iapo_gym.llm.retry import EndpointError, Retrier, Retry, RetryPolicy, retry_after, retryable_status
+from iapo_gym.llm.spec import Scorer, Spec
+from iapo_gym.seeding import derive_rng
+
+REWARD_RETRY_KEY = "iapo_gym.llm.reward_retry"
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
@@ -78,9 +90,6 @@ def make_extractor(scorer: Scorer) -> Callable[[str], str | None]:
     raise ValueError(f"unknown extractor {scorer.extractor!r}")
 
 
-ScoreFn = Callable[[str, str], dict[str, float]]
-
-
 def _check_scores(scores: Any, objectives: tuple[str, ...], source: str) -> dict[str, float]:
     if not isinstance(scores, dict) or not scores:
         raise ValueError(f"{source} must return an object of named scores, got {scores!r}")
@@ -94,24 +103,112 @@ def _check_scores(scores: Any, objectives: tuple[str, ...], source: str) -> dict
     return out
 
 
-def make_scorer(scorer: Scorer, timeout: float = 60.0) -> ScoreFn:
-    """The Best-of-N scorer: ``(completion, query) -> {objective: score}`` from a callable or a reward endpoint."""
-    if scorer.callable is not None:
-        module_name, attr = scorer.callable.split(":", 1)
+def http_module() -> Any:
+    """``httpx2``, the HTTP library ``openai`` 3.x is built on (its ``AsyncClient`` posts to a reward endpoint)."""
+    try:
+        import httpx2
+    except ImportError:
+        raise ImportError('a reward endpoint needs httpx2: pip install "iapo-gym[llm]"') from None
+    return httpx2
+
+
+class CallableScorer:
+    """``package.module:function`` as a scorer; each call runs in a worker thread (it may block)."""
+
+    def __init__(self, scorer: Scorer) -> None:
+        """Import the function now, so a bad name fails before any request."""
+        assert scorer.callable is not None
+        self.name = scorer.callable
+        self.objectives = scorer.objectives
+        module_name, attr = self.name.split(":", 1)
         try:
-            fn = getattr(importlib.import_module(module_name), attr)
+            self.fn = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
-            raise ValueError(f"scorer.callable {scorer.callable!r} cannot be loaded: {exc}") from None
-        return lambda completion, query: _check_scores(fn(completion, query), scorer.objectives, scorer.callable or "")
-    url = str(scorer.reward_url)
+            raise ValueError(f"scorer.callable {self.name!r} cannot be loaded: {exc}") from None
+        self.requests = self.retries = 0
 
-    def reward(completion: str, query: str) -> dict[str, float]:
-        import urllib.request
+    async def __call__(self, completion: str, query: str) -> dict[str, float]:
+        """The completion's scores, checked against the spec's objectives."""
+        return _check_scores(await asyncio.to_thread(self.fn, completion, query), self.objectives, self.name)
 
-        body = json.dumps({"query": query, "completion": completion}).encode("utf-8")
-        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (URL checked to be http(s))
-            payload = json.loads(resp.read())
+    async def aclose(self) -> None:
+        """Nothing to release."""
+
+
+class RewardScorer:
+    """A reward endpoint (``POST {"query", "completion"}`` -> ``{"scores": {...}}``) with retries.
+
+    The HTTP client opens on the first call, in the caller's event loop, and ``aclose`` closes it
+    (a later call opens a new one). ``requests`` counts HTTP attempts, ``retries`` the retried ones.
+    """
+
+    def __init__(self, spec: Spec) -> None:
+        """Bind to the spec's ``scorer.reward_url``, its key route and the endpoint's retry and concurrency settings."""
+        route = spec.reward_route()
+        assert route is not None
+        self.route = route
+        self.url = route.url
+        self.objectives = spec.scorer.objectives
+        ep = spec.endpoint
+        self.policy = RetryPolicy(ep.max_retries, ep.backoff, ep.max_backoff)
+        self.timeout, self.concurrency = ep.timeout, ep.concurrency
+        self._rng = derive_rng(spec.build.seed, REWARD_RETRY_KEY)
+        self._http: Any = None
+        self._client: Any = None
+        self._retrier: Retrier | None = None
+        self.requests = 0  # HTTP attempts
+
+    def _open(self) -> None:
+        self._http = http_module()
+        self._client = self._http.AsyncClient(timeout=self.timeout, follow_redirects=False,
+                                              event_hooks={"request": [route_hook(self.route)]})
+        self._retrier = Retrier("the reward endpoint", self.url, self.policy, self._rng, self.concurrency)
+
+    @property
+    def retries(self) -> int:
+        """HTTP attempts retried so far (in the current client)."""
+        return 0 if self._retrier is None else self._retrier.retries
+
+    async def __call__(self, completion: str, query: str) -> dict[str, float]:
+        """POST one completion, retrying connection errors, timeouts, 429 and 5xx; 4xx and exhaustion stop every call."""
+        if self._client is None:
+            self._open()
+        assert self._retrier is not None
+        body = {"query": query, "completion": completion}
+        client, http = self._client, self._http
+
+        async def attempt() -> dict[str, float]:
+            self.requests += 1
+            try:
+                resp = await client.post(self.url, json=body)
+            except http.TransportError as exc:  # refused, dropped, timed out
+                raise Retry(exc, connection=True) from None
+            if resp.status_code == 200:
+                return self._scores(resp.content)
+            if not retryable_status(resp.status_code):
+                raise EndpointError(f"the reward endpoint {self.url} refused the request with HTTP "
+                                    f"{resp.status_code}: {resp.text[:300]}")
+            raise Retry(EndpointError(f"HTTP {resp.status_code}: {resp.text[:300]}"),
+                        server_asks=retry_after(resp.headers))
+        return await self._retrier.call(attempt)
+
+    def _scores(self, content: bytes) -> dict[str, float]:
+        try:
+            payload = json.loads(content)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"reward endpoint {self.url} answered with invalid JSON ({exc})") from None
         scores = payload.get("scores", payload) if isinstance(payload, dict) else payload
-        return _check_scores(scores, scorer.objectives, f"reward endpoint {url}")
-    return reward
+        return _check_scores(scores, self.objectives, f"reward endpoint {self.url}")
+
+    async def aclose(self) -> None:
+        """Close the HTTP client (idempotent)."""
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()
+
+
+def make_scorer(spec: Spec) -> CallableScorer | RewardScorer:
+    """The spec's Best-of-N scorer: ``await scorer(completion, query) -> {objective: score}``."""
+    if spec.scorer.callable is not None:
+        return CallableScorer(spec.scorer)
+    return RewardScorer(spec)

@@ -1,7 +1,8 @@
 """The collection spec: one TOML (or JSON) file naming the endpoint, prompts, queries, sampling, budget and scorer.
 
 Everything is checked before any request is sent; a bad spec raises ``SpecError`` naming the field.
-The API key is never part of the spec: the spec names the environment variable that holds it.
+The API key is never part of the spec: the spec names the environment variable that holds it, and
+``Spec.llm_route``/``Spec.reward_route`` decide which variable's value goes to which host.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from iapo_gym.data.build import jsonl_objects
 
@@ -21,6 +24,8 @@ EXTRACTORS = ("last_number", "boxed", "choice", "regex")
 AGGREGATORS = ("mv", "bon")
 APIS = ("completions", "chat")
 SAMPLING_KEYS = ("temperature", "max_tokens", "top_p", "seed", "stop")
+#: The host of the OpenAI API: the only endpoint a spec's own base_url may name that gets OPENAI_API_KEY.
+OPENAI_HOST = "api.openai.com"
 
 
 class SpecError(ValueError):
@@ -111,6 +116,47 @@ class Scorer:
     objectives: tuple[str, ...] = ()
     grid: float | None = 0.5
     score_range: tuple[float, float] | None = None
+    api_key_env: str | None = None  # the reward endpoint's own key variable (it never gets the LLM's key)
+
+
+def origin(url: str) -> str:
+    """``scheme://host:port`` of a URL (default ports filled in): the unit a key is issued for."""
+    parts = urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme, 0)
+    return f"{parts.scheme}://{(parts.hostname or '').lower()}:{port}"
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one endpoint's requests go and which environment variable's value they carry as the key.
+
+    ``key_env`` None: no ``Authorization`` header at all. ``why`` says which rule chose the key.
+    """
+
+    role: str  # "LLM endpoint" or "reward endpoint"
+    url: str
+    key_env: str | None
+    why: str
+
+    @property
+    def origin(self) -> str:
+        """``scheme://host:port`` of ``url``: a request elsewhere (a redirect) never gets the key."""
+        return origin(self.url)
+
+    def key(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The key's value now (None when no variable is named or it is unset or empty); never store it."""
+        if self.key_env is None:
+            return None
+        return (os.environ if environ is None else environ).get(self.key_env) or None
+
+    def describe(self, environ: Mapping[str, str] | None = None) -> str:
+        """One line for ``--dry-run``: the host and the NAME of the key variable (never its value)."""
+        if self.key_env is None:
+            key = "no key"
+        else:
+            state = "set" if self.key(environ) else "NOT SET: no key is sent"
+            key = f"key from ${self.key_env} ({state})"
+        return f"{self.role}: {self.origin} ({self.url}), {key}; {self.why}"
 
 
 @dataclass(frozen=True)
@@ -141,20 +187,45 @@ class Spec:
     cache: Path | None = None
     live_cost: tuple[float, ...] | None = None
 
-    def api_key(self) -> str:
-        """The API key: ``OPENAI_API_KEY`` first, then the variable the spec names; never stored."""
-        key = os.environ.get("OPENAI_API_KEY")
-        if key:
-            return key
-        if self.endpoint.api_key_env:
-            key = os.environ.get(self.endpoint.api_key_env)
-            if key:
-                return key
-        return "none"  # local servers accept any key; the client library needs a non-empty one
-
-    def base_url(self) -> str:
+    def base_url(self, environ: Mapping[str, str] | None = None) -> str:
         """The endpoint: ``OPENAI_BASE_URL`` overrides the spec's ``base_url``."""
-        return os.environ.get("OPENAI_BASE_URL") or self.endpoint.base_url
+        env = os.environ if environ is None else environ
+        return env.get("OPENAI_BASE_URL") or self.endpoint.base_url
+
+    def llm_route(self, environ: Mapping[str, str] | None = None) -> Route:
+        """Where LLM requests go and whose key they carry; a key only ever goes to the endpoint it was issued for.
+
+        The variable the spec names (``endpoint.api_key_env``) wins. ``OPENAI_API_KEY`` is used only
+        when the spec names none and the endpoint is the OpenAI API itself or came from
+        ``OPENAI_BASE_URL`` in the same environment. A spec-named key is for the spec's host: if
+        ``OPENAI_BASE_URL`` moves the requests to another host, that is refused (``SpecError``).
+        """
+        env = os.environ if environ is None else environ
+        url = self.base_url(env)
+        from_env = bool(env.get("OPENAI_BASE_URL"))
+        named = self.endpoint.api_key_env
+        if named:
+            if from_env and origin(url) != origin(self.endpoint.base_url):
+                raise SpecError(f"{self.path}: OPENAI_BASE_URL ({origin(url)}) overrides endpoint.base_url "
+                                f"({origin(self.endpoint.base_url)}), but the key in endpoint.api_key_env = {named!r} "
+                                "is for the spec's host; unset OPENAI_BASE_URL, or remove api_key_env to send "
+                                "OPENAI_API_KEY with it")
+            return Route("LLM endpoint", url, named, "the spec's endpoint.api_key_env")
+        if from_env:
+            return Route("LLM endpoint", url, "OPENAI_API_KEY", "the endpoint came from OPENAI_BASE_URL")
+        if (urlsplit(url).hostname or "").lower() == OPENAI_HOST:
+            return Route("LLM endpoint", url, "OPENAI_API_KEY", f"the endpoint is the OpenAI API ({OPENAI_HOST})")
+        return Route("LLM endpoint", url, None, "the spec names no endpoint.api_key_env and the endpoint is not "
+                     "the OpenAI API, so OPENAI_API_KEY is not sent")
+
+    def reward_route(self) -> Route | None:
+        """The reward endpoint's route (Best-of-N with ``scorer.reward_url``): only ``scorer.api_key_env``, if named."""
+        if self.scorer.reward_url is None:
+            return None
+        named = self.scorer.api_key_env
+        return Route("reward endpoint", self.scorer.reward_url, named,
+                     "the spec's scorer.api_key_env" if named else
+                     "the spec names no scorer.api_key_env (a reward endpoint never gets an LLM key)")
 
 
 class _Section:
@@ -265,6 +336,9 @@ def parse_spec(data: Any, path: Path) -> Spec:
                 cache=(path.parent / cache) if cache else None, live_cost=live_cost)
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 def _endpoint(s: _Section) -> Endpoint:
     s.unknown(("base_url", "model", "api_key_env", "api", "concurrency", "timeout", "max_retries", "backoff",
                "max_backoff", "use_n"))
@@ -283,8 +357,12 @@ def _endpoint(s: _Section) -> Endpoint:
     timeout = s.number("timeout", 60.0)
     if timeout <= 0:
         s.fail("timeout", f"must be > 0 seconds, got {timeout!r}")
+    key_env = s.get("api_key_env", str, None)
+    if key_env is not None and not _ENV_NAME.fullmatch(key_env):
+        s.fail("api_key_env", "must be the NAME of an environment variable (letters, digits, '_'); the value given "
+               "is not one and is not shown, in case it is the key itself")
     return Endpoint(base_url=base_url.rstrip("/"), model=s.get("model", str, required=True),
-                    api_key_env=s.get("api_key_env", str, None), api=api,
+                    api_key_env=key_env, api=api,
                     concurrency=s.positive_int("concurrency", 4), timeout=timeout, max_retries=max_retries,
                     backoff=s.number("backoff", 0.5), max_backoff=s.number("max_backoff", 30.0), use_n=use_n)
 
@@ -346,7 +424,8 @@ def _prompts(where: str, items: list[Any], api: str) -> tuple[Prompt, ...]:
 
 
 def _scorer(s: _Section, aggregator: str) -> Scorer:
-    s.unknown(("extractor", "pattern", "choices", "reward_url", "callable", "objectives", "grid", "score_range"))
+    s.unknown(("extractor", "pattern", "choices", "reward_url", "callable", "objectives", "grid", "score_range",
+               "api_key_env"))
     if aggregator == "mv":
         extractor = s.get("extractor", str, required=True)
         if extractor not in EXTRACTORS:
@@ -360,7 +439,7 @@ def _scorer(s: _Section, aggregator: str) -> Scorer:
             except re.error as exc:
                 s.fail("pattern", f"is not a valid regular expression: {exc}")
         choices = s.get("choices", str, "ABCDE")
-        for key in ("reward_url", "callable"):
+        for key in ("reward_url", "callable", "api_key_env"):
             if key in s.data:
                 s.fail(key, "is for Best-of-N (aggregator = 'bon'); majority vote uses 'extractor'")
         return Scorer(extractor=extractor, pattern=pattern, choices=choices)
@@ -372,6 +451,13 @@ def _scorer(s: _Section, aggregator: str) -> Scorer:
         s.fail("callable", f"must look like 'package.module:function', got {target!r}")
     if reward_url is not None and not re.match(r"https?://", reward_url):
         s.fail("reward_url", f"must start with http:// or https://, got {reward_url!r}")
+    key_env = s.get("api_key_env", str, None)
+    if key_env is not None:
+        if reward_url is None:
+            s.fail("api_key_env", "names the reward endpoint's key; it needs 'reward_url'")
+        if not _ENV_NAME.fullmatch(key_env):
+            s.fail("api_key_env", "must be the NAME of an environment variable (letters, digits, '_'); the value "
+                   "given is not one and is not shown, in case it is the key itself")
     if "extractor" in s.data:
         s.fail("extractor", "is for majority vote (aggregator = 'mv')")
     objectives = s.get("objectives", list, [])
@@ -388,7 +474,8 @@ def _scorer(s: _Section, aggregator: str) -> Scorer:
                 or not rng[0] < rng[1]):
             s.fail("score_range", f"must be [low, high] with low < high, got {rng!r}")
         rng = (float(rng[0]), float(rng[1]))
-    return Scorer(reward_url=reward_url, callable=target, objectives=tuple(objectives), grid=grid, score_range=rng)
+    return Scorer(reward_url=reward_url, callable=target, objectives=tuple(objectives), grid=grid, score_range=rng,
+                  api_key_env=key_env)
 
 
 def _queries(s: _Section, base: Path, aggregator: str) -> tuple[Query, ...]:

@@ -129,21 +129,45 @@ def build_agent(spec: AgentSpec, seed: int) -> Any:
     return make(spec.name, **params)
 
 
+@dataclass(frozen=True)
+class RunSetup:
+    """What every agent of one (task, run) shares: the table, the run's split of it and the seeds."""
+
+    table: OutcomeTable
+    checksum: str
+    run_table: OutcomeTable
+    split_seed: int | None
+    env_seed: int
+
+
+def run_setup(task: TaskRef, run: int, root_seed: int = DEFAULT_ROOT_SEED,
+              train_fraction: float = DEFAULT_TRAIN_FRACTION) -> RunSetup:
+    """The run's table and split (the seeds of the module docstring); ``iapo-gym optimize`` uses it too."""
+    table, checksum = _load(task, run)
+    split_seed: int | None = None
+    if task.synthetic and table.split is not None:
+        run_table = table
+    else:
+        split_seed = derive_seed(root_seed, "split", task.name, run)
+        splitter = IAPOEnv(table=table)
+        splitter.resplit(train_fraction, split_seed)
+        run_table = splitter.table
+    return RunSetup(table, checksum, run_table, split_seed, derive_seed(root_seed, "env", task.name, run))
+
+
+def agent_seed_for(root_seed: int, task: str, run: int, spec: AgentSpec) -> int:
+    """The agent's seed in one (task, run): from its name and canonical parameters, not its label."""
+    return derive_seed(root_seed, "agent", task, run, spec.key)
+
+
 def run_unit(unit: WorkUnit) -> UnitOutcome:
     """Run every pending (agent, budget) of one (task, run); errors become Failures, not exceptions."""
     from agents.base import AnytimeAgent
 
     outcome = UnitOutcome(unit)
     task = unit.task
-    table, checksum = _load(task, unit.run)
-    split_seed: int | None = None
-    if task.synthetic and table.split is not None:
-        run_table = table
-    else:
-        split_seed = derive_seed(unit.root_seed, "split", task.name, unit.run)
-        splitter = IAPOEnv(table=table)
-        splitter.resplit(unit.train_fraction, split_seed)
-        run_table = splitter.table
+    setup = run_setup(task, unit.run, unit.root_seed, unit.train_fraction)
+    table, checksum, run_table, split_seed = setup.table, setup.checksum, setup.run_table, setup.split_seed
     outcome.task_info = TaskInfo(task.name, checksum, task.title or task.name, table.aggregator,
                                  table.n_prompts, table.n_max, tuple(table.context_names))
     probs = run_table.context_probs
@@ -153,14 +177,14 @@ def run_unit(unit: WorkUnit) -> UnitOutcome:
     optimal_acr = acr_from_q(q_test, optimal, probs)
     train_optimal_acr = acr_from_q(q_test, np.array(greedy_policy(q_train).arms, dtype=np.int64), probs)
     optimal_json = json.dumps(optimal.tolist())
-    env_seed = derive_seed(unit.root_seed, "env", task.name, unit.run)
+    env_seed = setup.env_seed
     context = _UnitContext(task.name, checksum, unit, split_seed, env_seed, run_table, q_test, probs,
                            optimal_acr, train_optimal_acr, optimal_json)
     by_label: dict[str, tuple[AgentSpec, list[int]]] = {}  # labels are unique in a sweep
     for spec, budget in unit.jobs:
         by_label.setdefault(spec.label, (spec, []))[1].append(budget)
     for spec, budgets in by_label.values():
-        agent_seed = derive_seed(unit.root_seed, "agent", task.name, unit.run, spec.key)
+        agent_seed = agent_seed_for(unit.root_seed, task.name, unit.run, spec)
         try:
             agent = build_agent(spec, agent_seed)
         except Exception as exc:

@@ -1,0 +1,232 @@
+"""Benchmark: the latency ``iapo-gym serve`` adds over calling the upstream directly for the same N completions.
+
+Upstream: the tiny llama.cpp server on 127.0.0.1 (tests/llm_server.py; it ignores ``n``, so every
+side sends N requests of one completion, with the same prompts, sampling and per-completion seeds).
+One logical call = N completions of one query:
+
+* ``direct``: the N requests straight to the upstream, concurrently (the floor);
+* ``bare proxy``: the same N requests through a bare FastAPI + httpx2 pass-through proxy (the reference);
+* ``serve``: one request to ``iapo-gym serve`` with a one-context majority-vote policy of N, which
+  renders the prompt, sends the N requests through the project's client, votes and answers;
+* ``optillm`` (``--optillm-python PY``, OptiLLM installed in a venv of its own): one chat request with
+  its self-consistency approach, which always samples 5 completions, one after another, through the
+  upstream's chat API (run with ``--n 5`` to compare at the same N).
+
+The load generator (this process, asyncio + httpx2) runs ``--calls`` calls per side at each
+concurrency, sides interleaved over ``--repeats`` rounds; it reports p50/p99 latency, calls per
+second, the latency added over ``direct`` and the throughput kept, and the CPU time per call of
+each proxy process (read from /proc: a steadier figure on a shared machine).
+Run: ``nice -n 5 python benchmarks/bench_serve.py`` (needs ``pip install "iapo-gym[llm,serve]"`` and fastapi).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from iapo_gym.llm.client import LLMClient  # noqa: E402
+from iapo_gym.llm.spec import load_spec  # noqa: E402
+from tests.deploy_helpers import mv_policy, start_serve  # noqa: E402
+from tests.llm_server import _log_file, free_port, start_llama_server, stop, wait_ready, write_spec, write_tiny_gguf  # noqa: E402
+
+TEMPLATE = "Q: {query}\nA:"
+
+
+def bare_proxy(port: int, upstream: str) -> None:
+    """The reference: a bare FastAPI + httpx2 pass-through proxy (run in its own process)."""
+    import httpx2
+    import uvicorn
+    from fastapi import FastAPI, Request, Response
+
+    app = FastAPI()
+    client = httpx2.AsyncClient(base_url=upstream, timeout=60, limits=httpx2.Limits(max_connections=256))
+
+    async def forward(request: Request) -> Response:
+        r = await client.post(request.url.path, content=await request.body(), headers={"content-type": "application/json"})
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    async def health(request: Request) -> Response:
+        return Response(b'{"status": "ok"}', media_type="application/json")
+
+    app.router.add_route("/v1/{path:path}", forward, methods=["POST"])
+    app.router.add_route("/health", health, methods=["GET"])
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Side:
+    """One way of getting N completions per call."""
+
+    def __init__(self, name: str, port: int, pid: int | None, mode: str) -> None:
+        self.name, self.port, self.pid, self.mode = name, port, pid, mode
+        self.latencies: dict[int, list[float]] = {}
+        self.seconds: dict[int, float] = {}
+        self.calls: dict[int, int] = {}
+        self.cpu: dict[int, float] = {}
+        self.errors = 0
+
+
+async def one_call(client: Any, side: Side, query: str, n: int, upstream_body: Any, model: str,
+                   max_tokens: int) -> None:
+    """One logical call of ``side``: N completions of ``query``."""
+    if side.mode == "fan-out":  # direct or bare proxy: the N requests serve would send
+        rs = await asyncio.gather(*(client.post(f"http://127.0.0.1:{side.port}/v1/completions", json=upstream_body(query, i))
+                                    for i in range(n)))
+    elif side.mode == "serve":
+        rs = [await client.post(f"http://127.0.0.1:{side.port}/v1/completions",
+                                json={"model": "iapo/low", "prompt": query})]
+    else:  # optillm: its self-consistency approach, N samples
+        rs = [await client.post(f"http://127.0.0.1:{side.port}/v1/chat/completions",
+                                json={"model": f"self_consistency-{model}", "max_tokens": max_tokens,
+                                      "messages": [{"role": "user", "content": TEMPLATE.replace('{query}', query)}]})]
+    for r in rs:
+        if r.status_code != 200:
+            side.errors += 1
+            if side.errors <= 3:
+                print(f"  {side.name}: HTTP {r.status_code} {r.text[:200]}", file=sys.stderr)
+
+
+async def run_segment(side: Side, concurrency: int, calls: int, n: int, upstream_body: Any, model: str,
+                      offset: int, max_tokens: int) -> None:
+    """``calls`` calls of ``side`` by ``concurrency`` workers; latencies and wall time recorded."""
+    import httpx2
+
+    limits = httpx2.Limits(max_connections=concurrency * n + 8, max_keepalive_connections=concurrency * n + 8)
+    async with httpx2.AsyncClient(timeout=120, limits=limits) as client:
+        await one_call(client, side, "warm up", n, upstream_body, model, max_tokens)  # connections open
+        todo = list(range(calls))
+        lat = side.latencies.setdefault(concurrency, [])
+
+        async def worker() -> None:
+            while todo:
+                i = todo.pop()
+                t = time.perf_counter()
+                await one_call(client, side, f"{offset + i} + {i % 7} =", n, upstream_body, model, max_tokens)
+                lat.append(time.perf_counter() - t)
+        cpu0 = cpu_seconds(side.pid) if side.pid else 0.0
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        side.seconds[concurrency] = side.seconds.get(concurrency, 0.0) + time.perf_counter() - start
+        side.calls[concurrency] = side.calls.get(concurrency, 0) + calls
+        if side.pid:
+            side.cpu[concurrency] = side.cpu.get(concurrency, 0.0) + cpu_seconds(side.pid) - cpu0
+
+
+def main() -> None:
+    """Start the processes, run the interleaved rounds, print the table."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=3, help="completions per call (the policy's N)")
+    ap.add_argument("--calls", type=int, default=150, help="calls per side, concurrency and round")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--optillm-python", help="python of a venv with optillm installed (a peer, never a dependency)")
+    ap.add_argument("--bare-proxy", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.bare_proxy:
+        bare_proxy(int(args.bare_proxy[0]), args.bare_proxy[1])
+        return
+    folder = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    up = free_port()
+    llama = start_llama_server(write_tiny_gguf(folder / "tiny.gguf"), up)
+    procs: list[subprocess.Popen[bytes]] = [llama]
+    try:
+        spec_path = write_spec(folder, up, n_max=args.n, sampling={"temperature": 0.9, "max_tokens": args.max_tokens},
+                               endpoint={"concurrency": 256, "use_n": "no", "max_retries": 0})
+        spec = load_spec(spec_path)
+        seeder = LLMClient(spec)  # the per-completion seeds serve's client sends, so every side sends the same
+        params = spec.sampling.as_dict()
+        params.pop("seed", None)
+
+        def upstream_body(query: str, i: int) -> dict[str, Any]:
+            prompt = TEMPLATE.replace("{query}", query)
+            return {"model": spec.endpoint.model, "prompt": prompt, "seed": seeder._seed(prompt, i), **params}
+
+        policy = mv_policy({"low": ("plain", args.n)}, extractor={"extractor": "regex", "pattern": r"\A\s*(\S)"},
+                           n_max=args.n).save(folder / "policy.json")
+        serve_port, bare_port = free_port(), free_port()
+        serve = start_serve(policy, spec_path, serve_port)
+        procs.append(serve)
+        log = _log_file("bare")
+        bare = subprocess.Popen([sys.executable, __file__, "--bare-proxy", str(bare_port), f"http://127.0.0.1:{up}"],
+                                stdout=log, stderr=subprocess.STDOUT)
+        bare.log_file = log  # type: ignore[attr-defined]
+        procs.append(bare)
+        wait_ready(f"http://127.0.0.1:{bare_port}/health", bare)
+        sides = [Side("direct", up, None, "fan-out"), Side("bare proxy", bare_port, bare.pid, "fan-out"),
+                 Side("serve", serve_port, serve.pid, "serve")]
+        optillm_note = "not run (give --optillm-python)"
+        if args.optillm_python:
+            opt_port = free_port()
+            log = _log_file("optillm")
+            env = {**os.environ, "OPENAI_API_KEY": "none"}
+            opt = subprocess.Popen([args.optillm_python, "-c", "import sys; from optillm import main; sys.exit(main())",
+                                    "--host", "127.0.0.1", "--port", str(opt_port), "--base-url",
+                                    f"http://127.0.0.1:{up}/v1", "--approach", "self_consistency", "--log", "warning"],
+                                   stdout=log, stderr=subprocess.STDOUT, env=env)
+            opt.log_file = log  # type: ignore[attr-defined]
+            procs.append(opt)
+            try:
+                wait_ready(f"http://127.0.0.1:{opt_port}/health", opt, timeout=120)
+                sides.append(Side("optillm", opt_port, opt.pid, "optillm"))
+                optillm_note = "run"
+            except RuntimeError as exc:
+                optillm_note = f"did not start: {str(exc)[-300:]}"
+        rng = random.Random(0)
+        for r in range(args.repeats):
+            for c in args.concurrency:
+                order = sides[:]
+                rng.shuffle(order)
+                for side in order:
+                    asyncio.run(run_segment(side, c, args.calls, args.n, upstream_body, spec.endpoint.model,
+                                            offset=r * 100000 + c * 1000, max_tokens=args.max_tokens))
+        report(sides, args, optillm_note)
+    finally:
+        for p in reversed(procs):
+            stop(p)
+
+
+def report(sides: list[Side], args: argparse.Namespace, optillm_note: str) -> None:
+    """The table: p50/p99 latency, calls/s, added latency and kept throughput against direct, CPU per call."""
+    direct = sides[0]
+    print(f"N = {args.n} completions per call, max_tokens {args.max_tokens}, {args.calls} calls x {args.repeats} rounds "
+          f"per side and concurrency; {os.cpu_count()} cores shared with other jobs; OptiLLM: {optillm_note}")
+    print(f"{'side':<12} {'conc':>4} {'p50 ms':>8} {'p99 ms':>8} {'calls/s':>8} {'+p50 ms':>8} {'thr kept':>8} "
+          f"{'CPU ms/call':>11} {'errors':>6}")
+    for c in args.concurrency:
+        d50 = float(np.percentile(direct.latencies[c], 50)) * 1000
+        drate = direct.calls[c] / direct.seconds[c]
+        for side in sides:
+            lat = np.array(side.latencies[c]) * 1000
+            rate = side.calls[c] / side.seconds[c]
+            cpu = f"{side.cpu[c] / side.calls[c] * 1000:.2f}" if side.pid else "-"
+            print(f"{side.name:<12} {c:>4} {np.percentile(lat, 50):>8.2f} {np.percentile(lat, 99):>8.2f} {rate:>8.1f} "
+                  f"{np.percentile(lat, 50) - d50:>+8.2f} {rate / drate:>8.1%} {cpu:>11} {side.errors:>6}")
+    print(json.dumps({s.name: {str(c): {"p50_ms": float(np.percentile(s.latencies[c], 50) * 1000),
+                                        "p99_ms": float(np.percentile(s.latencies[c], 99) * 1000),
+                                        "calls_per_s": s.calls[c] / s.seconds[c]} for c in args.concurrency}
+                      for s in sides}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""``iapo-gym serve POLICY --upstream SPEC``: a policy file as an OpenAI-compatible endpoint (docs/deploy.md)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve until interrupted; exit 1 when the policy, the spec or the key cannot be used."""
+    from iapo_gym.deploy.policyfile import PolicyFileError
+    from iapo_gym.deploy.router import Router
+    from iapo_gym.llm.spec import SpecError
+
+    api_key = None
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            print(f"iapo-gym serve: error: --api-key-env names the variable {args.api_key_env!r}, which is not set "
+                  "or empty", file=sys.stderr)
+            return 1
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        print(f"iapo-gym serve: error: {exc}; install the server with pip install \"iapo-gym[serve]\"", file=sys.stderr)
+        return 1
+    try:
+        router = Router(args.policy, args.upstream, seed=args.seed)
+    except (PolicyFileError, SpecError, ValueError) as exc:
+        print(f"iapo-gym serve: error: {exc}", file=sys.stderr)
+        return 1
+    from iapo_gym.deploy.server import serve
+
+    stream: Any
+    if args.access_log == "-":
+        stream = sys.stdout
+    elif args.access_log:
+        stream = open(args.access_log, "a", encoding="utf-8")  # noqa: SIM115 (open for the server's lifetime)
+    else:
+        stream = None
+    try:
+        serve(router, host=args.host, port=args.port, api_key=api_key, access_log=stream,
+              graceful_timeout=args.graceful_timeout)
+    finally:
+        if stream is not None and stream is not sys.stdout:
+            stream.close()
+    return 0
+
+
+def add_commands(subparsers: Any) -> None:
+    """Add the ``serve`` command to the ``iapo-gym`` parser."""
+    p = subparsers.add_parser(
+        "serve", help="serve a policy file as an OpenAI-compatible endpoint",
+        description="Apply a learned policy per request: the context's prompt around the caller's content, N "
+                    "completions from the upstream, aggregated (majority vote or Best-of-N) as the tables do. "
+                    "Endpoints /v1/chat/completions, /v1/completions, /v1/models, /health (docs/deploy.md).")
+    p.add_argument("policy", help="policy file written by iapo-gym optimize (DIR/policy.json)")
+    p.add_argument("--upstream", required=True, help="collection spec naming the upstream endpoint, model, sampling, "
+                   "retries and spending cap (OPENAI_BASE_URL/OPENAI_API_KEY override it as in collect)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key-env", help="environment variable holding the key callers must send "
+                   "(Authorization: Bearer ...); without it, no key is asked")
+    p.add_argument("--access-log", help="file to append JSON-lines access records to ('-': stdout)")
+    p.add_argument("--seed", type=int, default=0, help="root seed of the majority-vote tie breaks (default 0)")
+    p.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="seconds to let requests in flight finish after SIGTERM/SIGINT (default 30)")
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,292 @@
+"""Apply a learned policy per request: render the context's prompt, ask for N completions, aggregate as the tables do.
+
+``Router(policy, spec)`` takes a policy file and a collection spec naming the upstream endpoint
+(its model, sampling, retries and spending cap). ``await router.acomplete(query, context)`` (or the
+blocking ``router.complete``) picks the context's (prompt, N), asks the upstream for N completions
+through ``iapo_gym.llm.client.LLMClient`` (one request with ``n`` where the upstream honours it,
+else N concurrent requests; no response cache) and returns the aggregated completion:
+
+* majority vote: answers are extracted with the policy's extractor and bucketed as the tables
+  bucket them (no answer is one bucket); the most-voted bucket wins; a tie between t buckets is
+  broken uniformly at random, which is exactly the oracle's tie credit 1/t. The generator is
+  seeded from the router's seed and the request (context, prompt, query and completions), so the
+  same request gives the same answer. The returned completion is the first one in the winning bucket;
+* Best-of-N: each completion's objective scores from the policy's scorer, rounded to the scorer's
+  grid as in the tables, weighted by the context's objective weights; the first best one is returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+
+from iapo_gym.deploy.policyfile import PolicyContext, PolicyFile, PolicyFileError, load_policy
+from iapo_gym.llm.client import BudgetExhausted, Completion, EndpointError, LLMClient
+from iapo_gym.llm.loop import LoopThread, gather_all
+from iapo_gym.llm.scoring import make_extractor, make_scorer
+from iapo_gym.llm.spec import Prompt, Scorer, Spec, load_spec
+from iapo_gym.seeding import derive_rng
+
+TIE_KEY = "iapo_gym.deploy.tie"
+ContextRef = str | int | Sequence[float] | None
+
+__all__ = ["BudgetExhausted", "ContextError", "EndpointError", "Routed", "Router"]
+
+
+class ContextError(ValueError):
+    """A request names no context of the policy (or an ambiguous one); the message lists the contexts."""
+
+    def __init__(self, message: str, contexts: Sequence[PolicyContext]) -> None:
+        """``contexts``: the policy's contexts, listed in the message."""
+        listing = "; ".join(f"{c.name} (weights {list(c.weights)})" for c in contexts)
+        super().__init__(f"{message}; the policy's contexts: {listing}")
+        self.contexts = [{"name": c.name, "objective_weights": list(c.objective_weights), "cost_weight": c.cost_weight}
+                         for c in contexts]
+
+
+@dataclass
+class Routed:
+    """One routed request: the aggregated completion, and how it was chosen."""
+
+    text: str
+    finish: str | None
+    chosen: int  # index of the returned completion among the N
+    context: PolicyContext
+    prompt_id: str
+    completions: list[Completion]
+    answers: list[str | None] | None = None  # mv: extracted answers
+    votes: list[tuple[str | None, int]] = field(default_factory=list)  # mv: (answer, votes), first appearance order
+    tied: list[str | None] = field(default_factory=list)  # mv: the answers tied for the most votes
+    scores: list[float] | None = None  # bon: weighted (rounded) scores
+    objective_scores: list[dict[str, float]] | None = None  # bon: the scorer's raw scores
+
+    @property
+    def n(self) -> int:
+        """Completions asked of the upstream."""
+        return len(self.completions)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Completion tokens of all N completions, as the upstream reported them."""
+        return sum(c.tokens for c in self.completions)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens the upstream reported for the request(s)."""
+        return sum(c.prompt_tokens for c in self.completions)
+
+    def info(self) -> dict[str, Any]:
+        """The ``iapo`` object of a response: context, prompt id, N, and the votes or scores."""
+        out: dict[str, Any] = {"context": self.context.name, "prompt": self.prompt_id, "n": self.n,
+                               "chosen": self.chosen}
+        if self.answers is not None:
+            out.update(aggregator="mv", answers=self.answers, votes=[[a, v] for a, v in self.votes],
+                       winner=self.answers[self.chosen] if self.answers[self.chosen] else None, tied=self.tied)
+        else:
+            out.update(aggregator="bon", scores=self.scores, objective_scores=self.objective_scores)
+        return out
+
+
+class Router:
+    """A policy file applied to an upstream endpoint: ``acomplete``/``complete`` per request (module docstring)."""
+
+    def __init__(self, policy: PolicyFile | str | os.PathLike[str], spec: Spec | str | os.PathLike[str], *,
+                 seed: int = 0) -> None:
+        """``policy``: a ``PolicyFile`` or its path; ``spec``: the upstream's collection spec or its path;
+        ``seed``: the root of the tie-breaking generators."""
+        self.policy = policy if isinstance(policy, PolicyFile) else load_policy(policy)
+        self.spec = spec if isinstance(spec, Spec) else load_spec(spec)
+        self.seed = int(seed)
+        pf, sp = self.policy, self.spec
+        unservable = sorted({c.prompt for c in pf.contexts if not pf.prompt(c.prompt).servable})
+        if unservable:
+            raise PolicyFileError(f"the policy has no template or messages for prompt(s) {unservable}: it was learned "
+                                  "on a table without its collection spec; rerun `iapo-gym optimize` with --spec")
+        if pf.scorer is None:
+            raise PolicyFileError("the policy names no answer extractor or scorer (learned on a table without its "
+                                  "collection spec); rerun `iapo-gym optimize` with --spec")
+        if sp.endpoint.api != pf.api:
+            raise ValueError(f"the policy's prompts are written for the {pf.api} API, the upstream spec {sp.path} "
+                             f"uses endpoint.api = {sp.endpoint.api!r}")
+        if pf.sampling is not None and pf.sampling != sp.sampling.as_dict():
+            warnings.warn(f"the upstream spec's sampling {sp.sampling.as_dict()} differs from the sampling the "
+                          f"policy was learned with {pf.sampling}: the policy's choices may not be optimal there",
+                          stacklevel=2)
+        self._prompts = {p.id: Prompt(p.id, p.template, p.messages) for p in pf.prompts if p.servable}
+        scorer = Scorer(**cast(dict[str, Any], {k: (tuple(v) if isinstance(v, list) else v)
+                                                for k, v in pf.scorer.items()}))
+        self._extract = make_extractor(scorer) if pf.aggregator == "mv" else None
+        # the policy's scorer, reached through the upstream spec's routes and retry settings
+        self._score = make_scorer(dataclasses.replace(sp, scorer=scorer)) if pf.aggregator == "bon" else None
+        self._grid = scorer.grid if pf.aggregator == "bon" else None
+        self._by_name = {c.name: i for i, c in enumerate(pf.contexts)}
+        self._client: LLMClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: LoopThread | None = None
+
+    # ---- contexts --------------------------------------------------------------------------------------
+    @property
+    def contexts(self) -> tuple[PolicyContext, ...]:
+        """The policy's contexts."""
+        return self.policy.contexts
+
+    def resolve(self, context: ContextRef) -> PolicyContext:
+        """The context named by ``context``: its name, its index, or its weights.
+
+        Weights are the objective weights followed by the cost weight, or the objective weights
+        alone when exactly one context has them; ``None`` is allowed for a one-context policy.
+        """
+        ctxs = self.policy.contexts
+        if context is None:
+            if len(ctxs) == 1:
+                return ctxs[0]
+            raise ContextError("the request names no context (give iapo_context, or the model 'iapo/<context>')", ctxs)
+        if isinstance(context, str):
+            if context in self._by_name:
+                return ctxs[self._by_name[context]]
+            raise ContextError(f"unknown context {context!r}", ctxs)
+        if isinstance(context, bool):
+            raise ContextError(f"a context is a name, an index or a list of weights, got {context!r}", ctxs)
+        if isinstance(context, (int, np.integer)):
+            if 0 <= int(context) < len(ctxs):
+                return ctxs[int(context)]
+            raise ContextError(f"context index {int(context)} is out of range 0..{len(ctxs) - 1}", ctxs)
+        try:
+            weights = [float(w) for w in context]
+        except (TypeError, ValueError):
+            raise ContextError(f"a context is a name or a list of weights, got {context!r}", ctxs) from None
+        if not all(math.isfinite(w) for w in weights):
+            raise ContextError(f"context weights must be finite numbers, got {weights}", ctxs)
+        k = len(self.policy.objectives)
+        if len(weights) == k + 1:
+            found = [c for c in ctxs if _same(c.weights, weights)]
+        elif len(weights) == k:
+            found = [c for c in ctxs if _same(c.objective_weights, weights)]
+            if len(found) > 1:
+                raise ContextError(f"objective weights {weights} match {len(found)} contexts (they differ in the cost "
+                                   "weight): give the cost weight too", ctxs)
+        else:
+            raise ContextError(f"context weights {weights} must list {k} objective weight(s) "
+                               f"{list(self.policy.objectives)}, optionally followed by the cost weight", ctxs)
+        if not found:
+            raise ContextError(f"no context has the weights {weights}", ctxs)
+        return found[0]
+
+    # ---- the client ------------------------------------------------------------------------------------
+    async def start(self) -> Router:
+        """Open the upstream client on the running event loop (``acomplete`` does it on first use)."""
+        loop = asyncio.get_running_loop()
+        if self._client is not None:
+            if self._loop is not loop:
+                raise RuntimeError("this Router's client runs on another event loop: use one Router per loop "
+                                   "(or only the blocking complete())")
+            return self
+        client = LLMClient(self.spec, cache=None)
+        client.stop_on_failure = False  # one caller's failed request must not stop the others
+        await client.__aenter__()
+        self._client, self._loop = client, loop
+        return self
+
+    async def aclose(self) -> None:
+        """Close the upstream client and the reward endpoint's client."""
+        if self._score is not None:
+            await self._score.aclose()
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.__aexit__(None, None, None)
+
+    async def __aenter__(self) -> Router:
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> Router:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the client and the blocking runner's loop (when ``complete`` was used)."""
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            runner.run(self.aclose())
+            runner.close()
+
+    @property
+    def spent(self) -> dict[str, int]:
+        """Upstream requests sent and completion tokens settled so far (the spec's spending cap counts them)."""
+        cap = self._client.cap if self._client is not None else None
+        return {"requests": cap.requests if cap else 0, "tokens": cap.tokens if cap else 0}
+
+    # ---- routing ---------------------------------------------------------------------------------------
+    async def acomplete(self, query: str, context: ContextRef = None) -> Routed:
+        """Route one query: the context's prompt around ``query``, N upstream completions, aggregated."""
+        if not isinstance(query, str):
+            raise TypeError(f"query must be a string, got {type(query).__name__}")
+        ctx = self.resolve(context)
+        if self._client is None or self._loop is not asyncio.get_running_loop():
+            await self.start()
+        assert self._client is not None
+        rendered = self._prompts[ctx.prompt].render(query)
+        completions = await self._client.complete(rendered, list(range(ctx.n)))
+        if self._extract is not None:
+            return self._vote(ctx, query, completions)
+        return await self._best(ctx, query, completions)
+
+    def complete(self, query: str, context: ContextRef = None) -> Routed:
+        """The blocking twin of ``acomplete`` (its own event loop on a background thread)."""
+        if self._runner is None:
+            if self._client is not None:
+                raise RuntimeError("this Router is in use by an event loop: await acomplete() there")
+            self._runner = LoopThread()
+        return self._runner.run(self.acomplete(query, context))
+
+    def _vote(self, ctx: PolicyContext, query: str, completions: list[Completion]) -> Routed:
+        assert self._extract is not None
+        answers: list[str | None] = []
+        for c in completions:
+            a = self._extract(c.text)
+            answers.append(a.strip() or None if a is not None else None)
+        counts: dict[str | None, int] = {}
+        for a in answers:
+            counts[a] = counts.get(a, 0) + 1
+        top = max(counts.values())
+        tied = [a for a, v in counts.items() if v == top]
+        if len(tied) == 1:
+            winner = tied[0]
+        else:
+            rng = derive_rng(self.seed, TIE_KEY, ctx.name, ctx.prompt, query, *(c.text for c in completions))
+            winner = tied[int(rng.integers(len(tied)))]
+        chosen = answers.index(winner)
+        return Routed(completions[chosen].text, completions[chosen].finish, chosen, ctx, ctx.prompt, completions,
+                      answers=answers, votes=list(counts.items()), tied=tied)
+
+    async def _best(self, ctx: PolicyContext, query: str, completions: list[Completion]) -> Routed:
+        score = self._score
+        assert score is not None
+        raw = await gather_all(*(score(c.text, query) for c in completions))
+        names = self.policy.objectives
+        missing = [n for n in names if n not in raw[0]]
+        if missing:
+            raise ValueError(f"the scorer gave objectives {sorted(raw[0])}, the policy needs {list(names)}")
+        vectors = np.array([[s[n] for n in names] for s in raw], dtype=np.float64)
+        if self._grid is not None:
+            vectors = np.round(vectors / self._grid) * self._grid
+        weighted = vectors @ np.asarray(ctx.objective_weights, dtype=np.float64)
+        chosen = int(np.argmax(weighted))
+        return Routed(completions[chosen].text, completions[chosen].finish, chosen, ctx, ctx.prompt, completions,
+                      scores=[float(w) for w in weighted], objective_scores=raw)
+
+
+def _same(a: Sequence[float], b: Sequence[float]) -> bool:
+    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12) for x, y in zip(a, b, strict=True))

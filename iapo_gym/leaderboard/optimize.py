@@ -1,0 +1,354 @@
+"""``iapo-gym optimize TARGET --agent AGENT --budget B --out DIR``: train one agent, check it, write a policy file.
+
+TARGET is a collection spec (a live endpoint, ``.toml``/``.json``), a task name or an ``.h5`` table.
+On a table the run is the leaderboard's run ``--run`` (default 0) under root seed ``--seed``: the
+same split, env seed and agent seed (``runner.run_setup``, ``runner.agent_seed_for``), so the policy
+is bit for bit the one the leaderboard's run with that agent, seed and budget gives, and its test
+values are exact. On a live endpoint the agent trains on ``IAPO-Live-v0`` through the response cache
+(a rerun is answered from it) under the spec's spending cap; ``--check K`` then spends K completions
+on held-out test queries for a Monte Carlo estimate per context with its standard error.
+Writes ``DIR/policy.json`` (docs/deploy.md) and ``DIR/report.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from iapo_gym.deploy.policyfile import PolicyFile, describe
+from iapo_gym.leaderboard.run.specs import AgentSpec, parse_agent_spec, resolve_task
+from iapo_gym.seeding import derive_rng, derive_seed
+
+CHECK_KEY = "iapo_gym.optimize.check"
+
+
+class OptimizeError(RuntimeError):
+    """The run could not produce a policy (budget broken, spending cap reached, bad target)."""
+
+
+@dataclass
+class OptimizeResult:
+    """What ``optimize`` wrote and spent."""
+
+    policy: PolicyFile
+    policy_path: Path
+    report_path: Path
+    spend: dict[str, Any] = field(default_factory=dict)
+
+
+class _Bar:
+    """A tqdm bar over the budget, fed by polling a counter (the env is never wrapped: results stay identical)."""
+
+    def __init__(self, total: int, read: Any, enabled: bool) -> None:
+        self.read, self._stop = read, threading.Event()
+        self.bar: Any = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="completion", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+            self.thread = threading.Thread(target=self._poll, daemon=True)
+            self.thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.25):
+            self._show()
+
+    def _show(self) -> None:
+        now = int(self.read())
+        self.bar.update(max(0, now - self.bar.n))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self._stop.set()
+            self.thread.join()
+            self._show()
+            self.bar.close()
+
+
+def is_spec_path(target: str) -> bool:
+    """A collection spec: a ``.toml`` or ``.json`` file."""
+    return Path(target).suffix.lower() in (".toml", ".json")
+
+
+def optimize(target: str, agent: str | AgentSpec, budget: int, out: str | Path, *, seed: int = 0, run: int = 0,
+             check: int | None = None, spec: str | None = None, cache: str | None = None,
+             progress: bool = False) -> OptimizeResult:
+    """Train ``agent`` on ``target`` within ``budget`` completions and write ``out/policy.json`` and ``out/report.md``."""
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget must be an integer >= 1 (completions), got {budget!r}")
+    if run < 0:
+        raise ValueError(f"run must be >= 0, got {run}")
+    agent_spec = agent if isinstance(agent, AgentSpec) else parse_agent_spec(agent)
+    out = Path(out)
+    if is_spec_path(target):
+        if spec is not None:
+            raise ValueError("--spec is for a table target; a live target is its own spec")
+        pf, spend = _live(target, agent_spec, budget, out, seed, run, check or 0, cache, progress)
+    else:
+        if check:
+            raise ValueError("--check is for a live target; on a table the check is exact")
+        pf, spend = _table(target, agent_spec, budget, seed, run, spec, progress)
+    out.mkdir(parents=True, exist_ok=True)
+    policy_path = pf.save(out / "policy.json")
+    report_path = out / "report.md"
+    tmp = report_path.with_suffix(".md.tmp")
+    tmp.write_text(render_report(pf), encoding="utf-8")
+    tmp.replace(report_path)
+    return OptimizeResult(pf, policy_path, report_path, spend)
+
+
+def _train(env: Any, agent_spec: AgentSpec, agent_seed: int, budget: int, meter: Any, progress: bool) -> tuple[Any, float]:
+    from iapo_gym.leaderboard.run.runner import BudgetExceededError, build_agent
+
+    agent = build_agent(agent_spec, agent_seed)
+    bar = _Bar(budget, meter, progress)
+    start = time.perf_counter()
+    try:
+        policy = agent.train(env, budget)
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - start
+    if meter() > budget:
+        raise BudgetExceededError(f"agent {agent_spec.label!r} drew {meter()} completions with a budget of {budget}")
+    return policy, seconds
+
+
+def _table(target: str, agent_spec: AgentSpec, budget: int, seed: int, run: int, spec_path: str | None,
+           progress: bool) -> tuple[PolicyFile, dict[str, Any]]:
+    """The leaderboard's run ``run`` of the task, trained and described exactly."""
+    from iapo_gym.env import IAPOEnv
+    from iapo_gym.leaderboard.run.runner import DEFAULT_TRAIN_FRACTION, agent_seed_for, run_setup
+    from iapo_gym.leaderboard.run.specs import task_available
+    from iapo_gym.oracle import policy_arms
+
+    task = resolve_task(target)
+    why = task_available(task)
+    if why is not None:
+        raise OptimizeError(why)
+    setup = run_setup(task, run, seed, DEFAULT_TRAIN_FRACTION)
+    env = IAPOEnv(table=setup.run_table)
+    env.reset(seed=setup.env_seed)
+    agent_seed = agent_seed_for(seed, task.name, run, agent_spec)
+    policy, seconds = _train(env, agent_spec, agent_seed, budget, lambda: env.completions_drawn, progress)
+    arms = policy_arms(policy, setup.run_table)
+    spec = None
+    if spec_path is not None:
+        from iapo_gym.llm.spec import load_spec
+
+        spec = load_spec(spec_path)
+    spend = {"completions": env.completions_drawn, "requests": 0, "tokens": 0, "price": 0.0}
+    learned = {"agent": agent_spec.spec, "seed": seed, "run": run, "budget": budget, "target": task.name,
+               "target_kind": "table", "table_sha256": setup.checksum, "model": None, **spend,
+               "seconds": round(seconds, 3), "split_seed": setup.split_seed, "env_seed": setup.env_seed,
+               "agent_seed": agent_seed}
+    return describe(arms.tolist(), env, spec=spec, learned=learned), spend
+
+
+class _LiveMeter:
+    """Completions drawn by a live env's pulls (cache hits included)."""
+
+    def __init__(self) -> None:
+        self.drawn = 0
+
+
+def _live(target: str, agent_spec: AgentSpec, budget: int, out: Path, seed: int, run: int, check: int,
+          cache: str | None, progress: bool) -> tuple[PolicyFile, dict[str, Any]]:
+    """Train on the live endpoint through the cache, then check on held-out queries."""
+    from iapo_gym.leaderboard.run.runner import agent_seed_for
+    from iapo_gym.llm.live import LiveEnv
+    from iapo_gym.llm.spec import load_spec
+    from iapo_gym.oracle import policy_arms
+
+    spec = load_spec(target)
+    meter = _LiveMeter()
+
+    class MeteredLive(LiveEnv):
+        def pull(self, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray | None = None) -> Any:
+            pulls = super().pull(prompts, ns, queries)
+            meter.drawn += int(np.asarray(ns).sum())
+            return pulls
+
+    cache_path = cache or spec.cache or out / "cache.sqlite"
+    Path(cache_path).parent.mkdir(parents=True, exist_ok=True)
+    env = MeteredLive(spec, cache=cache_path)
+    try:
+        split_note = "stored"
+        if env.table.split is None:
+            if spec.build.test_fraction > 0:
+                env.resplit(1.0 - spec.build.test_fraction, derive_seed(seed, "split", spec.task, run))
+                split_note = f"resplit, test fraction {spec.build.test_fraction}"
+            else:
+                split_note = "none (build.test_fraction = 0): the check uses the training queries"
+        env.reset(seed=derive_seed(seed, "env", spec.task, run))
+        agent_seed = agent_seed_for(seed, spec.task, run, agent_spec)
+        policy, seconds = _train(env, agent_spec, agent_seed, budget, lambda: meter.drawn, progress)
+        arms = policy_arms(policy, env.table)
+        train = {"completions": meter.drawn, "requests": env.requests, "tokens": env.client.cap.tokens}
+        estimate: dict[str, Any] = {"method": None}
+        values: list[dict[str, Any]] = [{} for _ in range(env.n_contexts)]
+        if check:
+            estimate, values = live_check(env, arms, check, derive_seed(seed, CHECK_KEY, spec.task, run))
+            estimate["split_note"] = split_note
+        price = spec.budget.price_per_1k_tokens
+        spend = {**train, "price": train["tokens"] * price / 1000.0}
+        learned = {"agent": agent_spec.spec, "seed": seed, "run": run, "budget": budget, "target": spec.task,
+                   "target_kind": "live", "table_sha256": None, "model": spec.endpoint.model, **spend,
+                   "seconds": round(seconds, 3), "agent_seed": agent_seed,
+                   "check": {"completions": meter.drawn - train["completions"],
+                             "requests": env.requests - train["requests"],
+                             "tokens": env.client.cap.tokens - train["tokens"]}}
+        pf = describe(arms.tolist(), env, spec=spec, learned=learned, estimate=estimate, context_values=values)
+    finally:
+        env.close()
+    return pf, spend
+
+
+def live_check(env: Any, arms: np.ndarray, completions: int, seed: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Monte Carlo values of ``arms`` from about ``completions`` completions on the env's test queries.
+
+    Every distinct arm gets the same number m of pulls, each on a test query (without repetition
+    while there are enough); a context's value is the mean utility under its own weights of its arm's
+    pulls. The overall ACR sums, per arm, the probability-weighted utilities of the contexts using it,
+    so contexts sharing an arm (hence pulls) are counted with their covariance in the standard error.
+    """
+    arms = np.asarray(arms, dtype=np.int64)
+    distinct, arm_of = np.unique(arms, axis=0, return_inverse=True)
+    arm_of = arm_of.reshape(-1)
+    per_round = int(distinct[:, 1].sum())
+    m = completions // per_round
+    if m < 2:
+        raise ValueError(f"--check {completions} is too small: the policy's {len(distinct)} distinct arms need "
+                         f"at least 2 x {per_round} = {2 * per_round} completions for a standard error")
+    pool = env.queries("test")
+    rng = derive_rng(seed)
+    order = np.concatenate([rng.permutation(pool) for _ in range(-(-m // pool.size))])[:m]
+    prompts = np.repeat(distinct[:, 0], m)
+    ns = np.repeat(distinct[:, 1], m)
+    queries = np.tile(order, len(distinct))
+    pulls = env.pull(prompts, ns, queries)
+    utils = env.utilities(pulls)  # (C, len(distinct) * m)
+    probs = env.table.context_probs
+    values: list[dict[str, Any]] = []
+    for c in range(arms.shape[0]):
+        u = utils[c, arm_of[c] * m:(arm_of[c] + 1) * m]
+        values.append({"mean": float(u.mean()), "stderr": float(u.std(ddof=1) / math.sqrt(m)), "optimal": None,
+                       "completions": int(m * distinct[arm_of[c], 1])})
+    acr, var = 0.0, 0.0
+    for a in range(len(distinct)):
+        users = np.flatnonzero(arm_of == a)
+        weighted = (probs[users, None] * utils[users, a * m:(a + 1) * m]).sum(axis=0)
+        acr += float(weighted.mean())
+        var += float(weighted.var(ddof=1) / m)
+    split = "test" if env.table.split is not None else "all"
+    est = {"method": "monte_carlo", "split": split, "acr": acr, "stderr": math.sqrt(var), "optimal_acr": None,
+           "regret": None, "completions": int(m * per_round), "queries": int(np.unique(order).size)}
+    return est, values
+
+
+def render_report(pf: PolicyFile) -> str:
+    """``report.md``: how the policy was learned, what it spent, and per context prompt, N and estimated utility."""
+    ln, est = pf.learned, pf.estimate
+    lines = [f"# Policy for {pf.task}", ""]
+    lines.append(f"Agent `{ln.get('agent')}`, seed {ln.get('seed')}, run {ln.get('run')}, budget {ln.get('budget')} "
+                 f"completions, on the {ln.get('target_kind')} target `{ln.get('target')}`"
+                 + (f" (model `{ln['model']}`)" if ln.get("model") else "") + f"; aggregator {pf.aggregator}.")
+    lines.append("")
+    lines.append(f"Training spend: {ln.get('completions')} completions, {ln.get('requests')} requests, "
+                 f"{ln.get('tokens')} completion tokens, price {ln.get('price', 0.0):.4f}; "
+                 f"{ln.get('seconds')} s.")
+    if ln.get("check"):
+        ck = ln["check"]
+        lines.append(f"Check spend: {ck['completions']} completions, {ck['requests']} requests, "
+                     f"{ck['tokens']} completion tokens.")
+    lines.append("")
+    if est.get("method") == "exact":
+        lines.append(f"Exact test ACR {est['acr']:.6f} (optimal {est['optimal_acr']:.6f}, regret {est['regret']:.6f}) "
+                     f"on {est.get('queries')} {est.get('split')} queries.")
+    elif est.get("method") == "monte_carlo":
+        lo, hi = est["acr"] - 1.96 * est["stderr"], est["acr"] + 1.96 * est["stderr"]
+        lines.append(f"Monte Carlo ACR {est['acr']:.4f} +- {est['stderr']:.4f} (95% interval {lo:.4f} .. {hi:.4f}) "
+                     f"from {est.get('completions')} completions on {est.get('queries')} {est.get('split')} queries"
+                     + (f"; split: {est['split_note']}" if est.get("split_note") else "") + ".")
+    else:
+        lines.append("Not checked (a live target: give --check K to estimate it on held-out queries).")
+    lines += ["", "| context | objective weights | cost weight | prompt | N | estimated utility | 95% interval | "
+                  "optimal | check completions |", "|---|---|---|---|---:|---:|---|---:|---:|"]
+    for c in pf.contexts:
+        if c.value is None:
+            value, interval = "-", "-"
+        elif est.get("method") == "exact":
+            value, interval = f"{c.value:.6f}", "exact"
+        else:
+            se = c.stderr or 0.0
+            value = f"{c.value:.4f}"
+            interval = f"{c.value - 1.96 * se:.4f} .. {c.value + 1.96 * se:.4f}"
+        optimal = "-" if c.optimal is None else f"{c.optimal:.6f}"
+        weights = ", ".join(f"{w:g}" for w in c.objective_weights)
+        lines.append(f"| {c.name} | {weights} | {c.cost_weight:g} | {c.prompt} | {c.n} | {value} | {interval} | "
+                     f"{optimal} | {c.completions if c.completions is not None else '-'} |")
+    lines.append("")
+    if any(not pf.prompt(c.prompt).servable for c in pf.contexts):
+        lines.append("The prompts are known by id only (a table without its collection spec): give `--spec` to make "
+                     "the policy servable.")
+    else:
+        lines.append("Serve it: `iapo-gym serve policy.json --upstream SPEC` (docs/deploy.md).")
+    return "\n".join(lines) + "\n"
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    """Run ``optimize``; exit 0 with the policy written, 1 on a reported failure."""
+    from iapo_gym.deploy.policyfile import PolicyFileError
+    from iapo_gym.llm.client import BudgetExhausted, EndpointError
+    from iapo_gym.llm.spec import SpecError
+
+    try:
+        result = optimize(args.target, args.agent, args.budget, args.out, seed=args.seed, run=args.run,
+                          check=args.check, spec=args.spec, cache=args.cache, progress=not args.quiet)
+    except BudgetExhausted as exc:
+        print(f"iapo-gym optimize: stopped: {exc}; raise the spec's cap and run the same command again (what was "
+              "answered is in the response cache)", file=sys.stderr)
+        return 1
+    except (OptimizeError, SpecError, EndpointError, PolicyFileError, ValueError, ImportError, RuntimeError) as exc:
+        print(f"iapo-gym optimize: error: {exc}", file=sys.stderr)
+        return 1
+    pf = result.policy
+    est = pf.estimate
+    print(f"policy written: {result.policy_path} ({len(pf.contexts)} contexts); report: {result.report_path}")
+    if est.get("method") == "exact":
+        print(f"exact test ACR {est['acr']:.6f}, regret {est['regret']:.6f}")
+    elif est.get("method") == "monte_carlo":
+        print(f"Monte Carlo ACR {est['acr']:.4f} +- {est['stderr']:.4f}")
+    sp = result.spend
+    print(f"spent {sp.get('completions')} completions, {sp.get('requests')} requests, {sp.get('tokens')} completion "
+          "tokens in training")
+    return 0
+
+
+def add_commands(subparsers: Any) -> None:
+    """Add the ``optimize`` command to the ``iapo-gym`` parser."""
+    p = subparsers.add_parser(
+        "optimize", help="learn a policy on a table or a live endpoint and write DIR/policy.json",
+        description="Train one agent within B completions on TARGET (a collection spec for a live endpoint, a task "
+                    "name or an .h5 table), check the policy (exact on a table, --check K completions on held-out "
+                    "queries live) and write DIR/policy.json and DIR/report.md (docs/deploy.md).")
+    p.add_argument("target", help="collection spec (.toml/.json: live endpoint), task name or .h5 table")
+    p.add_argument("--agent", default="auto", help="agent spec as the leaderboard takes it (default: auto)")
+    p.add_argument("--budget", type=int, required=True, help="training budget in completions")
+    p.add_argument("--out", required=True, help="output folder for policy.json and report.md")
+    p.add_argument("--check", type=int, default=None, metavar="K",
+                   help="live target: completions to spend on held-out test queries to estimate the policy")
+    p.add_argument("--seed", type=int, default=0, help="root seed, as the leaderboard's --seed (default 0)")
+    p.add_argument("--run", type=int, default=0, help="the leaderboard run to reproduce on a table (default 0)")
+    p.add_argument("--spec", help="table target: the collection spec it was collected with (prompt texts, scorer), "
+                                  "needed to serve the policy")
+    p.add_argument("--cache", help="live target: response cache file (default: the spec's cache, else DIR/cache.sqlite)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_optimize)

@@ -1,0 +1,99 @@
+"""Test helpers for the deploy tests: policies written in code, the scripted server and ``iapo-gym serve`` as processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from iapo_gym.deploy.policyfile import PolicyContext, PolicyFile, PolicyPrompt
+from tests.llm_server import HERE, _log_file, stop, wait_ready
+
+TEMPLATES = {"plain": "Q: {query}\nA:", "short": "{query} ->"}
+
+
+def mv_policy(arms: dict[str, tuple[str, int]] | None = None, *, extractor: dict[str, Any] | None = None,
+              n_max: int = 4, sampling: dict[str, Any] | None = None) -> PolicyFile:
+    """A majority-vote policy over the contexts low/mid/high (cost weights 0, -0.2, -1) of the tiny spec's prompts."""
+    arms = arms or {"low": ("plain", 3), "mid": ("short", 2), "high": ("short", 1)}
+    cost = {"low": 0.0, "mid": -0.2, "high": -1.0}
+    return PolicyFile(
+        task="tiny", aggregator="mv", api="completions", n_max=n_max, objectives=("correct",),
+        scorer=extractor or {"extractor": "last_number", "choices": "ABCDE"}, sampling=sampling,
+        prompts=tuple(PolicyPrompt(pid, TEMPLATES[pid]) for pid in sorted({p for p, _ in arms.values()})),
+        contexts=tuple(PolicyContext(name, (1.0,), cost[name], 1.0 / len(arms), p, n)
+                       for name, (p, n) in arms.items()),
+        learned={"agent": "test"}, estimate={"method": None})
+
+
+def bon_policy(n: int = 4) -> PolicyFile:
+    """A Best-of-N policy with two contexts that weigh the two objectives of tests.llm_scorer oppositely."""
+    return PolicyFile(
+        task="tiny", aggregator="bon", api="completions", n_max=n, objectives=("length", "digits"),
+        scorer={"callable": "tests.llm_scorer:score", "reward_url": None, "objectives": ["length", "digits"],
+                "grid": 0.5, "score_range": [-1.0, 1.0]},
+        sampling=None, prompts=(PolicyPrompt("plain", TEMPLATES["plain"]),),
+        contexts=(PolicyContext("long", (0.9, 0.1), -0.1, 0.5, "plain", n),
+                  PolicyContext("digits", (0.1, 0.9), -0.1, 0.5, "plain", n)),
+        learned={"agent": "test"}, estimate={"method": None})
+
+
+def start_scripted(script: dict[str, list[str]], folder: Path, port: int, *, ignore_n: bool = False,
+                   delay: float = 0.0) -> subprocess.Popen[bytes]:
+    """tests/scripted_llm.py on 127.0.0.1:port with ``script``, ready to answer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"script-{port}.json"
+    path.write_text(json.dumps(script), encoding="utf-8")
+    cmd = [sys.executable, str(HERE / "scripted_llm.py"), "--port", str(port), "--script", str(path)]
+    if ignore_n:
+        cmd.append("--ignore-n")
+    if delay:
+        cmd += ["--delay", str(delay)]
+    log = _log_file("scripted")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc.log_file = log  # type: ignore[attr-defined]
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/__stats", proc, timeout=20)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc
+
+
+def scripted_stats(port: int) -> dict[str, int]:
+    """The scripted server's counters."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/__stats", timeout=5) as resp:
+        stats: dict[str, int] = json.loads(resp.read())
+    return stats
+
+
+def start_serve(policy: Path, spec: Path, port: int, *, extra: list[str] | None = None,
+                env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """``iapo-gym serve`` (this checkout's code) on 127.0.0.1:port, ready to answer."""
+    root = str(HERE.parent)
+    cmd = [sys.executable, "-m", "iapo_gym.cli", "serve", str(policy), "--upstream", str(spec), "--port", str(port),
+           *(extra or [])]
+    full_env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    full_env.pop("OPENAI_BASE_URL", None)
+    log = _log_file("serve")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=root)
+    proc.log_file = log  # type: ignore[attr-defined]
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/health", proc, timeout=60)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc
+
+
+def output(proc: subprocess.Popen[bytes]) -> str:
+    """What a process started here has printed so far."""
+    log = getattr(proc, "log_file", None)
+    if log is None:
+        return ""
+    log.seek(0)
+    return str(log.read().decode(errors="replace"))
