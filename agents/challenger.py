@@ -396,7 +396,6 @@ class AnytimePlugIn(Agent):
     prompts. So ``train_budgets`` reads every budget off one trajectory.
     """
 
-    name = "plugin_anytime"
     anytime = True
 
     def __init__(self, seed: int | None = None, n_min: int = 2, q0: int = 8, growth: float = 1.0,

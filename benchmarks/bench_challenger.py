@@ -187,10 +187,10 @@ def timing(tasks: list[str], budgets: list[int], spec: str, runs: int, seed: int
 
     from agents import make
     from iapo_gym import IAPOEnv
+    from iapo_gym.data import load_task_table
     from iapo_gym.leaderboard.run.runner import build_agent
     from iapo_gym.leaderboard.run.specs import parse_agent_spec
     from iapo_gym.seeding import derive_seed
-    from iapo_gym.tasks import load_task_table
 
     parsed = parse_agent_spec(spec)
     lines = [f"Training time of {parsed.label} / PSST's (mean over {runs} runs per cell, tables and samplers built "
