@@ -218,6 +218,17 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         ns = np.asarray(ns, dtype=np.int64).reshape(-1)
         if prompts.size == 1 and ns.size == 1 and queries is None:
             return self._pull_one(int(prompts[0]), int(ns[0]))
+        queries = self._pull_queries(prompts, ns, queries)
+        rows = np.repeat(prompts * self.table.n_queries + queries, ns)
+        atoms = self._get_sampler().sample(rows, self.np_random)
+        offsets = np.zeros(prompts.size + 1, dtype=np.int64)
+        np.cumsum(ns, out=offsets[1:])
+        self.completions_drawn += int(offsets[-1])
+        return Pulls(prompts, ns, queries, atoms, offsets)
+
+    def _pull_queries(self, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray | None) -> np.ndarray:
+        """Check a batch's prompts and Ns, then its given queries or draw them from the split (one rule for every
+        completion source: the table's sampler here, the endpoint in ``LiveEnv``)."""
         if prompts.shape != ns.shape:
             raise ValueError(f"prompts and ns must have the same length, got {prompts.size} and {ns.size}")
         if prompts.size and (prompts.min() < 0 or prompts.max() >= self.n_prompts):
@@ -228,19 +239,13 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
             raise ValueError(f"N must be in [1, {self.n_max}], got {int(bad)}")
         if queries is None:
             pool = self.queries()
-            queries = pool[self.np_random.integers(pool.size, size=prompts.size)]
-        else:
-            queries = np.asarray(queries, dtype=np.int64).reshape(-1)
-            if queries.shape != prompts.shape:
-                raise ValueError(f"queries must have one entry per pull ({prompts.size}), got {queries.size}")
-            if queries.size and (queries.min() < 0 or queries.max() >= self.table.n_queries):
-                raise ValueError(f"query indices must be in [0, {self.table.n_queries - 1}]")
-        rows = np.repeat(prompts * self.table.n_queries + queries, ns)
-        atoms = self._get_sampler().sample(rows, self.np_random)
-        offsets = np.zeros(prompts.size + 1, dtype=np.int64)
-        np.cumsum(ns, out=offsets[1:])
-        self.completions_drawn += int(offsets[-1])
-        return Pulls(prompts, ns, queries, atoms, offsets)
+            return pool[self.np_random.integers(pool.size, size=prompts.size)]
+        queries = np.asarray(queries, dtype=np.int64).reshape(-1)
+        if queries.shape != prompts.shape:
+            raise ValueError(f"queries must have one entry per pull ({prompts.size}), got {queries.size}")
+        if queries.size and (queries.min() < 0 or queries.max() >= self.table.n_queries):
+            raise ValueError(f"query indices must be in [0, {self.table.n_queries - 1}]")
+        return queries
 
     def _pull_one(self, prompt: int, n: int) -> Pulls:
         """``pull`` for a single pull without the batch bookkeeping (draws as ``pull_one``)."""
