@@ -4,7 +4,7 @@
 with ``train(env, budget) -> policy`` is an agent too (see ``examples/custom_agent.py``).
 """
 
-from agents.base import REGISTRY, Agent, AgentLike, available, make, register
+from agents.base import REGISTRY, Agent, AgentLike, AnytimeAgent, available, make, register, register_entry_points
 
 # One module per agent family; variants are the same class with other defaults.
 register("psst", "agents.psst:PSST")
@@ -25,5 +25,6 @@ register("plugin_halving", "agents.challenger:PlugInHalving")
 register("plugin_anytime", "agents.challenger:AnytimePlugIn")
 #: The recommended agent: the strongest measured one (docs/agents.md, "auto").
 register("auto", "agents.challenger:PlugInHalving")
+register_entry_points()  # third-party agents (entry-point group ``iapo_gym.agents``)
 
-__all__ = ["REGISTRY", "Agent", "AgentLike", "available", "make", "register"]
+__all__ = ["REGISTRY", "Agent", "AgentLike", "AnytimeAgent", "available", "make", "register"]

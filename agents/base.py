@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import warnings
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from iapo_gym import IAPOEnv, Policy
+from iapo_gym import IAPOEnv, Policy, base_env
 from iapo_gym.policy import PolicyLike
 
 
@@ -21,14 +24,30 @@ class AgentLike(Protocol):
         ...
 
 
+@runtime_checkable
+class AnytimeAgent(AgentLike, Protocol):
+    """An agent that can give every budget's policy from one trajectory (the leaderboard then trains it once).
+
+    ``anytime`` says whether this instance can (e.g. only with ``batch_size=1``); ``train_budgets`` yields
+    (budget, policy) in increasing budget order, each policy bit-identical to a fresh ``train`` at that budget.
+    """
+
+    @property
+    def anytime(self) -> bool:
+        """True when ``train_budgets`` works for this instance."""
+        ...
+
+    def train_budgets(self, env: Any, budgets: Sequence[int]) -> Iterator[tuple[int, PolicyLike]]:
+        """(budget, policy) for each of ``budgets`` in increasing order, from one trajectory."""
+        ...
+
+
 class Agent(ABC):
     """Base class of the built-in agents: a seed for the agent's own draws and ``train``.
 
     The environment's own draws (queries, completions) come from the env's generator,
     seeded with ``env.reset(seed=...)``; the agent's choices come from ``self.rng``.
     """
-
-    name: ClassVar[str] = "agent"
 
     def __init__(self, seed: int | None = None) -> None:
         """``seed`` seeds the agent's generator (None: fresh entropy)."""
@@ -40,16 +59,13 @@ class Agent(ABC):
         """Spend at most ``budget`` completions of ``env`` and return the deployment policy."""
 
     def params(self) -> dict[str, Any]:
-        """The agent's hyper-parameters (recorded with results)."""
+        """The agent's effective hyper-parameters, defaults included."""
         return {}
 
     @staticmethod
     def base_env(env: Any) -> IAPOEnv:
         """The IAPOEnv under any wrappers (its vectorized path lives there)."""
-        base = getattr(env, "unwrapped", env)
-        if not isinstance(base, IAPOEnv):
-            raise TypeError(f"agents train on an IAPOEnv (or a wrapper of one), got {type(base).__name__}")
-        return base
+        return base_env(env, "agents train on")
 
     @staticmethod
     def check_budget(budget: Any) -> int:
@@ -63,9 +79,33 @@ class Agent(ABC):
 REGISTRY: dict[str, tuple[str, dict[str, Any]]] = {}
 
 
+#: The package entry-point group through which other distributions register agents (as Gymnasium's
+#: ``gymnasium.envs``): ``[options.entry_points] iapo_gym.agents = my_agent = mypkg.module:MyAgent``.
+ENTRY_POINT_GROUP = "iapo_gym.agents"
+
+
 def register(name: str, entry_point: str, **defaults: Any) -> None:
-    """Register an agent under ``name``: a class path plus default parameters (variants by kwargs)."""
+    """Register an agent under ``name``: a class path plus default parameters (variants by kwargs).
+
+    A name is registered once: registering a taken name is a ValueError naming what holds it.
+    """
+    if name in REGISTRY:
+        raise ValueError(f"agent name {name!r} is already registered (to {REGISTRY[name][0]!r}); choose another name")
     REGISTRY[name] = (entry_point, dict(defaults))
+
+
+def register_entry_points() -> None:
+    """Register the agents other installed distributions declare in the ``iapo_gym.agents`` entry-point group.
+
+    Called when ``agents`` is imported, so every process (also spawned and Dask workers) sees them. One that
+    would take a name already registered is skipped with a warning naming its distribution.
+    """
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            register(ep.name, ep.value)
+        except ValueError as exc:
+            dist = getattr(getattr(ep, "dist", None), "name", "an installed distribution")
+            warnings.warn(f"{dist}: entry point {ep.name} = {ep.value} not registered: {exc}", stacklevel=2)
 
 
 def load_class(entry_point: str) -> type:

@@ -30,7 +30,6 @@ def _check_reuse(reuse: Any) -> None:
 class RandomAgent(Agent):
     """A uniformly random arm per context (the agent's own generator); spends nothing."""
 
-    name = "random"
 
     def train(self, env: Any, budget: int) -> Policy:
         """Ignore the budget and return one uniformly random arm (p, N) per context."""
@@ -50,7 +49,6 @@ class Uniform(Agent):
     P N_max is spent entirely that way. Returns the best estimate per context.
     """
 
-    name = "uniform"
 
     def __init__(self, seed: int | None = None, reuse: Reuse = "blocks") -> None:
         """``reuse``: how the estimator reads nested scales ("blocks" or "all_subsets")."""
@@ -59,7 +57,7 @@ class Uniform(Agent):
         self.reuse: Reuse = reuse
 
     def params(self) -> dict[str, Any]:
-        """Hyper-parameters recorded with results."""
+        """The effective hyper-parameters, defaults included."""
         return {"reuse": self.reuse}
 
     def train(self, env: Any, budget: int) -> Policy:
@@ -100,7 +98,7 @@ class _Sequential(Agent):
         self.batch_size = int(batch_size)
 
     def params(self) -> dict[str, Any]:
-        """Hyper-parameters recorded with results."""
+        """The effective hyper-parameters, defaults included."""
         return {"reuse": self.reuse, "batch_size": self.batch_size}
 
     @abstractmethod
@@ -188,11 +186,8 @@ class _Sequential(Agent):
                     c = int(self.rng.integers(n_contexts))  # the same draw as size=1, 4x cheaper
                     arm = self.choose(means[c], counts[c], feasible)
                     p, n = divmod(arm, n_max)
-                    if run.lean:  # what pull draws, without a Pulls object
-                        query, atoms = base.pull_one(p, n + 1)
-                        est.update_one(p, n + 1, query, atoms)
-                    else:
-                        est.update(base.pull(np.array([p]), np.array([n + 1])))
+                    query, atoms = base.pull_one(p, n + 1)  # what pull draws, without a Pulls object
+                    est.update_one(p, n + 1, query, atoms)
                     run.spent += n + 1
                     touched = slice(arm - n, arm + 1)  # arms (p, 1..N)
                     means[:, touched] = sums[:, touched] / counts[:, touched]
@@ -222,17 +217,12 @@ class _Trajectory:
         self.sums = self.est.sums.reshape(base.n_contexts, -1)  # views: updated with the estimator
         self.counts = self.est.counts.reshape(base.n_contexts, -1)
         self.spent = 0
-        # The Pulls-free step, unless a subclass of the env intercepts pull but not pull_one.
-        self.lean = type(base).pull is IAPOEnv.pull or type(base).pull_one is not IAPOEnv.pull_one
-        # The compiled loop draws what IAPOEnv.pull_one draws and accounts through record_draws.
-        env_cls = type(base)
+        # The compiled loop draws what IAPOEnv.pull_one draws from the table and accounts through record_draws.
         rule = agent.jit_rule()
         self.compiled = rule if (
-            _jit.enabled() and rule is not None and agent.batch_size == 1 and agent.reuse == "blocks" and self.lean
-            and base.n_max <= _jit.MAX_N
-            and type(self.est).task_sums is Estimator.task_sums
-            and env_cls._draw_one is IAPOEnv._draw_one and env_cls._get_sampler is IAPOEnv._get_sampler
-            and (env_cls.pull_one is IAPOEnv.pull_one or env_cls.record_draws is not IAPOEnv.record_draws)) else None
+            _jit.enabled() and rule is not None and agent.batch_size == 1 and agent.reuse == "blocks"
+            and base.draws_from_table and base.n_max <= _jit.MAX_N
+            and type(self.est).task_sums is Estimator.task_sums) else None
         self.tables: tuple[Any, ...] = ()
         if self.compiled is not None:
             table, sampler = base.table, base.sampler
@@ -258,7 +248,6 @@ class EpsilonGreedy(_Sequential):
     """A random context each step; its greedy arm w.p. 1 - epsilon, else a uniformly random
     feasible arm. Unsampled arms count as 0 (the reference code's convention)."""
 
-    name = "epsilon_greedy"
 
     def __init__(self, seed: int | None = None, epsilon: float = 0.15, reuse: Reuse = "blocks",
                  batch_size: int = 1) -> None:
@@ -269,7 +258,7 @@ class EpsilonGreedy(_Sequential):
         self.epsilon = float(epsilon)
 
     def params(self) -> dict[str, Any]:
-        """Hyper-parameters recorded with results."""
+        """The effective hyper-parameters, defaults included."""
         return {"epsilon": self.epsilon, **super().params()}
 
     def choose(self, means: np.ndarray, counts: np.ndarray, feasible: np.ndarray | None) -> int:
@@ -293,7 +282,6 @@ class Softmax(_Sequential):
     0.05 below the best is e times less likely. Unsampled arms count as 0.
     """
 
-    name = "softmax"
 
     def __init__(self, seed: int | None = None, temperature: float = 0.05, reuse: Reuse = "blocks",
                  batch_size: int = 1) -> None:
@@ -304,7 +292,7 @@ class Softmax(_Sequential):
         self.temperature = float(temperature)
 
     def params(self) -> dict[str, Any]:
-        """Hyper-parameters recorded with results."""
+        """The effective hyper-parameters, defaults included."""
         return {"temperature": self.temperature, **super().params()}
 
     def choose(self, means: np.ndarray, counts: np.ndarray, feasible: np.ndarray | None) -> int:
@@ -327,7 +315,6 @@ class UCB(_Sequential):
     samples included, as in the reference code); unsampled arms come first (ties at random).
     """
 
-    name = "ucb"
 
     def __init__(self, seed: int | None = None, c: float = 0.1, reuse: Reuse = "blocks", batch_size: int = 1) -> None:
         """``c`` is the exploration constant (paper: 0.1)."""
@@ -337,7 +324,7 @@ class UCB(_Sequential):
         self.c = float(c)
 
     def params(self) -> dict[str, Any]:
-        """Hyper-parameters recorded with results."""
+        """The effective hyper-parameters, defaults included."""
         return {"c": self.c, **super().params()}
 
     def choose(self, means: np.ndarray, counts: np.ndarray, feasible: np.ndarray | None) -> int:

@@ -90,14 +90,13 @@ def common_query_rounds(env: Any, est: Estimator, alive: np.ndarray, budget: int
 class CommonQueryPSST(PSST):
     """PSST whose rounds pull every live prompt on the same train queries (without replacement)."""
 
-    name = "psst_cq"
 
     def __init__(self, seed: int | None = None, reuse: str = "blocks") -> None:
         """``reuse``: the shared estimator's scale reuse ("blocks" or "all_subsets")."""
         super().__init__(seed, reuse=reuse)  # type: ignore[arg-type]
 
     def params(self) -> dict[str, Any]:
-        """Hyper-parameters recorded with results."""
+        """The effective hyper-parameters, defaults included."""
         return {"reuse": self.reuse}
 
     def train(self, env: Any, budget: int) -> Any:
@@ -310,7 +309,6 @@ class PlugInHalving(Agent):
     the env draw every pull's query independently instead.
     """
 
-    name = "plugin_halving"
 
     def __init__(self, seed: int | None = None, m_min: int = 8, alpha: float = 4.0, keep_last: int = 1,
                  common: bool = True) -> None:
@@ -327,7 +325,7 @@ class PlugInHalving(Agent):
         self.common = bool(common)
 
     def params(self) -> dict[str, Any]:
-        """Hyper-parameters recorded with results."""
+        """The effective hyper-parameters, defaults included."""
         return {"m_min": self.m_min, "alpha": self.alpha, "keep_last": self.keep_last, "common": self.common}
 
     def train(self, env: Any, budget: int) -> Policy:
@@ -398,7 +396,6 @@ class AnytimePlugIn(Agent):
     prompts. So ``train_budgets`` reads every budget off one trajectory.
     """
 
-    name = "plugin_anytime"
     anytime = True
 
     def __init__(self, seed: int | None = None, n_min: int = 2, q0: int = 8, growth: float = 1.0,

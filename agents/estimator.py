@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from iapo_gym import IAPOEnv, Policy, Pulls
+from iapo_gym import Policy, Pulls, base_env
 from iapo_gym.utility import mv_credit, vote_credit_series
 
 Reuse = Literal["blocks", "all_subsets"]
@@ -96,9 +96,7 @@ class Estimator:
         """Bind to ``env`` (an IAPOEnv or a wrapper) and pick the scale ``reuse`` mode."""
         if reuse not in REUSE_MODES:
             raise ValueError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
-        base = getattr(env, "unwrapped", env)
-        if not isinstance(base, IAPOEnv):
-            raise TypeError(f"Estimator needs an IAPOEnv (or a wrapper of one), got {type(base).__name__}")
+        base = base_env(env, "Estimator needs")
         self.env = base
         self.reuse = reuse
         table = base.table

@@ -146,11 +146,10 @@ def _check_choice(name: str, value: Any, options: tuple[str, ...]) -> None:
 class PSST(Agent):
     """Prompt Scaling via Sequential Trimming (paper Algorithm 1) with the shared estimator.
 
-    ``reuse``: "blocks" (paper) or "all_subsets" (issue 7); ``stockpile`` keeps earlier
+    ``reuse``: "blocks" (paper) or "all_subsets" (all-subset reuse, docs/estimator.md); ``stockpile`` keeps earlier
     rounds' samples (default, as the paper recommends); ``leftover``: "carry" or "drop".
     """
 
-    name = "psst"
 
     def __init__(self, seed: int | None = None, reuse: Reuse = "blocks", stockpile: bool = True,
                  leftover: str = "carry") -> None:
@@ -163,7 +162,7 @@ class PSST(Agent):
         self.leftover = leftover
 
     def params(self) -> dict[str, Any]:
-        """Hyper-parameters recorded with results."""
+        """The effective hyper-parameters, defaults included."""
         return {"reuse": self.reuse, "stockpile": self.stockpile, "leftover": self.leftover}
 
     def make_estimator(self, env: Any) -> Estimator:
@@ -189,17 +188,17 @@ class PSSTTopK(PSST):
     """PSST after Top-K screening: floor(rho T) completions at N = 1 spread evenly over the
     prompts, the K best prompts kept per context, PSST on those with the rest."""
 
-    name = "psst_topk"
 
     def __init__(self, seed: int | None = None, k: int = 4, rho: float = 0.2, reuse: Reuse = "blocks",
                  stockpile: bool = True, leftover: str = "carry", K: int | None = None) -> None:  # noqa: N803
         """``k`` prompts kept per context after screening with a ``rho`` fraction of the budget.
 
-        ``K`` is accepted as the paper's spelling of ``k`` (``psst_topk:K=4,rho=0.2``).
+        One spelling per parameter, so one agent has one result key: the paper's ``K`` is refused
+        with a ValueError saying to write ``k``.
         """
-        super().__init__(seed, reuse=reuse, stockpile=stockpile, leftover=leftover)
         if K is not None:
-            k = K
+            raise ValueError(f"psst_topk takes k (prompts kept per context), not K: write k={K!r}")
+        super().__init__(seed, reuse=reuse, stockpile=stockpile, leftover=leftover)
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be an integer >= 1, got {k!r}")
         if not 0.0 <= float(rho) < 1.0:
@@ -208,7 +207,7 @@ class PSSTTopK(PSST):
         self.rho = float(rho)
 
     def params(self) -> dict[str, Any]:
-        """Hyper-parameters recorded with results."""
+        """The effective hyper-parameters, defaults included."""
         return {"k": self.k, "rho": self.rho, **super().params()}
 
     def _initial_arms(self, env: Any, est: Estimator, budget: int) -> tuple[np.ndarray, int]:

@@ -82,8 +82,6 @@ class SB3Agent(Agent):
     generator as the caller seeded it.
     """
 
-    name = "sb3"
-
     def __init__(self, seed: int | None = None, algo: str = "PPO", action: str | None = None,
                  one_hot: bool = False, net_arch: tuple[int, ...] | list[int] = (64,),
                  algo_kwargs: dict[str, Any] | None = None, torch_threads: int = 1) -> None:
@@ -118,7 +116,7 @@ class SB3Agent(Agent):
         import_sb3()  # fail at construction, with the install hint, not mid-sweep
 
     def params(self) -> dict[str, Any]:
-        """Hyper-parameters as recorded with results."""
+        """The effective hyper-parameters, defaults included."""
         return {"algo": self.algo, "action": self.action, "one_hot": self.one_hot, "net_arch": list(self.net_arch),
                 "algo_kwargs": dict(self.algo_kwargs), "torch_threads": self.torch_threads}
 

@@ -26,7 +26,6 @@ class SequentialHalving(Agent):
     random), while they fit b_c. Trimming and the round budget b_c follow PSST's rules.
     """
 
-    name = "sequential_halving"
 
     def __init__(self, seed: int | None = None, leftover: str = "carry") -> None:
         """``leftover``: "carry" or "drop" (as for PSST)."""
@@ -36,7 +35,7 @@ class SequentialHalving(Agent):
         self.leftover = leftover
 
     def params(self) -> dict[str, Any]:
-        """Hyper-parameters recorded with results."""
+        """The effective hyper-parameters, defaults included."""
         return {"leftover": self.leftover}
 
     def train(self, env: Any, budget: int) -> Policy:

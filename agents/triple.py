@@ -27,7 +27,6 @@ N_MODES = ("one", "random")
 class Triple(Agent):
     """Contextual TRIPLE-SH over prompts with N fixed to 1 or drawn uniformly per query."""
 
-    name = "triple"
 
     def __init__(self, seed: int | None = None, n_mode: str = "one", leftover: str = "carry") -> None:
         """``n_mode``: "one" or "random"; ``leftover``: budget rule shared with PSST."""
@@ -40,7 +39,7 @@ class Triple(Agent):
         self.leftover = leftover
 
     def params(self) -> dict[str, Any]:
-        """Hyper-parameters recorded with results."""
+        """The effective hyper-parameters, defaults included."""
         return {"n_mode": self.n_mode, "leftover": self.leftover}
 
     def _round_pulls(self, live: np.ndarray, b: int, n_max: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,4 @@
-"""Benchmark of the built-in agents on the official MATH table (issue 4) and of the estimator (issue 7).
+"""Benchmark of the built-in agents on the official MATH table and of the estimator.
 
 Parts (``--part``):
 

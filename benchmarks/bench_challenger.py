@@ -37,9 +37,9 @@ import numpy as np
 from regret_plot import plot_regret
 
 from iapo_gym.cli import main as cli_main
-from iapo_gym.leaderboard.specs import PAPER_BUDGETS
-from iapo_gym.leaderboard.stats import adjust_pvalues, mean_sem, paired_test
-from iapo_gym.leaderboard.store import ResultStore
+from iapo_gym.leaderboard.report.stats import adjust_pvalues, mean_sem, paired_test
+from iapo_gym.leaderboard.run.specs import PAPER_BUDGETS
+from iapo_gym.leaderboard.run.store import ResultStore
 
 PSST, TOPK = "psst", "psst+K4"
 BASELINES = (PSST, f"psst_topk:k=4,rho=0.2@{TOPK}")
@@ -187,10 +187,10 @@ def timing(tasks: list[str], budgets: list[int], spec: str, runs: int, seed: int
 
     from agents import make
     from iapo_gym import IAPOEnv
-    from iapo_gym.leaderboard.runner import build_agent
-    from iapo_gym.leaderboard.specs import parse_agent_spec
+    from iapo_gym.data import load_task_table
+    from iapo_gym.leaderboard.run.runner import build_agent
+    from iapo_gym.leaderboard.run.specs import parse_agent_spec
     from iapo_gym.seeding import derive_seed
-    from iapo_gym.tasks import load_task_table
 
     parsed = parse_agent_spec(spec)
     lines = [f"Training time of {parsed.label} / PSST's (mean over {runs} runs per cell, tables and samplers built "
@@ -248,7 +248,7 @@ def versus_table(cells: Cells, label: str, other: str) -> str:
 def check_auto(spec: str) -> None:
     """Say whether the registered ``auto`` is the chosen spec (the same class and parameters)."""
     from agents import make
-    from iapo_gym.leaderboard.specs import parse_agent_spec
+    from iapo_gym.leaderboard.run.specs import parse_agent_spec
 
     parsed = parse_agent_spec(spec)
     chosen, auto = make(parsed.name, **parsed.params), make("auto")

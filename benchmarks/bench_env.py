@@ -13,8 +13,9 @@ import time
 
 import numpy as np
 
+from iapo_gym.data import MissingTableError, load_task_table
 from iapo_gym.env import IAPOEnv
-from iapo_gym.tasks import TASKS, MissingTableError, load_task_table
+from iapo_gym.tasks import TASKS
 
 
 def best_of(repeats: int, fn) -> float:

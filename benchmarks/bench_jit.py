@@ -1,4 +1,4 @@
-"""Benchmark of the optional numba loop of the sequential baselines (issue 11): numpy path vs JIT path.
+"""Benchmark of the optional numba loop of the sequential baselines: numpy path vs JIT path.
 
 For every task (MATH from ``IAPO_GYM_DATA`` or ``--release``, Synthetic-Bernoulli, Synthetic-
 Categorical) and each of softmax, epsilon-greedy and UCB: the median training time at T =

@@ -21,9 +21,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from iapo_gym.leaderboard.runner import run_sweep
-from iapo_gym.leaderboard.specs import PAPER_AGENTS, PAPER_BUDGETS, PAPER_RUNS, parse_agent_spec, resolve_task, task_available
-from iapo_gym.leaderboard.store import ResultStore
+from iapo_gym.leaderboard.run.runner import run_sweep
+from iapo_gym.leaderboard.run.specs import PAPER_AGENTS, PAPER_BUDGETS, PAPER_RUNS, parse_agent_spec, resolve_task, task_available
+from iapo_gym.leaderboard.run.store import ResultStore
 from iapo_gym.tasks import TASKS
 
 

@@ -1,4 +1,4 @@
-"""Issue 7: all-subset (Rao-Blackwellized) reuse against the paper's blocks, paired per run.
+"""All-subset (Rao-Blackwellized) reuse against the paper's blocks, paired per run.
 
 Runs (or resumes) a leaderboard sweep of ``psst`` (blocks), ``psst_rb`` (all subsets) and
 ``psst_query_oracle`` (``rb_ceiling.py``: every sample is the exact conditional mean given the
@@ -23,8 +23,8 @@ import numpy as np
 from regret_plot import plot_regret
 
 from iapo_gym.cli import main as cli_main
-from iapo_gym.leaderboard.stats import adjust_pvalues, mean_sem, paired_test
-from iapo_gym.leaderboard.store import ResultStore
+from iapo_gym.leaderboard.report.stats import adjust_pvalues, mean_sem, paired_test
+from iapo_gym.leaderboard.run.store import ResultStore
 
 BLOCKS, RB, CEILING = "psst", "psst_rb", "psst_query_oracle"
 #: PSST (blocks), PSST with all-subset reuse, and the no-completion-noise ceiling (rb_ceiling.py).

@@ -1,4 +1,4 @@
-"""A measuring stick for issue 7: PSST whose samples carry no completion noise at all.
+"""A measuring stick for all-subset reuse: PSST whose samples carry no completion noise at all.
 
 ``QueryOraclePSST`` is PSST unchanged except for how a pull is read: a pull of (p, N) on query
 x counts, at every scale k <= N, as floor(N / k) samples of value R_x(p, k), the *exact*
@@ -25,7 +25,7 @@ import numpy as np
 from agents.estimator import Estimator
 from agents.psst import PSST
 from iapo_gym import Pulls
-from iapo_gym.utility import expected_task_reward
+from iapo_gym.exact import exact_reward
 
 
 class QueryOracleEstimator(Estimator):
@@ -35,11 +35,12 @@ class QueryOracleEstimator(Estimator):
         """Bind to ``env`` and to its table's exact per-query expected task utilities."""
         super().__init__(env, reuse="blocks")
         table = self.env.table
-        self._exact = expected_task_reward(table)  # (C', P, Q, N_max), cached on the table
+        exact = exact_reward(table)
+        self._exact = exact.reward  # (C', P, Q, N_max), kept on the table
         if table.aggregator == "mv":  # one row, scaled by each context's w_1
             self._row, self._scale = np.zeros(self.n_contexts, np.int64), self._weights[:, :1]
         else:  # one row per distinct objective weighting, weights included
-            self._row, self._scale = table._cache["task_reward_context_index"], np.ones((self.n_contexts, 1))
+            self._row, self._scale = exact.rows(self.n_contexts), np.ones((self.n_contexts, 1))
 
     def task_sums(self, pulls: Pulls, pull_idx: np.ndarray, ks: np.ndarray, n_blocks: np.ndarray) -> np.ndarray:
         """(C, pairs): n_blocks * R_x(p, k) for every context, whatever completions the pull drew."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from iapo_gym.leaderboard.stats import mean_sem
+from iapo_gym.leaderboard.report.stats import mean_sem
 
 #: (task, budget) -> label -> (reference ACRs, ACRs, ...) per run; regret = reference - ACR.
 Cells = Mapping[tuple[str, int], Mapping[str, Sequence[np.ndarray]]]

@@ -11,13 +11,15 @@ from typing import Any
 import gymnasium as gym
 
 from iapo_gym._version import __version__
-from iapo_gym.env import IAPOEnv, Pulls
+from iapo_gym.data import load_task_table
+from iapo_gym.env import IAPOEnv, Pulls, base_env
 from iapo_gym.policy import Policy, PolicyError, PolicyLike
 from iapo_gym.tables import OutcomeTable, TableError, read_metadata, read_table, validate, write_table
-from iapo_gym.tasks import TASKS, get_task, load_task_table
+from iapo_gym.tasks import TASKS, get_task
 
 __all__ = [
-    "IAPOEnv", "OutcomeTable", "Policy", "PolicyError", "Pulls", "TASKS", "TableError", "__version__", "evaluate",
+    "IAPOEnv", "OutcomeTable", "Policy", "PolicyError", "Pulls", "TASKS", "TableError", "__version__", "base_env",
+    "evaluate",
     "get_task", "load_table", "read_metadata", "read_table", "register_envs", "validate", "write_table",
 ]
 
@@ -27,13 +29,6 @@ def load_table(task: str, *, instance: int = 0, path: str | None = None) -> Outc
     return load_task_table(task, instance=instance, path=path)
 
 
-def _unwrap(env: Any) -> IAPOEnv:
-    base = getattr(env, "unwrapped", env)
-    if not isinstance(base, IAPOEnv):
-        raise TypeError(f"expected an IAPOEnv (or a wrapper of one), got {type(base).__name__}")
-    return base
-
-
 def evaluate(policy: PolicyLike, env: Any, split: str = "test", *, method: str = "exact",
              n_samples: int = 10_000, seed: int | None = None) -> float:
     """Average Contextual Return of ``policy`` on ``env``'s ``split``.
@@ -41,7 +36,7 @@ def evaluate(policy: PolicyLike, env: Any, split: str = "test", *, method: str =
     ``method="exact"`` (default) uses the exact oracle; ``"monte_carlo"`` is the paper's
     n-sample estimate (returns only the mean; the env method also gives the standard error).
     """
-    base = _unwrap(env)
+    base = base_env(env)
     if method == "exact":
         return base.evaluate(policy, split)
     if method == "monte_carlo":

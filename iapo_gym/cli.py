@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from iapo_gym._version import __version__
 
 #: Modules that each provide ``add_commands(subparsers)``; parsers set ``func(args) -> int``.
-COMMAND_MODULES = ("iapo_gym.data.cli", "iapo_gym.leaderboard.cli", "iapo_gym.leaderboard.bundle_cli",
-                   "iapo_gym.llm.cli", "iapo_gym.leaderboard.optimize", "iapo_gym.deploy.cli")
+COMMAND_MODULES = ("iapo_gym.data.cli", "iapo_gym.leaderboard.cli", "iapo_gym.llm.cli",
+                   "iapo_gym.leaderboard.optimize", "iapo_gym.deploy.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

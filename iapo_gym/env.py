@@ -78,6 +78,9 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
     """
 
     metadata: dict[str, Any] = {"render_modes": []}
+    #: True when completions are drawn from ``table`` by ``sampler`` (so a compiled agent loop may replicate
+    #: ``pull_one``'s draws and account for them with ``record_draws``); False for a live endpoint.
+    draws_from_table: bool = True
 
     def __init__(self, task: str | None = None, *, table: OutcomeTable | None = None,
                  path: str | None = None, instance: int = 0, split: str = "train") -> None:
@@ -88,7 +91,7 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
             if task is None:
                 table = read_table(str(path))
             else:
-                from iapo_gym.tasks import load_task_table
+                from iapo_gym.data import load_task_table
 
                 table = load_task_table(task, instance=instance, path=path)
         if split not in SPLITS:
@@ -96,7 +99,8 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         self.table = table
         self.split = split
         self.task = table.task
-        self.budget_used = 0
+        self.completions_drawn = 0  # every completion this env has drawn; no reset clears it
+        self._drawn_at_seed = 0  # completions_drawn at the last seeded reset
         n_obj = table.n_objectives + 1
         low = float(min(0.0, table.context_weights.min()))
         high = float(max(0.0, table.context_weights.max()))
@@ -125,6 +129,11 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         return self.table.n_contexts
 
     @property
+    def budget_used(self) -> int:
+        """Completions drawn since the last seeded reset (``info["budget_used"]``; ``completions_drawn`` counts all)."""
+        return self.completions_drawn - self._drawn_at_seed
+
+    @property
     def context(self) -> int:
         """Index of the context drawn by the last ``reset``."""
         return self._context
@@ -141,11 +150,12 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         """Draw a context from the context distribution (``options={"context": c}`` fixes it).
 
         A seeded reset starts the experiment over: the generator is re-seeded and
-        ``budget_used`` returns to 0 (so a seeded rerun is identical, info included).
+        ``budget_used`` returns to 0 (so a seeded rerun is identical, info included);
+        ``completions_drawn``, the env's one completion counter, keeps counting.
         """
         super().reset(seed=seed)
         if seed is not None:
-            self.budget_used = 0
+            self._drawn_at_seed = self.completions_drawn
         if options and "context" in options:
             self._context = _as_index(options["context"], "options['context']", 0, self.n_contexts - 1)
         else:
@@ -208,6 +218,17 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         ns = np.asarray(ns, dtype=np.int64).reshape(-1)
         if prompts.size == 1 and ns.size == 1 and queries is None:
             return self._pull_one(int(prompts[0]), int(ns[0]))
+        queries = self._pull_queries(prompts, ns, queries)
+        rows = np.repeat(prompts * self.table.n_queries + queries, ns)
+        atoms = self._get_sampler().sample(rows, self.np_random)
+        offsets = np.zeros(prompts.size + 1, dtype=np.int64)
+        np.cumsum(ns, out=offsets[1:])
+        self.completions_drawn += int(offsets[-1])
+        return Pulls(prompts, ns, queries, atoms, offsets)
+
+    def _pull_queries(self, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray | None) -> np.ndarray:
+        """Check a batch's prompts and Ns, then its given queries or draw them from the split (one rule for every
+        completion source: the table's sampler here, the endpoint in ``LiveEnv``)."""
         if prompts.shape != ns.shape:
             raise ValueError(f"prompts and ns must have the same length, got {prompts.size} and {ns.size}")
         if prompts.size and (prompts.min() < 0 or prompts.max() >= self.n_prompts):
@@ -218,19 +239,13 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
             raise ValueError(f"N must be in [1, {self.n_max}], got {int(bad)}")
         if queries is None:
             pool = self.queries()
-            queries = pool[self.np_random.integers(pool.size, size=prompts.size)]
-        else:
-            queries = np.asarray(queries, dtype=np.int64).reshape(-1)
-            if queries.shape != prompts.shape:
-                raise ValueError(f"queries must have one entry per pull ({prompts.size}), got {queries.size}")
-            if queries.size and (queries.min() < 0 or queries.max() >= self.table.n_queries):
-                raise ValueError(f"query indices must be in [0, {self.table.n_queries - 1}]")
-        rows = np.repeat(prompts * self.table.n_queries + queries, ns)
-        atoms = self._get_sampler().sample(rows, self.np_random)
-        offsets = np.zeros(prompts.size + 1, dtype=np.int64)
-        np.cumsum(ns, out=offsets[1:])
-        self.budget_used += int(offsets[-1])
-        return Pulls(prompts, ns, queries, atoms, offsets)
+            return pool[self.np_random.integers(pool.size, size=prompts.size)]
+        queries = np.asarray(queries, dtype=np.int64).reshape(-1)
+        if queries.shape != prompts.shape:
+            raise ValueError(f"queries must have one entry per pull ({prompts.size}), got {queries.size}")
+        if queries.size and (queries.min() < 0 or queries.max() >= self.table.n_queries):
+            raise ValueError(f"query indices must be in [0, {self.table.n_queries - 1}]")
+        return queries
 
     def _pull_one(self, prompt: int, n: int) -> Pulls:
         """``pull`` for a single pull without the batch bookkeeping (draws as ``pull_one``)."""
@@ -255,7 +270,7 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         rng = self.np_random
         query = int(pool[rng.integers(pool.size)])
         atoms = self._get_sampler().sample_row(prompt * self.table.n_queries + query, n, rng)
-        self.budget_used += n
+        self.completions_drawn += n
         return query, atoms
 
     @property
@@ -267,25 +282,27 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         """Spend ``completions`` drawn from ``np_random`` by a loop that replicates ``pull_one`` outside it.
 
         Used by the compiled sequential agents (``agents/_jit.py``), which draw exactly what
-        ``pull_one`` draws. A subclass that meters ``pull_one`` must meter here too; agents
-        only bypass an overridden ``pull_one`` when ``record_draws`` is overridden as well.
+        ``pull_one`` draws from the table (only where ``draws_from_table``).
         """
-        self.budget_used += int(completions)
+        self.completions_drawn += int(completions)
 
     def snapshot(self) -> dict[str, Any]:
-        """The env's mutable sampling state (generator state, ``budget_used``), for ``restore``.
+        """The env's mutable sampling state (generator state, ``budget_used``, ``completions_drawn``), for ``restore``.
 
         Lets an anytime agent branch one trajectory into several budgets: restoring a
         snapshot replays exactly the draws that followed it. The current context is not included.
         """
-        return {"rng": self.np_random.bit_generator.state, "budget_used": self.budget_used}
+        return {"rng": self.np_random.bit_generator.state, "budget_used": self.budget_used,
+                "completions_drawn": self.completions_drawn}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         """Return to a state taken by ``snapshot`` (the same draws follow)."""
         if not isinstance(snapshot, dict) or not {"rng", "budget_used"} <= snapshot.keys():
             raise ValueError(f"restore takes a dict from snapshot() with keys 'rng' and 'budget_used', got {snapshot!r}"[:300])
         self.np_random.bit_generator.state = snapshot["rng"]
-        self.budget_used = int(snapshot["budget_used"])
+        drawn = snapshot.get("completions_drawn", self._drawn_at_seed + int(snapshot["budget_used"]))
+        self.completions_drawn = int(drawn)
+        self._drawn_at_seed = self.completions_drawn - int(snapshot["budget_used"])
 
     def utilities(self, pulls: Pulls) -> np.ndarray:
         """Utilities (C, n) of every pull under every context (the paper's cross-context reuse)."""
@@ -332,3 +349,11 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
                              seed: int | None = None) -> tuple[float, float]:
         """The paper's n-sample ACR estimate (mean, standard error), from its own seeded generator."""
         return monte_carlo_acr(self.table, policy, self.queries(split), n_samples, np.random.default_rng(seed))
+
+
+def base_env(env: Any, needs: str = "expected") -> IAPOEnv:
+    """The IAPOEnv under any wrappers; else a TypeError: "``needs`` an IAPOEnv (or a wrapper of one), got ..."."""
+    base = getattr(env, "unwrapped", env)
+    if not isinstance(base, IAPOEnv):
+        raise TypeError(f"{needs} an IAPOEnv (or a wrapper of one), got {type(base).__name__}")
+    return base

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from iapo_gym.exact import stored
 from iapo_gym.policy import Policy, PolicyLike
 from iapo_gym.tables import OutcomeTable
 from iapo_gym.utility import block_utilities, expected_arm_reward, mean_task_reward
@@ -69,7 +70,7 @@ def exact_acr(table: OutcomeTable, policy: PolicyLike, queries: np.ndarray | Non
     over that tensor; otherwise only the policy's C arms are computed, never the whole Q-table.
     """
     arms = policy_arms(policy, table)
-    if "task_reward" in table._cache:
+    if stored(table) is not None:
         return acr_from_q(q_table(table, queries), arms, table.context_probs)
     if queries is None:
         queries = np.arange(table.n_queries)

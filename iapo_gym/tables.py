@@ -9,7 +9,6 @@ and the agents know about a task comes from here; the schema is documented in
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 import warnings
@@ -22,13 +21,12 @@ from typing import Any, Literal
 import h5py  # every environment reads a table file; imported with the package, not on the first gym.make
 import numpy as np
 
+from iapo_gym.exact import EXACT_VERSION, ExactReward, attach, exact_digest, exact_reward, stored, task_reward_fits
+
 SCHEMA_VERSION = 2
 #: Schema versions this release can read (Minari's ``supported_dataset_versions``).
 #: Version 1 files lack the stored exact tensor (group ``exact``); it is computed on first use.
 SUPPORTED_SCHEMA_VERSIONS = (1, 2)
-#: Version of the exact expected-task-reward computation stored in ``exact``; bump it when
-#: ``iapo_gym.utility.expected_task_reward`` changes its values, so stored tensors are recomputed.
-EXACT_VERSION = 1
 PROB_TOLERANCE = 1e-6
 AGGREGATORS = ("bon", "mv")
 #: Refuse table files whose datasets' declared sizes add up past this, before reading any array:
@@ -249,36 +247,16 @@ def validate(table: OutcomeTable, where: str = "table") -> None:
 
 
 # ---- HDF5 ------------------------------------------------------------------------------
-def exact_digest(table: OutcomeTable) -> str:
-    """sha256 of every array the exact task-reward tensor is computed from (probs, atoms/gold, objective weights)."""
-    h = hashlib.sha256()
-    h.update(f"{table.aggregator};{table.n_max};{EXACT_VERSION};{table.probs.shape}".encode())
-    arrays = [table.probs]
-    if table.aggregator == "bon":
-        assert table.atoms is not None
-        arrays += [table.atoms, np.ascontiguousarray(table.context_weights[:, :-1])]
-    else:
-        assert table.gold is not None
-        arrays.append(table.gold)
-    for a in arrays:
-        h.update(str(a.shape).encode())
-        h.update(np.ascontiguousarray(a).data)
-    return h.hexdigest()
-
-
 def write_table(table: OutcomeTable, path: str | os.PathLike[str], *, exact: bool = True) -> Path:
     """Write ``table`` to ``path`` atomically: a temporary file in the same folder, then rename.
 
     With ``exact`` (default) the exact expected task-reward tensor is stored too (group ``exact``,
     with its digest), so a fresh process evaluates without recomputing it; not when it exceeds
-    ``iapo_gym.utility.TENSOR_LIMIT_BYTES`` (then ``q_table`` streams it per use).
+    ``iapo_gym.exact.TENSOR_LIMIT_BYTES`` (then ``q_table`` streams it per use).
     """
-    if exact:
-        from iapo_gym.utility import expected_task_reward, task_reward_fits
-
-        exact = "task_reward" in table._cache or task_reward_fits(table)  # too large: computed per use, streamed
-    if exact:
-        reward = expected_task_reward(table)
+    tensor: ExactReward | None = None
+    if exact and (stored(table) is not None or task_reward_fits(table)):  # too large: computed per use, streamed
+        tensor = exact_reward(table)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -307,13 +285,13 @@ def write_table(table: OutcomeTable, path: str | os.PathLike[str], *, exact: boo
                 f.create_dataset("gold", data=table.gold)
             if table.split is not None:
                 f.create_dataset("split", data=table.split)
-            if exact:
+            if tensor is not None:
                 e = f.create_group("exact")
                 e.attrs["version"] = EXACT_VERSION
                 e.attrs["digest"] = exact_digest(table)
-                e.create_dataset("task_reward", data=reward)
-                if "task_reward_context_index" in table._cache:
-                    e.create_dataset("context_index", data=table._cache["task_reward_context_index"])
+                e.create_dataset("task_reward", data=tensor.reward)
+                if tensor.context_index is not None:
+                    e.create_dataset("context_index", data=tensor.context_index)
             f.flush()
         umask = os.umask(0)
         os.umask(umask)
@@ -525,10 +503,7 @@ def _attach_exact(table: OutcomeTable, path: Path, version: int, digest: str, re
                       f"Rewrite the file (e.g. `iapo-gym data fetch TASK --force`) to store them again.",
                       TableWarning, stacklevel=3)
         return
-    reward.setflags(write=False)
-    table._cache["task_reward"] = reward
-    if index is not None:
-        table._cache["task_reward_context_index"] = np.asarray(index, dtype=np.int64)
+    attach(table, ExactReward(reward, None if index is None else np.asarray(index, dtype=np.int64)))
 
 
 class TableWarning(UserWarning):

@@ -18,7 +18,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from iapo_gym.env import IAPOEnv
+from iapo_gym.env import IAPOEnv, base_env
 
 __all__ = ["ACTION_KINDS", "CompletionBudget", "ContextOneHot", "FlattenArm", "MultiDiscreteArm", "PadOutcomes",
            "flatten_env"]
@@ -28,10 +28,7 @@ ACTION_KINDS = ("discrete", "multidiscrete")
 
 
 def _iapo_base(env: gym.Env[Any, Any]) -> IAPOEnv:
-    base = env.unwrapped
-    if not isinstance(base, IAPOEnv):
-        raise TypeError(f"iapo_gym wrappers wrap an IAPOEnv (or a wrapper of one), got {type(base).__name__}")
-    return base
+    return base_env(env, "iapo_gym wrappers wrap")
 
 
 def _arm_space(env: gym.Env[Any, Any]) -> tuple[int, int]:

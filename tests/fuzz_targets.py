@@ -478,8 +478,8 @@ UNSAFE_NAMES = ["../results.jsonl", "/etc/manifest.json", "a/../../tasks.jsonl",
 @functools.cache
 def bundle_members() -> tuple[tuple[str, bytes], ...]:
     """A valid bundle's members, built by bundle.py's own manifest builder from hand-made runs."""
-    from iapo_gym.leaderboard import bundle as b
-    from iapo_gym.leaderboard.store import RunResult, TaskInfo
+    from iapo_gym.leaderboard.run.store import RunResult, TaskInfo
+    from iapo_gym.leaderboard.submit import bundle as b
 
     digest = hashlib.sha256(b"tiny table").hexdigest()
     results, tasks = [], []
@@ -633,8 +633,8 @@ def bundle_seeds(kind: str) -> list[bytes]:
 
 def parse_bundle(path: Path, out: Path) -> object:
     """read_bundle, then merge it (alone) into a new results folder."""
-    from iapo_gym.leaderboard.bundle import read_bundle
-    from iapo_gym.leaderboard.merge import merge
+    from iapo_gym.leaderboard.submit.bundle import read_bundle
+    from iapo_gym.leaderboard.submit.merge import merge
 
     read_bundle(path)
     return merge([path], out / "merged")
@@ -898,8 +898,8 @@ def _register_all() -> None:
     from iapo_gym.data.build import LogFormatError
     from iapo_gym.data.release import ReleaseError
     from iapo_gym.deploy import PolicyFileError
-    from iapo_gym.leaderboard.bundle import BundleError
-    from iapo_gym.leaderboard.merge import MergeError
+    from iapo_gym.leaderboard.submit.bundle import BundleError
+    from iapo_gym.leaderboard.submit.merge import MergeError
     from iapo_gym.llm.spec import SpecError
     from iapo_gym.policy import PolicyError
     from iapo_gym.tables import TableError

@@ -135,6 +135,38 @@ def test_registry_params_and_errors() -> None:
         agents.make("psst").train(env, -5)
 
 
+def test_registry_refuses_a_taken_name_and_topk_one_spelling() -> None:
+    entry = agents.REGISTRY["psst"]
+    with pytest.raises(ValueError, match="'psst' is already registered.*agents.psst:PSST"):
+        agents.register("psst", "tests.leaderboard_toy_agents:Greedy")
+    assert agents.REGISTRY["psst"] == entry
+    with pytest.raises(ValueError, match="not K: write k=4"):
+        agents.make("psst_topk", K=4)
+    assert agents.make("psst_topk", k=3).params()["k"] == 3
+
+
+def test_agents_of_other_distributions_register_through_the_entry_point_group(tmp_path: Path) -> None:
+    """A distribution declaring ``iapo_gym.agents`` entry points: a fresh process (as a spawned worker) sees
+    its agent; one that would take a built-in name is skipped with a warning."""
+    import subprocess
+    import sys
+
+    dist = tmp_path / "toy_agents-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-agents\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[iapo_gym.agents]\ntoy_greedy = tests.leaderboard_toy_agents:Greedy\n"
+                                           "psst = tests.leaderboard_toy_agents:Greedy\n")
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "import agents\n"
+            "print(agents.REGISTRY['toy_greedy'][0], agents.REGISTRY['psst'][0], type(agents.make('toy_greedy')).__name__)")
+    root = Path(__file__).resolve().parents[1]
+    env = {"PYTHONPATH": f"{tmp_path}{__import__('os').pathsep}{root}", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["tests.leaderboard_toy_agents:Greedy", "agents.psst:PSST", "Greedy"]
+    assert "toy-agents: entry point psst = tests.leaderboard_toy_agents:Greedy not registered" in done.stderr
+
+
 def test_trim_halves_each_context_and_ranks_unseen_last() -> None:
     rng = np.random.default_rng(0)
     alive = np.array([[True] * 5 + [False], [True] + [False] * 5, [True] * 6])

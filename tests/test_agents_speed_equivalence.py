@@ -155,34 +155,18 @@ def test_update_one_refuses_subset_reuse() -> None:
         Estimator(env, "all_subsets").update_one(0, 4, query, atoms)
 
 
-@pytest.mark.parametrize("name", ["softmax", "epsilon_greedy", "ucb"])
-def test_env_subclasses_see_every_draw(name: str) -> None:
-    from iapo_gym.leaderboard.runner import MeteredEnv
-
-    class CountingEnv(IAPOEnv):  # intercepts pull only: the agents must fall back to it
-        calls = 0
-
-        def pull(self, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray | None = None):  # type: ignore[no-untyped-def]
-            CountingEnv.calls += 1
-            return super().pull(prompts, ns, queries)
-
-    table = tiny_bon_table(seed=3, n_prompts=4, n_max=16)
-    metered, counting, plain = MeteredEnv(table, split="train"), CountingEnv(table=table, split="train"), IAPOEnv(table=table)
-    policies = []
-    for env in (metered, counting, plain):
-        env.reset(seed=1)
-        policies.append(agents.make(name, seed=2).train(env, 400).arms)
-    assert metered.completions_drawn == counting.budget_used == plain.budget_used == 400
-    assert CountingEnv.calls > 10
-    assert policies[0] == policies[1] == policies[2]
-
-
-def test_metered_env_counts_single_pulls_once() -> None:
-    from iapo_gym.leaderboard.runner import MeteredEnv
-
-    env = MeteredEnv(tiny_mv_table(n_max=8))
+def test_the_env_counts_every_completion_and_a_seeded_reset_does_not_clear_it() -> None:
+    env = IAPOEnv(table=tiny_mv_table(n_max=8))
     env.reset(seed=0)
     env.pull(np.array([1]), np.array([5]))  # a batch of one (the single-pull branch of pull)
     env.pull_one(0, 3)
     env.pull(np.array([0, 2]), np.array([2, 4]))
-    assert env.completions_drawn == env.budget_used == 14
+    env.record_draws(2)
+    assert env.completions_drawn == env.budget_used == 16
+    _, info = env.reset(seed=0)  # a new experiment: budget_used starts over, the counter does not
+    _, _, _, _, info = env.step((0, 2))
+    assert info["budget_used"] == env.budget_used == 2 and env.completions_drawn == 18
+    state = env.snapshot()
+    env.pull_one(1, 4)
+    env.restore(state)
+    assert env.budget_used == 2 and env.completions_drawn == 18

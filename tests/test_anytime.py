@@ -15,9 +15,10 @@ import pytest
 
 import agents
 from agents.baselines import _Sequential
-from iapo_gym.leaderboard.runner import MeteredEnv, run_sweep
-from iapo_gym.leaderboard.specs import parse_agent_spec, resolve_task
-from iapo_gym.leaderboard.store import ResultStore
+from iapo_gym import IAPOEnv
+from iapo_gym.leaderboard.run.runner import run_sweep
+from iapo_gym.leaderboard.run.specs import parse_agent_spec, resolve_task
+from iapo_gym.leaderboard.run.store import ResultStore
 from iapo_gym.tables import OutcomeTable
 from tests.conftest import tiny_bon_table, tiny_mv_table
 
@@ -27,7 +28,7 @@ BUDGETS = [5, 40, 41, 300, 617, 1000]  # includes budgets below N_max and one N_
 
 
 def _fresh(table: OutcomeTable, name: str, budget: int, env_seed: int, agent_seed: int) -> tuple:
-    env = MeteredEnv(table)
+    env = IAPOEnv(table=table)
     env.reset(seed=env_seed)
     policy = agents.make(name, seed=agent_seed).train(env, budget)
     return policy.arms, env.completions_drawn, env.np_random.random()
@@ -38,7 +39,7 @@ def _fresh(table: OutcomeTable, name: str, budget: int, env_seed: int, agent_see
 @pytest.mark.parametrize("seed", [0, 1])
 def test_train_budgets_equals_a_fresh_run_per_budget(aggregator: str, name: str, seed: int) -> None:
     table = TABLES[aggregator](seed=seed, n_prompts=4, n_max=16)
-    env = MeteredEnv(table)
+    env = IAPOEnv(table=table)
     env.reset(seed=seed + 10)
     agent = agents.make(name, seed=seed + 20)
     assert agent.anytime
@@ -50,13 +51,13 @@ def test_train_budgets_equals_a_fresh_run_per_budget(aggregator: str, name: str,
         arms, drawn, after = _fresh(table, name, budget, seed + 10, seed + 20)
         assert shared[budget][0] == arms, (budget, shared[budget][0], arms)
         assert shared[budget][1] == drawn == budget  # spent exactly, never more
-        probe = MeteredEnv(table)
+        probe = IAPOEnv(table=table)
         probe.restore(shared[budget][2])
         assert probe.np_random.random() == after  # the env's stream is where a fresh run leaves it
 
 
 def test_train_budgets_refuses_the_batched_approximation() -> None:
-    env = MeteredEnv(tiny_mv_table())
+    env = IAPOEnv(table=tiny_mv_table())
     agent = agents.make("ucb", seed=0, batch_size=4)
     assert not agent.anytime
     with pytest.raises(ValueError, match="batch_size=1"):
@@ -64,7 +65,7 @@ def test_train_budgets_refuses_the_batched_approximation() -> None:
 
 
 def test_snapshot_restore_replays_the_same_draws() -> None:
-    env = MeteredEnv(tiny_bon_table(n_max=6))
+    env = IAPOEnv(table=tiny_bon_table(n_max=6))
     env.reset(seed=4)
     env.pull_one(0, 3)
     saved = env.snapshot()

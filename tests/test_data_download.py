@@ -18,11 +18,11 @@ from typing import NamedTuple
 import pytest
 
 import iapo_gym.data as data
-from iapo_gym.data import ChecksumError, DownloadError, resolve_table
+from iapo_gym.data import ChecksumError, DownloadError, MissingTableError, resolve_table
 from iapo_gym.data.download import fetch_release, git_blob_id, release_dir, verify_release_file
 from iapo_gym.data.registry import RELEASE_URL_ENV, ReleaseEntry, entries, get_entry
 from iapo_gym.tables import TableError, read_table, write_table
-from iapo_gym.tasks import MissingTableError, TaskSpec, get_task
+from iapo_gym.tasks import TaskSpec, get_task
 from tests.conftest import tiny_mv_table
 from tests.test_data_release import write_mv_release
 

@@ -16,7 +16,7 @@ import iapo_gym  # noqa: F401  (registers the environments)
 from iapo_gym.data.release import ReleaseError, import_release, load_release_objects, read_release
 from iapo_gym.oracle import acr_from_q, greedy_policy, q_table
 from iapo_gym.tables import read_table
-from iapo_gym.tasks.synthetic import bon_grid_contexts, mv_cost_contexts
+from iapo_gym.tasks.contexts import bon_grid_contexts, mv_cost_contexts
 
 
 def _fake_module(monkeypatch: pytest.MonkeyPatch, dotted: str, **classes: type) -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from iapo_gym import IAPOEnv, Policy
+from iapo_gym.data import load_task_table
 from iapo_gym.deploy import PolicyFileError, Router, describe, load_policy
 from iapo_gym.deploy.policyfile import PolicyFile, schema
 from iapo_gym.llm.spec import load_spec
-from iapo_gym.tasks import load_task_table
 from tests.deploy_helpers import mv_policy
 from tests.llm_server import free_port, write_spec
 

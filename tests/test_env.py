@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ast
 import pickle
-from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -12,8 +10,9 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import iapo_gym
+from iapo_gym.data import MissingTableError
 from iapo_gym.env import IAPOEnv
-from iapo_gym.tasks import TASKS, MissingTableError
+from iapo_gym.tasks import TASKS
 from tests.conftest import tiny_bon_table, tiny_mv_table
 
 SYNTHETIC_IDS = ["IAPO-SyntheticBernoulli-v0", "IAPO-SyntheticCategorical-v0"]
@@ -172,18 +171,6 @@ def test_evaluate_accepts_policy_forms() -> None:
     assert iapo_gym.evaluate(iapo_gym.Policy(tuple(arms)), env) == exact
     assert iapo_gym.evaluate(lambda c: arms[c], env) == exact
     assert abs(iapo_gym.evaluate(arms, env, method="monte_carlo", n_samples=20_000, seed=0) - exact) < 0.03
-
-
-def test_core_never_imports_agents() -> None:
-    root = Path(iapo_gym.__file__).parent
-    outside_core = {"cli.py", "leaderboard"}
-    for path in root.rglob("*.py"):
-        if path.relative_to(root).parts[0] in outside_core:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            assert not any(n == "agents" or n.startswith("agents.") for n in names), path
 
 
 def test_single_pull_path_draws_what_the_batch_path_draws() -> None:

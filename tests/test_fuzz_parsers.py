@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from iapo_gym.data.release import ReleaseError, load_release_objects
-from iapo_gym.leaderboard import bundle as bundle_module
-from iapo_gym.leaderboard.bundle import BundleError, read_bundle
+from iapo_gym.leaderboard.submit import bundle as bundle_module
+from iapo_gym.leaderboard.submit.bundle import BundleError, read_bundle
 from iapo_gym.policy import Policy, PolicyError
 from iapo_gym.tables import TableError, read_table
 from tests.fuzz_targets import BOMBS, TARGETS, Target, _Member, _tar_bytes, _zip_bytes, bundle_members, mutate, run_one

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from iapo_gym.leaderboard.runner import run_sweep
-from iapo_gym.leaderboard.specs import parse_agent_spec, resolve_task
+from iapo_gym.leaderboard.run.runner import run_sweep
+from iapo_gym.leaderboard.run.specs import parse_agent_spec, resolve_task
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -57,7 +57,7 @@ def full_page_screenshot(index: Path, png: Path, width: int = 1280) -> Path:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny two-task sweep and its --html report."""
-    from iapo_gym.leaderboard.report import write_report
+    from iapo_gym.leaderboard.report.write import write_report
 
     out = tmp_path_factory.mktemp("site") / "out"
     agents = [parse_agent_spec(s) for s in ("tests.leaderboard_toy_agents:Greedy@greedy",

@@ -3,7 +3,7 @@
 For softmax, epsilon-greedy and UCB on both aggregators, several seeds and budgets (below
 N_max, around it, and the anytime branches of ``train_budgets``): the same policy, bitwise
 the same estimator sums, counts and means, the same completions spent, and the env's and the
-agent's generators in the same state afterwards. The leaderboard's MeteredEnv still counts
+agent's generators in the same state afterwards. The env's completion counter still counts
 every completion. The FROZEN, recorded-MATH and anytime tests also run on both paths (the
 ``sequential_path`` fixture). Skipped where numba (the ``fast`` extra) is not installed.
 """
@@ -19,7 +19,6 @@ import agents
 from agents import _jit
 from agents.baselines import _Sequential, _Trajectory
 from iapo_gym import IAPOEnv
-from iapo_gym.leaderboard.runner import MeteredEnv
 from iapo_gym.tables import OutcomeTable
 from tests.conftest import tiny_bon_table, tiny_mv_table
 
@@ -84,7 +83,7 @@ def test_train_budgets_branches_match_on_both_paths(aggregator: str, name: str, 
     out = {}
     for jit in (True, False):
         _use_jit(monkeypatch, jit)
-        env = MeteredEnv(table)
+        env = IAPOEnv(table=table)
         env.reset(seed=9)
         agent = agents.make(name, seed=4)
         policies = [(b, p.arms, env.completions_drawn, env.snapshot()) for b, p in agent.train_budgets(env, budgets)]
@@ -95,13 +94,13 @@ def test_train_budgets_branches_match_on_both_paths(aggregator: str, name: str, 
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_metered_env_counts_every_compiled_completion(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_env_counts_every_compiled_completion(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     _use_jit(monkeypatch, True)
     table = TABLES["bon"](2)
-    env = MeteredEnv(table)
+    env = IAPOEnv(table=table)
     env.reset(seed=1)
     agent = agents.make(name, seed=2)
-    assert _Trajectory(agent, env).compiled is not None  # MeteredEnv meters record_draws: compiled
+    assert _Trajectory(agent, env).compiled is not None
     for budget in (5, 333, 1000):
         before = env.completions_drawn
         agent.train(env, budget)
@@ -109,10 +108,11 @@ def test_metered_env_counts_every_compiled_completion(name: str, monkeypatch: py
     assert env.completions_drawn == env.budget_used == 5 + 333 + 1000
 
 
-def test_envs_that_redefine_pull_one_without_record_draws_keep_the_numpy_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_envs_that_do_not_draw_from_their_table_keep_the_numpy_path(monkeypatch: pytest.MonkeyPatch) -> None:
     _use_jit(monkeypatch, True)
 
-    class Logged(IAPOEnv):  # sees every pull through pull_one, does not meter record_draws
+    class Logged(IAPOEnv):  # as a live env: its pulls are its own, the compiled loop cannot replicate them
+        draws_from_table = False
         pulls = 0
 
         def pull_one(self, prompt: int, n: int) -> tuple[int, np.ndarray]:

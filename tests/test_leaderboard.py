@@ -19,6 +19,7 @@ import pytest
 
 import iapo_gym.data
 from iapo_gym.cli import main
+from iapo_gym.data import MissingTableError
 from iapo_gym.env import IAPOEnv
 from iapo_gym.leaderboard import (
     ResultStore,
@@ -30,11 +31,10 @@ from iapo_gym.leaderboard import (
     table_checksum,
     write_report,
 )
-from iapo_gym.leaderboard.specs import AgentSpec
+from iapo_gym.leaderboard.run.specs import AgentSpec
 from iapo_gym.policy import Policy
 from iapo_gym.seeding import derive_seed
 from iapo_gym.tables import read_table, write_table
-from iapo_gym.tasks import MissingTableError
 from tests.conftest import tiny_bon_table, tiny_mv_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -325,7 +325,7 @@ def test_every_row_records_version_and_positive_time(tmp_path: Path, tables: dic
 
 def test_a_failed_download_skips_the_task_with_its_message(monkeypatch) -> None:
     from iapo_gym.data.download import DownloadError
-    from iapo_gym.leaderboard.specs import resolve_task, task_available
+    from iapo_gym.leaderboard.run.specs import resolve_task, task_available
 
     def refuse(spec):
         raise DownloadError("download of https://example.invalid/x.pkl failed; nothing was kept")

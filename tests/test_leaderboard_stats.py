@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from iapo_gym.leaderboard.stats import (
+from iapo_gym.leaderboard.report.stats import (
     adjust_pvalues,
     mean_sem,
     paired_test,
@@ -17,7 +17,7 @@ from iapo_gym.leaderboard.stats import (
     summarize,
     win_matrix,
 )
-from iapo_gym.leaderboard.store import RunResult
+from iapo_gym.leaderboard.run.store import RunResult
 
 
 def _row(label: str, budget: int, run: int, acr: float, task: str = "t") -> RunResult:
@@ -108,9 +108,3 @@ def test_summary_groups_by_task_agent_budget() -> None:
     summary = summarize(rows)
     assert [(s.budget, s.n_runs, s.acr_mean) for s in summary] == [(10, 3, 1.0), (20, 1, 5.0)]
     assert summary[0].acr_sem == pytest.approx(1 / math.sqrt(3))
-
-
-def test_cli_choices_match_stats() -> None:
-    from iapo_gym.leaderboard import cli, stats
-
-    assert (cli.TESTS, cli.CORRECTIONS, cli.DEFAULT_ALPHA) == (stats.TESTS, stats.CORRECTIONS, stats.DEFAULT_ALPHA)

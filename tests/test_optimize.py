@@ -11,12 +11,12 @@ import pytest
 
 from iapo_gym import Policy
 from iapo_gym.cli import main
+from iapo_gym.data import load_task_table
 from iapo_gym.deploy import load_policy
-from iapo_gym.leaderboard.runner import run_sweep
-from iapo_gym.leaderboard.specs import parse_agent_spec, resolve_task
-from iapo_gym.leaderboard.store import ResultStore
+from iapo_gym.leaderboard.run.runner import run_sweep
+from iapo_gym.leaderboard.run.specs import parse_agent_spec, resolve_task
+from iapo_gym.leaderboard.run.store import ResultStore
 from iapo_gym.tables import write_table
-from iapo_gym.tasks import load_task_table
 from tests.llm_server import (
     free_port,
     llama_server,  # noqa: F401 (fixture)

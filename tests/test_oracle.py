@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from iapo_gym.exact import stored
 from iapo_gym.oracle import exact_acr, monte_carlo_acr, optimal_policy, q_table
 from iapo_gym.sampling import AliasSampler
 from iapo_gym.utility import bon_expected_max, mv_credit, mv_expected_credit
@@ -141,7 +142,7 @@ def test_exact_acr_of_only_the_policys_arms_equals_the_full_q_table(seed: int, k
         arms = [(int(rng.integers(table.n_prompts)), int(rng.integers(1, table.n_max + 1))) for _ in range(table.n_contexts)]
         fresh = replace(table)  # empty cache: only the arms are computed
         lazy = exact_acr(fresh, arms, queries)
-        assert "task_reward" not in fresh._cache  # the full tensor was never built
+        assert stored(fresh) is None  # the full tensor was never built
         q = q_table(table, queries)
         full = float(np.dot(table.context_probs, [q[c, p, n - 1] for c, (p, n) in enumerate(arms)]))
         assert lazy == pytest.approx(full, abs=1e-12)
@@ -152,15 +153,16 @@ def test_exact_acr_of_only_the_policys_arms_equals_the_full_q_table(seed: int, k
 def test_streamed_q_table_of_tables_too_large_to_hold_equals_the_tensor_path(make, monkeypatch, tmp_path) -> None:
     from dataclasses import replace
 
+    import iapo_gym.exact as exact
     import iapo_gym.utility as utility
     from iapo_gym.tables import read_metadata, write_table
 
     table = make(seed=3, n_prompts=5, n_queries=12)
     queries = np.array([0, 2, 3, 7, 11])
     expected = q_table(table, queries)  # whole tensor, cached
-    monkeypatch.setattr(utility, "TENSOR_LIMIT_BYTES", 0)
+    monkeypatch.setattr(exact, "TENSOR_LIMIT_BYTES", 0)
     monkeypatch.setattr(utility, "_BLOCK_ELEMENTS", 2 * 5 * table.n_atoms)  # two prompts per block: three blocks
     big = replace(table)
     np.testing.assert_allclose(q_table(big, queries), expected, rtol=0, atol=1e-12)
-    assert "task_reward" not in big._cache  # never built whole
+    assert stored(big) is None  # never built whole
     assert not read_metadata(write_table(big, tmp_path / "t.h5"))["has_exact"]  # nor stored

@@ -46,4 +46,6 @@ def test_wheel_ships_registry_and_type_marker(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(next(out.glob("*.whl"))).namelist())
     assert "iapo_gym/data/registry.json" in names
     assert "iapo_gym/py.typed" in names
+    assert "iapo_gym/leaderboard/submit/bundle-schema.json" in names  # bundles are validated against it
+    assert "iapo_gym/leaderboard/report/templates/index.html.j2" in names
     assert "iapo_gym/deploy/policy.schema.json" in names  # policy files are validated against it

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from iapo_gym.data import load_synthetic, synthetic_cache_path
 from iapo_gym.oracle import q_table
-from iapo_gym.tasks import load_synthetic, synthetic_cache_path
 from iapo_gym.tasks.synthetic import synthetic_bernoulli, synthetic_categorical
 
 

@@ -9,6 +9,7 @@ import h5py
 import numpy as np
 import pytest
 
+from iapo_gym.exact import stored
 from iapo_gym.tables import SCHEMA_VERSION, TableError, read_attributes, read_metadata, read_table, write_table
 from tests.conftest import tiny_bon_table, tiny_mv_table
 
@@ -115,8 +116,8 @@ def test_stored_exact_tensor_is_loaded_and_equals_a_fresh_computation(tmp_path: 
     path = write_table(table, tmp_path / "t.h5")
     assert read_metadata(path)["has_exact"]
     back = read_table(path)
-    assert "task_reward" in back._cache  # nothing to compute on the first q_table
-    np.testing.assert_array_equal(back._cache["task_reward"], _fresh_reward(table))
+    assert stored(back) is not None  # nothing to compute on the first q_table
+    np.testing.assert_array_equal(stored(back).reward, _fresh_reward(table))
     from iapo_gym.oracle import q_table
 
     np.testing.assert_array_equal(q_table(back, np.arange(4)), q_table(replace(table), np.arange(4)))
@@ -132,7 +133,7 @@ def test_tampered_probabilities_ignore_the_stored_tensor_with_a_warning(tmp_path
         f["probs"][...] = f["probs"][()][:, :, ::-1]
     with pytest.warns(TableWarning, match=r"t\.h5: ignoring the stored exact expectations: its digest does not match"):
         back = read_table(path)
-    assert "task_reward" not in back._cache
+    assert stored(back) is None
     expected = _fresh_reward(replace(table, probs=table.probs[:, :, ::-1],
                                      atoms=None if table.atoms is None else table.atoms))
     from iapo_gym.utility import expected_task_reward
@@ -148,14 +149,14 @@ def test_version_1_file_without_exact_group_still_reads_and_computes_on_first_us
     meta = read_metadata(path)
     assert meta["schema_version"] == 1 and not meta["has_exact"]
     back = read_table(path)
-    assert "task_reward" not in back._cache
+    assert stored(back) is None
     from iapo_gym.utility import expected_task_reward
 
     np.testing.assert_array_equal(expected_task_reward(back), _fresh_reward(table))
 
 
 def test_synthetic_cache_of_an_older_schema_is_upgraded_in_place(tmp_path: Path, monkeypatch) -> None:
-    from iapo_gym.tasks import load_synthetic, synthetic_cache_path
+    from iapo_gym.data import load_synthetic, synthetic_cache_path
 
     monkeypatch.setenv("IAPO_GYM_CACHE", str(tmp_path))
     load_synthetic("synthetic_bernoulli", 3)
@@ -165,5 +166,5 @@ def test_synthetic_cache_of_an_older_schema_is_upgraded_in_place(tmp_path: Path,
     assert not read_metadata(path)["has_exact"]
     upgraded = load_synthetic("synthetic_bernoulli", 3)
     assert read_metadata(path)["has_exact"]
-    np.testing.assert_array_equal(upgraded._cache["task_reward"], _fresh_reward(old))
-    assert "task_reward" in load_synthetic("synthetic_bernoulli", 3)._cache
+    np.testing.assert_array_equal(stored(upgraded).reward, _fresh_reward(old))
+    assert stored(load_synthetic("synthetic_bernoulli", 3)) is not None

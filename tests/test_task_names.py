@@ -13,7 +13,7 @@ import pytest
 from iapo_gym.cli import main
 from iapo_gym.data.registry import get_entry
 from iapo_gym.env import IAPOEnv
-from iapo_gym.leaderboard.specs import resolve_task
+from iapo_gym.leaderboard.run.specs import resolve_task
 from iapo_gym.tables import read_metadata, write_table
 from iapo_gym.tasks import TASKS, get_task
 from tests.conftest import tiny_bon_table
@@ -118,7 +118,7 @@ def test_copy_named_like_the_official_file_is_refused_too(tmp_path: Path, cache:
 
 def test_leaderboard_budgets_accept_commas_and_spaces(tmp_path: Path, cache: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    from iapo_gym.leaderboard.store import ResultStore
+    from iapo_gym.leaderboard.run.store import ResultStore
 
     out = tmp_path / "lb"
     args = ["leaderboard", "--tasks", "SyntheticBernoulli", "--agents", "uniform", "--runs", "1", "--out", str(out)]

@@ -10,7 +10,7 @@ import pytest
 
 import iapo_gym
 from iapo_gym import IAPOEnv
-from iapo_gym.tasks import MissingTableError
+from iapo_gym.data import MissingTableError
 from iapo_gym.wrappers import CompletionBudget, ContextOneHot, FlattenArm, MultiDiscreteArm, PadOutcomes, flatten_env
 from tests.conftest import RELEASE_DIR, tiny_bon_table, tiny_mv_table
 

@@ -1,4 +1,7 @@
-"""Data layer: finding, fetching and importing the tables of the data-backed tasks.
+"""Data layer: finding, fetching, importing and loading the tables of every task.
+
+``load_task_table(task)`` opens a task's table: a synthetic family's generated (and cached) instance,
+or a data-backed task's file found by ``resolve_table``.
 
 ``resolve_table(spec)`` looks in ``$IAPO_GYM_DATA`` (a converted ``<name>.h5`` or the raw
 release file), the repository's ``data/``, the user cache (tables, then verified release
@@ -8,23 +11,33 @@ converts it into the cache. Presence always means a verified file, never an exis
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from iapo_gym import paths
 from iapo_gym.data.registry import RegistryError, ReleaseEntry, entry_for_task
-from iapo_gym.paths import DATA_ENV, OFFLINE_ENV
-from iapo_gym.tables import TableError, read_attributes, read_metadata
-from iapo_gym.tasks import MissingTableError, TaskSpec
+from iapo_gym.exact import stored
+from iapo_gym.paths import DATA_ENV, OFFLINE_ENV, cache_dir
+from iapo_gym.tables import OutcomeTable, TableError, read_attributes, read_metadata, read_table, write_table
+from iapo_gym.tasks import TaskSpec, get_task
+from iapo_gym.tasks.synthetic import GENERATOR_VERSION, GENERATORS
 
 if TYPE_CHECKING:
     from iapo_gym.data.download import ChecksumError, DownloadError
 
 __all__ = [
     "ChecksumError", "DownloadError", "MissingTableError", "RegistryError", "check_table_file",
-    "data_folders", "ensure_table", "local_status", "rebuild_hint", "resolve_table",
+    "data_folders", "ensure_table", "load_synthetic", "load_task_table", "local_status", "rebuild_hint",
+    "resolve_table", "synthetic_cache_path",
 ]
+
+logger = logging.getLogger(__name__)
+
+
+class MissingTableError(FileNotFoundError):
+    """A data-backed task's table is nowhere in the lookup path."""
 
 
 def __getattr__(name: str) -> Any:
@@ -168,3 +181,46 @@ def local_status(entry: ReleaseEntry) -> dict[str, object]:
         "release_verified": bool(raw_path and is_verified(raw_path, entry)),
         "release_size": raw_path.stat().st_size if raw_path else entry.size,
     }
+
+
+def synthetic_cache_path(name: str, instance: int) -> Path:
+    """Where instance ``instance`` of a synthetic family is cached."""
+    return cache_dir() / "synthetic" / f"{name}-gen{GENERATOR_VERSION}-i{instance}.h5"
+
+
+def load_synthetic(name: str, instance: int = 0) -> OutcomeTable:
+    """Instance ``instance`` of a synthetic family, from the cache or generated (and cached)."""
+    if not isinstance(instance, int) or isinstance(instance, bool) or instance < 0:
+        raise ValueError(f"instance must be an integer >= 0, got {instance!r}")
+    path = synthetic_cache_path(name, instance)
+    table: OutcomeTable | None = None
+    if path.is_file():
+        try:
+            table = read_table(path)
+        except TableError as exc:
+            logger.warning("regenerating unreadable cached table %s: %s", path, exc)
+        else:
+            if stored(table) is not None:
+                return table
+            # a cache file without the stored exact tensor (or a stale one): store it now
+    if table is None:
+        table = GENERATORS[name](instance)
+    try:
+        write_table(table, path)
+    except OSError as exc:  # a read-only cache only costs the regeneration next time
+        logger.warning("could not cache %s: %s", path, exc)
+    return table
+
+
+def load_task_table(task: str, instance: int = 0, path: str | None = None) -> OutcomeTable:
+    """The table of ``task``: explicit ``path``, else synthetic generation, else the data lookup."""
+    spec = get_task(task)
+    if path is not None:
+        return read_table(path)
+    if spec.synthetic:
+        return load_synthetic(spec.name, instance)
+    found = resolve_table(spec)
+    try:
+        return read_table(found)
+    except TableError as exc:  # damage inside a dataset: say how to rebuild the file
+        raise TableError(f"{exc}; {rebuild_hint(found, entry_for_task(spec.name))}") from None

@@ -20,7 +20,7 @@ import numpy as np
 
 from iapo_gym.seeding import derive_rng
 from iapo_gym.tables import TEST, TRAIN, OutcomeTable, TableError
-from iapo_gym.tasks.synthetic import COST_WEIGHTS_BON, bon_grid_contexts, mv_cost_contexts
+from iapo_gym.tasks.contexts import COST_WEIGHTS_BON, bon_grid_contexts, mv_cost_contexts
 
 #: Seed key of the stored split drawn when the log names none.
 SPLIT_KEY = "iapo_gym.data.build.split"

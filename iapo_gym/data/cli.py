@@ -21,11 +21,11 @@ def _fail(message: str) -> int:
 
 
 def _errors() -> tuple[type[BaseException], ...]:
+    from iapo_gym.data import MissingTableError
     from iapo_gym.data.build import LogFormatError
     from iapo_gym.data.download import DownloadError
     from iapo_gym.data.registry import RegistryError
     from iapo_gym.data.release import ReleaseError
-    from iapo_gym.tasks import MissingTableError
 
     return (DownloadError, RegistryError, ReleaseError, LogFormatError, MissingTableError, TableError, OSError, ValueError)
 
@@ -103,8 +103,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def _load_for_show(name: str) -> Any:
+    from iapo_gym.data import load_task_table
     from iapo_gym.tables import read_table
-    from iapo_gym.tasks import load_task_table
 
     if Path(name).suffix == ".h5" or Path(name).is_file():
         return read_table(name)

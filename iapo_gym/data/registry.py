@@ -81,11 +81,6 @@ def entries() -> tuple[ReleaseEntry, ...]:
     return _load(str(registry_path()))[1]
 
 
-def release_info() -> dict[str, Any]:
-    """The registry's ``release`` block: repository, pinned commit, base address, license."""
-    return dict(_load(str(registry_path()))[0])
-
-
 def get_entry(name: str) -> ReleaseEntry:
     """The entry for a table name, task name or title, release file name or its stem ("cqa", "hh"), case-insensitive."""
     from iapo_gym.tasks import get_task

@@ -16,7 +16,7 @@ import math
 import os
 import pickle
 import pickletools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ import numpy as np
 
 from iapo_gym.data.registry import ReleaseEntry
 from iapo_gym.tables import TEST, TRAIN, OutcomeTable, TableError, write_table
-from iapo_gym.tasks.synthetic import bon_grid_contexts, mv_cost_contexts
+from iapo_gym.tasks.contexts import bon_grid_contexts, mv_cost_contexts
 
 #: The environment classes of the release, by the module path the pickles name.
 ENV_CLASSES = {
@@ -483,12 +483,3 @@ def _unofficial_message(path: Path, name: str, entry: ReleaseEntry | None) -> st
             f"written. Import it under a name of its own (`iapo-gym data import {path} --task {own}`) and open "
             f"it with `gym.make({spec.env_id!r}, path=<folder>/{own}.h5)` (or `--tasks <folder>/{own}.h5` "
             f"in the leaderboard)")
-
-
-def describe(tables: Sequence[OutcomeTable]) -> str:
-    """One line per table: task, aggregator and shape (for command-line messages)."""
-    return "\n".join(
-        f"{t.task}: {t.aggregator}, {t.n_prompts} prompts x {t.n_queries} queries "
-        f"({int((t.split == TRAIN).sum()) if t.split is not None else t.n_queries} train) x {t.n_atoms} atoms, N_max {t.n_max}"
-        for t in tables
-    )

@@ -12,14 +12,15 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "build_report": "report", "markdown": "report", "write_report": "report",
-    "SweepSummary": "runner", "WorkUnit": "runner", "plan_units": "runner", "run_sweep": "runner",
-    "run_unit": "runner",
-    "PAPER_AGENTS": "specs", "PAPER_BUDGETS": "specs", "PAPER_RUNS": "specs", "AgentSpec": "specs",
-    "TaskRef": "specs", "parse_agent_spec": "specs", "resolve_task": "specs", "table_checksum": "specs",
-    "adjust_pvalues": "stats", "mean_sem": "stats", "paired_test": "stats", "pairwise": "stats",
-    "summarize": "stats", "win_matrix": "stats",
-    "ResultStore": "store", "RunResult": "store",
+    "build_report": "report.model", "markdown": "report.write", "write_report": "report.write",
+    "SweepSummary": "run.runner", "WorkUnit": "run.runner", "plan_units": "run.runner", "run_sweep": "run.runner",
+    "run_unit": "run.runner",
+    "PAPER_AGENTS": "run.specs", "PAPER_BUDGETS": "run.specs", "PAPER_RUNS": "run.specs", "AgentSpec": "run.specs",
+    "TaskRef": "run.specs", "parse_agent_spec": "run.specs", "resolve_task": "run.specs",
+    "table_checksum": "run.specs",
+    "adjust_pvalues": "report.stats", "mean_sem": "report.stats", "paired_test": "report.stats",
+    "pairwise": "report.stats", "summarize": "report.stats", "win_matrix": "report.stats",
+    "ResultStore": "run.store", "RunResult": "run.store",
 }
 
 __all__ = sorted(_EXPORTS)

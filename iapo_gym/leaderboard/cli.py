@@ -1,4 +1,4 @@
-"""The ``iapo-gym leaderboard`` and ``iapo-gym report`` commands."""
+"""The leaderboard's commands: ``iapo-gym leaderboard`` (and ``leaderboard merge``), ``report``, ``bundle``, ``verify``."""
 
 from __future__ import annotations
 
@@ -7,13 +7,17 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from iapo_gym.leaderboard.specs import PAPER_AGENTS, PAPER_BUDGETS, PAPER_RUNS, parse_agent_spec, resolve_task
+from iapo_gym.leaderboard.report import CORRECTIONS, DEFAULT_ALPHA, TESTS
+from iapo_gym.leaderboard.run.specs import (
+    DEFAULT_ROOT_SEED,
+    DEFAULT_TRAIN_FRACTION,
+    PAPER_AGENTS,
+    PAPER_BUDGETS,
+    PAPER_RUNS,
+    parse_agent_spec,
+    resolve_task,
+)
 from iapo_gym.tasks import TASKS
-
-# Kept in step with iapo_gym.leaderboard.stats (not imported here: scipy makes --help slow).
-TESTS = ("wilcoxon", "sign")
-CORRECTIONS = ("holm", "bh", "none")
-DEFAULT_ALPHA = 0.05
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,7 @@ class Preset:
     runs: int
 
 
-#: ``--quick``: the README's main job, about a minute on two cores.
+#: ``--quick``: the README's main job (its measured time is in the README).
 QUICK = Preset(
     tasks=("synthetic_bernoulli", "synthetic_categorical"),
     agents=("auto", "psst", "psst_topk:k=4,rho=0.2@psst+K4", "uniform", "ucb", "triple_n1"),
@@ -45,7 +49,7 @@ def _stats_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_commands(subparsers: Any) -> None:
-    """Add ``leaderboard`` and ``report`` to the ``iapo-gym`` command line."""
+    """Add ``leaderboard``, ``report``, ``bundle`` and ``verify`` to the ``iapo-gym`` command line."""
     lb = subparsers.add_parser(
         "leaderboard", help="run the paper's evaluation protocol (resumable)",
         description="Train every agent on every task, budget and run (per run a seeded 80/20 resplit, or "
@@ -68,8 +72,10 @@ def add_commands(subparsers: Any) -> None:
                     help="run on Dask distributed: a scheduler address tcp://host:port, or 'local' for a "
                          "LocalCluster of --jobs workers (needs `pip install \"dask[distributed]\"`)")
     lb.add_argument("--out", default=None, help=f"output directory (default: {DEFAULT_OUT}, or results/quick with --quick)")
-    lb.add_argument("--seed", type=int, default=0, help="root seed of every derived seed (default: 0)")
-    lb.add_argument("--train-fraction", type=float, default=0.8, help="train share of each resplit (default: 0.8)")
+    lb.add_argument("--seed", type=int, default=DEFAULT_ROOT_SEED,
+                    help=f"root seed of every derived seed (default: {DEFAULT_ROOT_SEED})")
+    lb.add_argument("--train-fraction", type=float, default=DEFAULT_TRAIN_FRACTION,
+                    help=f"train share of each resplit (default: {DEFAULT_TRAIN_FRACTION})")
     lb.add_argument("--quick", action="store_true",
                     help=f"preset: tasks {' '.join(QUICK.tasks)}, agents {' '.join(QUICK.agents)}, "
                          f"budgets {' '.join(map(str, QUICK.budgets))}, {QUICK.runs} runs (explicit options win)")
@@ -77,7 +83,7 @@ def add_commands(subparsers: Any) -> None:
     lb.add_argument("--report", action="store_true", help="also write the full report (iapo-gym report OUT)")
     _stats_options(lb)
     lb.set_defaults(func=_leaderboard)
-    _add_submission_commands(lb)
+    _add_merge_command(lb)
 
     rp = subparsers.add_parser("report", help="leaderboard tables, statistics and plots of a results directory",
                                description="Write OUT/report/{leaderboard.md, summary.csv, pairwise.csv, "
@@ -90,6 +96,7 @@ def add_commands(subparsers: Any) -> None:
                     help="also write the static site REPORT_DIR/site/index.html (opens from disk, no server)")
     _stats_options(rp)
     rp.set_defaults(func=_report)
+    _add_submission_commands(subparsers)
 
 
 def _budget_list(text: str) -> list[int]:
@@ -101,16 +108,10 @@ def _budget_list(text: str) -> list[int]:
                                          "integers (e.g. 1000,3000)") from None
 
 
-def _add_submission_commands(lb: argparse.ArgumentParser) -> None:
-    """``leaderboard merge`` (see iapo_gym.leaderboard.bundle_cli, which also adds ``bundle`` and ``verify``)."""
-    from iapo_gym.leaderboard.bundle_cli import add_merge_command
-
-    add_merge_command(lb)
-
-
 def _leaderboard(args: argparse.Namespace) -> int:
-    from iapo_gym.leaderboard.report import build_report, markdown, write_report
-    from iapo_gym.leaderboard.runner import run_sweep
+    from iapo_gym.leaderboard.report.model import build_report
+    from iapo_gym.leaderboard.report.write import markdown, write_report
+    from iapo_gym.leaderboard.run.runner import run_sweep
 
     preset = QUICK if args.quick else PAPER
     task_names = args.tasks or list(preset.tasks)
@@ -147,7 +148,7 @@ def _leaderboard(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from iapo_gym.leaderboard.report import write_report
+    from iapo_gym.leaderboard.report.write import write_report
 
     try:
         written = write_report(args.dir, args.report_dir, plots=not args.no_plots, test=args.test,
@@ -159,4 +160,110 @@ def _report(args: argparse.Namespace) -> int:
         print(written["markdown"].read_text())
     for kind, path in written.items():
         print(f"wrote {kind}: {path}", file=sys.stderr)
+    return 0
+
+
+# ---- submitting: bundle, verify, merge ------------------------------------------------------
+
+
+def _add_submission_commands(subparsers: Any) -> None:
+    """Add ``bundle`` and ``verify`` to the ``iapo-gym`` command line."""
+    bd = subparsers.add_parser(
+        "bundle", help="pack a results folder and its provenance into one file to submit",
+        description="Write OUT_DIR's runs and their provenance (software versions, protocol, table digests, "
+                    "agent source digests) into NAME.iapo.zip or NAME.iapo.tar.gz.")
+    bd.add_argument("dir", metavar="OUT_DIR", help="the --out folder of a leaderboard run (or of a merge)")
+    bd.add_argument("-o", "--output", required=True, metavar="FILE", help="the bundle to write (.zip or .tar.gz)")
+    bd.set_defaults(func=_bundle)
+
+    vf = subparsers.add_parser(
+        "verify", help="re-run a random sample of a bundle's runs here and compare them exactly",
+        description="Re-run K runs of BUNDLE chosen at random (seeded; the seed is printed and recorded) and "
+                    "compare each exact test ACR bit for bit. Exits 1 on any mismatch, on a table whose digest "
+                    "differs from the bundle's, or on an agent whose source differs. Writes BUNDLE.verify.json.")
+    vf.add_argument("bundle", metavar="BUNDLE", help="a .iapo.zip or .iapo.tar.gz bundle")
+    vf.add_argument("--sample", default="20", metavar="K|all", help="runs to re-run (default: 20; 'all': every run)")
+    vf.add_argument("--seed", type=int, help="seed of the sample (default: drawn fresh, then printed)")
+    vf.add_argument("--table", action="append", default=[], metavar="TASK=PATH",
+                    help="the .h5 table file of a task that is not registered (repeatable)")
+    vf.add_argument("--no-record", action="store_true", help="do not write BUNDLE.verify.json")
+    vf.set_defaults(func=_verify)
+
+
+def _add_merge_command(leaderboard_parser: argparse.ArgumentParser) -> None:
+    """Add ``merge`` under ``iapo-gym leaderboard`` (the plain ``leaderboard`` options keep working)."""
+    sub = leaderboard_parser.add_subparsers(dest="leaderboard_command", required=False, metavar="{merge}")
+    mg = sub.add_parser(
+        "merge", help="combine result folders and bundles into one results folder",
+        description="Merge result folders and bundles (from several machines) into a new folder. Runs present "
+                    "in several inputs are kept once after checking they agree exactly; disagreeing runs, "
+                    "different tables or agent sources, and different protocol parameters are errors.")
+    mg.add_argument("inputs", nargs="+", metavar="INPUT", help="result folders or bundle files")
+    mg.add_argument("--out", required=True, help="the new results folder (must not exist or be empty)")
+    mg.set_defaults(func=_merge)
+
+
+def _bundle(args: argparse.Namespace) -> int:
+    from iapo_gym.leaderboard.submit.bundle import BundleError, write_bundle
+
+    try:
+        path = write_bundle(args.dir, args.output)
+    except (BundleError, FileNotFoundError, ValueError) as exc:
+        print(f"iapo-gym bundle: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _parse_tables(items: list[str]) -> dict[str, str]:
+    tables = {}
+    for item in items:
+        task, sep, path = item.partition("=")
+        if not sep or not task or not path:
+            raise ValueError(f"--table {item!r} must look like TASK=PATH.h5")
+        tables[task] = path
+    return tables
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from iapo_gym.leaderboard.submit.bundle import BundleError
+    from iapo_gym.leaderboard.submit.verify import verify_bundle, write_record
+
+    try:
+        sample = None if args.sample == "all" else int(args.sample)
+    except ValueError:
+        print(f"iapo-gym verify: error: --sample must be a positive integer or 'all', got {args.sample!r}",
+              file=sys.stderr)
+        return 2
+    try:
+        outcome = verify_bundle(args.bundle, sample, args.seed, _parse_tables(args.table))
+    except (BundleError, ValueError, FileNotFoundError) as exc:
+        print(f"iapo-gym verify: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{outcome.bundle}: re-running {outcome.sample} of {outcome.total} runs (sample seed {outcome.sample_seed})")
+    for problem in outcome.agent_problems:
+        print(f"AGENT SOURCE DIFFERS: {problem}")
+    for problem in outcome.table_problems:
+        print(f"TABLE PROBLEM: {problem}")
+    for check in outcome.checks:
+        acr = "-" if check.acr is None else repr(check.acr)
+        mark = "match" if check.match else "MISMATCH"
+        print(f"  {mark:8s} {check.run}: bundle {check.bundled_acr!r}, here {acr}" + (f" ({check.note})" if check.note else ""))
+    matched = sum(c.match for c in outcome.checks)
+    print(f"{outcome.status}: {matched} of {len(outcome.checks)} runs match exactly in {outcome.seconds:.1f} s")
+    if not args.no_record:
+        print(f"recorded in {write_record(args.bundle, outcome)}", file=sys.stderr)
+    return 0 if outcome.ok else 1
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from iapo_gym.leaderboard.submit.merge import MergeError, merge
+
+    try:
+        counts = merge(args.inputs, args.out)
+    except (MergeError, ValueError, FileNotFoundError) as exc:
+        print(f"iapo-gym leaderboard merge: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"merged {counts['inputs']} inputs: {counts['runs']} runs ({counts['duplicates']} duplicate runs "
+          f"checked and dropped) into {args.out}", file=sys.stderr)
     return 0

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from iapo_gym.deploy.policyfile import PolicyFile, describe
-from iapo_gym.leaderboard.specs import AgentSpec, parse_agent_spec, resolve_task
+from iapo_gym.leaderboard.run.specs import AgentSpec, parse_agent_spec, resolve_task
 from iapo_gym.seeding import derive_rng, derive_seed
 
 CHECK_KEY = "iapo_gym.optimize.check"
@@ -106,7 +106,7 @@ def optimize(target: str, agent: str | AgentSpec, budget: int, out: str | Path, 
 
 
 def _train(env: Any, agent_spec: AgentSpec, agent_seed: int, budget: int, meter: Any, progress: bool) -> tuple[Any, float]:
-    from iapo_gym.leaderboard.runner import BudgetExceededError, build_agent
+    from iapo_gym.leaderboard.run.runner import BudgetExceededError, build_agent
 
     agent = build_agent(agent_spec, agent_seed)
     bar = _Bar(budget, meter, progress)
@@ -124,8 +124,9 @@ def _train(env: Any, agent_spec: AgentSpec, agent_seed: int, budget: int, meter:
 def _table(target: str, agent_spec: AgentSpec, budget: int, seed: int, run: int, spec_path: str | None,
            progress: bool) -> tuple[PolicyFile, dict[str, Any]]:
     """The leaderboard's run ``run`` of the task, trained and described exactly."""
-    from iapo_gym.leaderboard.runner import DEFAULT_TRAIN_FRACTION, MeteredEnv, agent_seed_for, run_setup
-    from iapo_gym.leaderboard.specs import task_available
+    from iapo_gym.env import IAPOEnv
+    from iapo_gym.leaderboard.run.runner import DEFAULT_TRAIN_FRACTION, agent_seed_for, run_setup
+    from iapo_gym.leaderboard.run.specs import task_available
     from iapo_gym.oracle import policy_arms
 
     task = resolve_task(target)
@@ -133,7 +134,7 @@ def _table(target: str, agent_spec: AgentSpec, budget: int, seed: int, run: int,
     if why is not None:
         raise OptimizeError(why)
     setup = run_setup(task, run, seed, DEFAULT_TRAIN_FRACTION)
-    env = MeteredEnv(setup.run_table)
+    env = IAPOEnv(table=setup.run_table)
     env.reset(seed=setup.env_seed)
     agent_seed = agent_seed_for(seed, task.name, run, agent_spec)
     policy, seconds = _train(env, agent_spec, agent_seed, budget, lambda: env.completions_drawn, progress)
@@ -161,7 +162,7 @@ class _LiveMeter:
 def _live(target: str, agent_spec: AgentSpec, budget: int, out: Path, seed: int, run: int, check: int,
           cache: str | None, progress: bool) -> tuple[PolicyFile, dict[str, Any]]:
     """Train on the live endpoint through the cache, then check on held-out queries."""
-    from iapo_gym.leaderboard.runner import agent_seed_for
+    from iapo_gym.leaderboard.run.runner import agent_seed_for
     from iapo_gym.llm.live import LiveEnv
     from iapo_gym.llm.spec import load_spec
     from iapo_gym.oracle import policy_arms

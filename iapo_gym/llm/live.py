@@ -32,7 +32,7 @@ from iapo_gym.oracle import policy_arms
 from iapo_gym.paths import cache_dir
 from iapo_gym.policy import Policy, PolicyLike
 from iapo_gym.tables import TEST, TRAIN, OutcomeTable
-from iapo_gym.tasks.synthetic import mv_cost_contexts
+from iapo_gym.tasks.contexts import mv_cost_contexts
 
 NO_ORACLE = ("a live endpoint has no exact oracle: collect a table with `iapo-gym collect SPEC --out DIR` and "
              "open DIR/TASK.h5 with iapo_gym.IAPOEnv(path=...) for exact evaluation, or call "
@@ -73,6 +73,8 @@ def _schema_table(spec: Spec) -> OutcomeTable:
 class LiveEnv(IAPOEnv):
     """The IAPO contextual bandit on a live OpenAI-compatible endpoint (``gym.make("IAPO-Live-v0", spec=...)``)."""
 
+    draws_from_table = False
+
     def __init__(self, spec: str | os.PathLike[str] | Spec, *, split: str = "train",
                  cache: str | os.PathLike[str] | None = None) -> None:
         """``spec``: a spec file or ``Spec``; ``cache``: the response cache file (default: the spec's, else the user cache)."""
@@ -111,11 +113,7 @@ class LiveEnv(IAPOEnv):
         """Draw queries as the table env does, then request every pull's completions concurrently."""
         prompts = np.asarray(prompts, dtype=np.int64).reshape(-1)
         ns = np.asarray(ns, dtype=np.int64).reshape(-1)
-        if queries is None:
-            pool = self.queries()
-            queries = pool[self.np_random.integers(pool.size, size=prompts.size)]
-        queries = np.asarray(queries, dtype=np.int64).reshape(-1)
-        self._check(prompts, ns, queries)
+        queries = self._pull_queries(prompts, ns, queries)
         drawn = self._drawn.copy()
         starts = np.empty(prompts.size, dtype=np.int64)
         for i, (p, q, n) in enumerate(zip(prompts.tolist(), queries.tolist(), ns.tolist(), strict=True)):
@@ -128,7 +126,7 @@ class LiveEnv(IAPOEnv):
         self._drawn = drawn  # only a pull that completed uses up its sample indices
         offsets = np.zeros(prompts.size + 1, dtype=np.int64)
         np.cumsum(ns, out=offsets[1:])
-        self.budget_used += int(offsets[-1])
+        self.completions_drawn += int(offsets[-1])
         return Pulls(prompts, ns, queries, atoms.astype(np.int64), offsets)
 
     def pull_one(self, prompt: int, n: int) -> tuple[int, np.ndarray]:
@@ -140,23 +138,6 @@ class LiveEnv(IAPOEnv):
         """Refused: the schema table's ``probs`` are not the model's, so nothing may sample them."""
         raise NotImplementedError("LiveEnv draws completions from the endpoint; its table has no outcome "
                                   "distribution to sample")
-
-    def _check(self, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray) -> None:
-        """The table env's argument checks, with its messages."""
-        if prompts.shape != ns.shape:
-            raise ValueError(f"prompts and ns must have the same length, got {prompts.size} and {ns.size}")
-        if queries.shape != prompts.shape:
-            raise ValueError(f"queries must have one entry per pull ({prompts.size}), got {queries.size}")
-        if prompts.size == 0:
-            return
-        if prompts.min() < 0 or prompts.max() >= self.n_prompts:
-            bad = prompts[(prompts < 0) | (prompts >= self.n_prompts)][0]
-            raise ValueError(f"prompt p must be in [0, {self.n_prompts - 1}], got {int(bad)}")
-        if ns.min() < 1 or ns.max() > self.n_max:
-            bad = ns[(ns < 1) | (ns > self.n_max)][0]
-            raise ValueError(f"N must be in [1, {self.n_max}], got {int(bad)}")
-        if queries.min() < 0 or queries.max() >= self.table.n_queries:
-            raise ValueError(f"query indices must be in [0, {self.table.n_queries - 1}]")
 
     async def _fetch(self, prompts: np.ndarray, queries: np.ndarray, ns: np.ndarray,
                      starts: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, list[str]]]:

@@ -324,7 +324,12 @@ def parse_spec(data: Any, path: Path) -> Spec:
     budget = _budget(_Section(where, "budget", top.get("budget", dict, {})))
     prompts = _prompts(where, top.get("prompts", list), endpoint.api)
     scorer = _scorer(_Section(where, "scorer", top.get("scorer", dict)), aggregator)
-    queries = _queries(_Section(where, "queries", top.get("queries", dict)), path.parent, aggregator)
+    try:
+        queries = _queries(_Section(where, "queries", top.get("queries", dict)), path.parent, aggregator)
+    except SpecError as exc:  # a query file's own errors name that file; say which spec and field led there
+        if where in str(exc):
+            raise
+        raise SpecError(f"{where}: field 'queries.path': {exc}") from None
     b = _Section(where, "build", top.get("build", dict, {}))
     b.unknown(("top_k", "cost_scale", "test_fraction", "seed"))
     build = Build(top_k=b.positive_int("top_k", 4), cost_scale=b.number("cost_scale", 0.01),

@@ -11,36 +11,18 @@ import numpy as np
 
 from iapo_gym.seeding import derive_rng
 from iapo_gym.tables import TEST, TRAIN, OutcomeTable
+from iapo_gym.tasks.contexts import bon_grid_contexts, mv_cost_contexts
 
 #: Bumped whenever a generator's output changes (part of the cache key and the env id's -vN).
 GENERATOR_VERSION = 1
 GENERATOR_ROOT_SEED = 20_251_122
-COST_WEIGHTS_MV = {"low": 0.0, "mid": 0.2, "high": 1.0}
-COST_WEIGHTS_BON = (0.1, 0.5, 1.0)
-OBJECTIVE_WEIGHTS_BON = tuple(round(0.1 * i, 1) for i in range(1, 10))
+
 
 
 def _stored_split(rng: np.random.Generator, n_queries: int, train_fraction: float = 0.8) -> np.ndarray:
     split = np.full(n_queries, TEST, dtype=np.uint8)
     split[rng.permutation(n_queries)[: int(round(train_fraction * n_queries))]] = TRAIN
     return split
-
-
-def mv_cost_contexts() -> tuple[np.ndarray, tuple[str, ...], np.ndarray]:
-    """The MV tasks' contexts low/mid/high: weights (1, -coeff), uniform."""
-    names = tuple(COST_WEIGHTS_MV)
-    weights = np.array([[1.0, -COST_WEIGHTS_MV[n]] for n in names])
-    return weights, names, np.full(len(names), 1.0 / len(names))
-
-
-def bon_grid_contexts() -> tuple[np.ndarray, tuple[str, ...], np.ndarray]:
-    """The BoN tasks' 27 contexts: w1 in 0.1..0.9, w2 = 1 - w1, cost weight in {0.1, 0.5, 1.0}."""
-    weights, names = [], []
-    for wc in COST_WEIGHTS_BON:
-        for w1 in OBJECTIVE_WEIGHTS_BON:
-            weights.append([w1, round(1.0 - w1, 1), -wc])
-            names.append(f"w1={w1:.1f},w2={1.0 - w1:.1f},cost={wc:.1f}")
-    return np.array(weights), tuple(names), np.full(len(names), 1.0 / len(names))
 
 
 def synthetic_bernoulli(instance: int = 0, n_prompts: int = 32, n_queries: int = 520, n_max: int = 32) -> OutcomeTable:

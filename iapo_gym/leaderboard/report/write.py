@@ -1,70 +1,18 @@
-"""``iapo-gym report DIR``: the ranked Markdown leaderboard, CSV and JSON, and the plots."""
+"""``iapo-gym report DIR``: the ranked Markdown leaderboard, CSV and JSON, the plots and the site."""
 
 from __future__ import annotations
 
 import csv
 import json
 import math
-from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from iapo_gym.leaderboard.stats import (
-    DEFAULT_ALPHA,
-    PairwiseRow,
-    RankRow,
-    SummaryRow,
-    pairwise,
-    rank_agents,
-    summarize,
-)
-from iapo_gym.leaderboard.store import ResultStore, RunResult, TaskInfo
-
-
-@dataclass
-class Report:
-    """Everything a report shows, computed from the stored runs."""
-
-    results: list[RunResult]
-    tasks: dict[str, TaskInfo]
-    summary: list[SummaryRow]
-    pairs: list[PairwiseRow]
-    ranking: list[RankRow]
-    test: str
-    correction: str
-    alpha: float
-    meta: dict[str, Any]
-
-
-def build_report(out_dir: str | Path, test: str = "wilcoxon", correction: str = "holm",
-                 alpha: float = DEFAULT_ALPHA, tasks: Sequence[str] | None = None) -> Report:
-    """Read ``out_dir``'s results and compute summary, pairwise tests and ranking."""
-    with ResultStore(out_dir, create=False) as store:
-        results = store.results()
-        infos = {t.task: t for t in store.tasks()}
-        meta: dict[str, Any] = {"root_seed": store.get_meta("root_seed"), "train_fraction": store.get_meta("train_fraction"),
-                "database": display_path(store.path)}
-    if tasks:
-        wanted = set(tasks)
-        results = [r for r in results if r.task in wanted]
-    summary = summarize(results)
-    pairs = pairwise(results, test, correction, alpha)
-    meta["versions"] = sorted({r.version for r in results})
-    meta["n_runs"] = len(results)
-    meta["checksums"] = {t: sorted({r.table_sha256 for r in results if r.task == t}) for t in sorted({r.task for r in results})}
-    return Report(results, infos, summary, pairs, rank_agents(summary, pairs), test, correction, alpha, meta)
-
-
-def display_path(path: str | Path) -> str:
-    """How a report names a file: relative to the current directory when inside it, else by its name
-    only (never the absolute path of the machine that made it)."""
-    resolved = Path(path).resolve()
-    try:
-        return resolved.relative_to(Path.cwd().resolve()).as_posix()
-    except ValueError:
-        return resolved.name
+from iapo_gym.leaderboard.report.model import Report, build_report, modal_arms, optimal_means
+from iapo_gym.leaderboard.report.stats import DEFAULT_ALPHA, PairwiseRow, SummaryRow
+from iapo_gym.leaderboard.run.store import TaskInfo
 
 
 def _pm(mean: float, sem: float, digits: int = 4) -> str:
@@ -90,8 +38,7 @@ def markdown(report: Report, policies: bool = True) -> str:
         budgets = sorted({s.budget for s in report.summary if s.task == task})
         ranks = [r for r in report.ranking if r.task == task]
         cells = [s for s in report.summary if s.task == task]
-        optimal = sum(s.optimal_acr_mean for s in cells) / len(cells)
-        train_opt = sum(s.train_optimal_acr_mean for s in cells) / len(cells)
+        optimal, train_opt = optimal_means(report, task)
         title = info.title if info else task
         n_runs = max(s.n_runs for s in cells)
         lines += ["", f"## {title} (`{task}`)", "",
@@ -113,26 +60,6 @@ def markdown(report: Report, policies: bool = True) -> str:
                       "synthetic runs are different instances, so compare the last column there):", ""]
             lines += _policy_table(report, task, best, budgets[-1], info)
     return "\n".join(lines) + "\n"
-
-
-ArmCounts = list[Counter[tuple[int, int]]]
-
-
-def modal_arms(results: Sequence[RunResult], task: str, label: str, budget: int) -> tuple[ArmCounts, ArmCounts]:
-    """Per context, counters of the chosen arms and of the test-optimal arms over the runs."""
-    chosen: ArmCounts = []
-    optimal: ArmCounts = []
-    for r in results:
-        if r.task != task or r.label != label or r.budget != budget:
-            continue
-        arms, best = json.loads(r.arms), json.loads(r.optimal_arms)
-        while len(chosen) < len(arms):
-            chosen.append(Counter())
-            optimal.append(Counter())
-        for c, (arm, opt) in enumerate(zip(arms, best, strict=True)):
-            chosen[c][(int(arm[0]), int(arm[1]))] += 1
-            optimal[c][(int(opt[0]), int(opt[1]))] += 1
-    return chosen, optimal
 
 
 def _policy_table(report: Report, task: str, label: str, budget: int, info: TaskInfo) -> list[str]:
@@ -177,7 +104,7 @@ def write_report(out_dir: str | Path, report_dir: str | Path | None = None, *, p
                  test: str = "wilcoxon", correction: str = "holm", alpha: float = DEFAULT_ALPHA,
                  html: bool = False) -> dict[str, Path]:
     """Write leaderboard.md, summary.csv, pairwise.csv, leaderboard.json and the PNG plots
-    (``html``: also the static site ``site/index.html``, see ``iapo_gym.leaderboard.html``).
+    (``html``: also the static site ``site/index.html``, see ``iapo_gym.leaderboard.report.html``).
 
     Returns the written paths by kind; ``report_dir`` defaults to ``out_dir/report``.
     """
@@ -203,7 +130,7 @@ def write_report(out_dir: str | Path, report_dir: str | Path | None = None, *, p
     }
     written["json"].write_text(json.dumps(_jsonable(payload), indent=1))
     if plots:
-        from iapo_gym.leaderboard.plots import plot_acr_vs_budget, plot_best_policy, plot_win_matrices
+        from iapo_gym.leaderboard.report.plots import plot_acr_vs_budget, plot_best_policy, plot_win_matrices
 
         written["acr_vs_budget"] = plot_acr_vs_budget(report, target / "acr_vs_budget.png")
         for task in sorted({s.task for s in report.summary}):
@@ -212,28 +139,7 @@ def write_report(out_dir: str | Path, report_dir: str | Path | None = None, *, p
             if path is not None:
                 written[f"best_policy_{task}"] = path
     if html:
-        from iapo_gym.leaderboard.html import write_site
+        from iapo_gym.leaderboard.report.html import write_site
 
         written["html"] = write_site(report, out_dir, target / "site")
     return written
-
-
-def labels_by_rank(report: Report, task: str) -> list[str]:
-    """The task's agent labels, best first."""
-    return [r.label for r in report.ranking if r.task == task]
-
-
-def budgets_of(report: Report, task: str) -> list[int]:
-    """The budgets with results for ``task``, ascending."""
-    return sorted({s.budget for s in report.summary if s.task == task})
-
-
-def cells_by_label(report: Report, task: str) -> dict[str, list[SummaryRow]]:
-    """Summary rows of ``task`` grouped by agent label, each list sorted by budget."""
-    out: dict[str, list[SummaryRow]] = defaultdict(list)
-    for s in report.summary:
-        if s.task == task:
-            out[s.label].append(s)
-    for rows in out.values():
-        rows.sort(key=lambda s: s.budget)
-    return out

@@ -4,9 +4,9 @@ Agent spec syntax (one string per agent), split on ``:``; a last part containing
 the parameters ``key=value,key=value``:
 
 - ``psst``                       a registered agent (``agents.available()``)
-- ``psst_topk:K=4,rho=0.2``      a registered agent with parameters
+- ``psst_topk:k=4,rho=0.2``      a registered agent with parameters
 - ``mypkg.module:MyAgent``       any class by import path (``module:Class``)
-- ``mypkg.module:MyAgent:K=4``   an import path with parameters
+- ``mypkg.module:MyAgent:k=4``   an import path with parameters
 - any of these + ``@label``      a display label (default ``name[k=v,...]``), e.g.
   ``psst_topk:k=4,rho=0.2@psst+K4``
 
@@ -30,6 +30,9 @@ from iapo_gym.tables import OutcomeTable, read_table
 from iapo_gym.tasks import TASKS, get_task
 
 #: The paper's budgets (section 5): completions per training run.
+#: The protocol's root seed of every derived seed and the train share of each resplit.
+DEFAULT_ROOT_SEED = 0
+DEFAULT_TRAIN_FRACTION = 0.8
 PAPER_BUDGETS: tuple[int, ...] = (3000, 5000, 10000, 20000, 30000, 40000)
 #: The paper's number of independent runs per (task, agent, budget).
 PAPER_RUNS = 200
@@ -60,7 +63,7 @@ def _parse_value(text: str) -> Any:
 
 
 def parse_params(text: str, where: str = "agent spec") -> dict[str, Any]:
-    """``"K=4,rho=0.2"`` -> ``{"K": 4, "rho": 0.2}``; a ValueError names a malformed item."""
+    """``"k=4,rho=0.2"`` -> ``{"k": 4, "rho": 0.2}``; a ValueError names a malformed item."""
     params: dict[str, Any] = {}
     for item in text.split(","):
         if not item.strip():
@@ -120,7 +123,7 @@ class AgentSpec:
 
 
 def default_label(name: str, params: dict[str, Any]) -> str:
-    """Display label: ``psst_topk[K=4,rho=0.2]`` (the class name for import paths)."""
+    """Display label: ``psst_topk[k=4,rho=0.2]`` (the class name for import paths)."""
     base = name.rsplit(":", 1)[-1] if ":" in name else name
     if not params:
         return base
@@ -137,7 +140,7 @@ def parse_agent_spec(text: str, label: str | None = None) -> AgentSpec:
             raise ValueError(f"agent spec {text!r}: empty label after '@'")
         label = label or suffix.strip()
     if not raw:
-        raise ValueError("empty agent spec; expected e.g. 'psst', 'psst_topk:K=4,rho=0.2' or 'pkg.mod:Class'")
+        raise ValueError("empty agent spec; expected e.g. 'psst', 'psst_topk:k=4,rho=0.2' or 'pkg.mod:Class'")
     parts = raw.split(":")
     params: dict[str, Any] = {}
     if len(parts) > 1 and "=" in parts[-1]:
@@ -188,7 +191,7 @@ class TaskRef:
         """The table of run ``run``: instance ``run`` of a synthetic family, else the task's one table."""
         if self.path is not None:
             return read_table(self.path)
-        from iapo_gym.tasks import load_task_table
+        from iapo_gym.data import load_task_table
 
         return load_task_table(self.name, instance=run if self.synthetic else 0)
 
@@ -209,9 +212,8 @@ def task_available(ref: TaskRef) -> str | None:
     else the data layer's message saying why not and how to get it."""
     if ref.path is not None or ref.synthetic:
         return None
-    from iapo_gym.data import resolve_table
+    from iapo_gym.data import MissingTableError, resolve_table
     from iapo_gym.data.download import DownloadError
-    from iapo_gym.tasks import MissingTableError
 
     try:
         resolve_table(TASKS[ref.name])

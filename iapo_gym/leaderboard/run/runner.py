@@ -32,15 +32,20 @@ from typing import Any, TextIO
 import numpy as np
 
 from iapo_gym._version import __version__
-from iapo_gym.env import IAPOEnv, Pulls
-from iapo_gym.leaderboard.specs import AgentSpec, TaskRef, check_unique_labels, table_checksum, task_available
-from iapo_gym.leaderboard.store import ResultStore, RunResult, TaskInfo
+from iapo_gym.env import IAPOEnv
+from iapo_gym.leaderboard.run.specs import (
+    DEFAULT_ROOT_SEED,
+    DEFAULT_TRAIN_FRACTION,
+    AgentSpec,
+    TaskRef,
+    check_unique_labels,
+    table_checksum,
+    task_available,
+)
+from iapo_gym.leaderboard.run.store import ResultStore, RunResult, TaskInfo
 from iapo_gym.oracle import acr_from_q, greedy_policy, policy_arms, q_table
 from iapo_gym.seeding import derive_seed
 from iapo_gym.tables import OutcomeTable
-
-DEFAULT_ROOT_SEED = 0
-DEFAULT_TRAIN_FRACTION = 0.8
 
 
 @dataclass(frozen=True)
@@ -77,41 +82,6 @@ class UnitOutcome:
 
 class BudgetExceededError(RuntimeError):
     """An agent drew more completions than its budget."""
-
-
-class MeteredEnv(IAPOEnv):
-    """A train-split IAPOEnv that counts every completion drawn (a seeded reset does not clear it)."""
-
-    def __init__(self, table: OutcomeTable, split: str = "train") -> None:
-        """An env over ``table``'s ``split``."""
-        super().__init__(table=table, split=split)
-        self.completions_drawn = 0
-
-    def pull(self, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray | None = None) -> Pulls:
-        """``IAPOEnv.pull``, metered."""
-        pulls = super().pull(prompts, ns, queries)
-        self.completions_drawn += pulls.completions
-        return pulls
-
-    def pull_one(self, prompt: int, n: int) -> tuple[int, np.ndarray]:
-        """``IAPOEnv.pull_one``, metered."""
-        drawn = super().pull_one(prompt, n)
-        self.completions_drawn += n
-        return drawn
-
-    def record_draws(self, completions: int) -> None:
-        """``IAPOEnv.record_draws`` (completions drawn by a compiled agent loop), metered."""
-        super().record_draws(completions)
-        self.completions_drawn += int(completions)
-
-    def snapshot(self) -> dict[str, Any]:
-        """``IAPOEnv.snapshot`` plus the meter, so a restored branch is metered as a fresh run."""
-        return {**super().snapshot(), "completions_drawn": self.completions_drawn}
-
-    def restore(self, snapshot: dict[str, Any]) -> None:
-        """``IAPOEnv.restore``, meter included."""
-        super().restore(snapshot)
-        self.completions_drawn = int(snapshot["completions_drawn"])
 
 
 # ---- worker side ----------------------------------------------------------------------------
@@ -192,6 +162,8 @@ def agent_seed_for(root_seed: int, task: str, run: int, spec: AgentSpec) -> int:
 
 def run_unit(unit: WorkUnit) -> UnitOutcome:
     """Run every pending (agent, budget) of one (task, run); errors become Failures, not exceptions."""
+    from agents.base import AnytimeAgent
+
     outcome = UnitOutcome(unit)
     task = unit.task
     setup = run_setup(task, unit.run, unit.root_seed, unit.train_fraction)
@@ -218,7 +190,7 @@ def run_unit(unit: WorkUnit) -> UnitOutcome:
         except Exception as exc:
             outcome.failures.extend(_failure(context, spec, b, exc) for b in budgets)
             continue
-        if len(budgets) > 1 and getattr(agent, "anytime", False) and hasattr(agent, "train_budgets"):
+        if len(budgets) > 1 and isinstance(agent, AnytimeAgent) and agent.anytime:
             _run_shared(context, spec, budgets, agent, agent_seed, outcome)
         else:
             for budget in budgets:
@@ -266,7 +238,7 @@ def _failure(context: _UnitContext, spec: AgentSpec, budget: int, exc: BaseExcep
 def _run_one(context: _UnitContext, spec: AgentSpec, budget: int, agent_seed: int, outcome: UnitOutcome) -> None:
     """A fresh agent on a freshly seeded env, trained for one budget."""
     try:
-        env = MeteredEnv(context.table)
+        env = IAPOEnv(table=context.table)
         env.reset(seed=context.env_seed)
         agent = build_agent(spec, agent_seed)
         start = time.perf_counter()
@@ -284,7 +256,7 @@ def _run_shared(context: _UnitContext, spec: AgentSpec, budgets: list[int], agen
     Each row's ``train_seconds`` is the trajectory's time up to that budget's policy; the
     meter is restored with the env around each branch, so ``budget_spent`` is the branch's own.
     """
-    env = MeteredEnv(context.table)
+    env = IAPOEnv(table=context.table)
     env.reset(seed=context.env_seed)
     pending = sorted(budgets)
     seconds = 0.0

@@ -18,69 +18,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from iapo_gym.leaderboard.bundle import Bundle, BundleError, load
-from iapo_gym.leaderboard.specs import AgentSpec, check_unique_labels
-from iapo_gym.leaderboard.store import ResultStore, RunResult, TaskInfo
+from iapo_gym.leaderboard.run.specs import AgentSpec, check_unique_labels
+from iapo_gym.leaderboard.run.store import ResultStore, RunResult, TaskInfo
+from iapo_gym.leaderboard.submit.bundle import Bundle, BundleError
+from iapo_gym.leaderboard.submit.provenance import PROVENANCE, ProvenanceError, load_source, provenance_entries
 
-PROVENANCE = "provenance.json"
 #: Fields of a run that a re-run reproduces exactly (everything but wall time, label and bookkeeping).
 COMPUTED = ("table_sha256", "root_seed", "split_seed", "env_seed", "agent_seed", "acr", "optimal_acr",
             "train_optimal_acr", "regret", "arms", "optimal_arms", "budget_spent")
 
 
-class MergeError(ValueError):
+class MergeError(ProvenanceError):
     """Inputs that cannot be merged without mixing or losing results; the message names the cause."""
 
 
 def run_name(r: RunResult) -> str:
     """A run as people read it: ``task/label budget=T run=r``."""
     return f"{r.task}/{r.label} budget={r.budget} run={r.run}"
-
-
-def verify_record_path(bundle_path: str | os.PathLike[str]) -> Path:
-    """Where ``iapo-gym verify`` records its outcome for a bundle: ``BUNDLE.verify.json`` beside it."""
-    p = Path(bundle_path)
-    return p.with_name(p.name + ".verify.json")
-
-
-def read_verify_record(bundle: Bundle) -> dict[str, Any] | None:
-    """The verify record of a bundle file, if one exists beside it and is about this very file."""
-    if bundle.sha256 is None:
-        return None
-    path = verify_record_path(bundle.source)
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    if not isinstance(record, dict) or record.get("bundle_sha256") != bundle.sha256:
-        return None
-    return record
-
-
-def read_provenance(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]] | None:
-    """The inputs recorded in ``out_dir/provenance.json`` by a merge (None if there is none)."""
-    path = Path(out_dir) / PROVENANCE
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise MergeError(f"{path} is not JSON ({exc})") from None
-    inputs = data.get("inputs") if isinstance(data, dict) else None
-    if not isinstance(inputs, list):
-        raise MergeError(f"{path} has no list 'inputs'")
-    return inputs
-
-
-def provenance_entries(bundle: Bundle) -> list[dict[str, Any]]:
-    """What a report shows about where ``bundle``'s runs came from (a merged folder: its own inputs)."""
-    carried = bundle.extra.get("provenance")
-    if carried:
-        return list(carried)
-    manifest = {k: v for k, v in bundle.manifest.items() if k != "files"}
-    kind = "bundle" if bundle.sha256 else "folder"
-    return [{"name": bundle.name, "kind": kind, "sha256": bundle.sha256, "manifest": manifest,
-             "verify": read_verify_record(bundle)}]
 
 
 def _check_protocol(bundles: Sequence[Bundle]) -> None:
@@ -147,7 +101,7 @@ def merge(sources: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MergeError(f"--out {out} exists and is not empty; merge writes a new folder")
     try:
-        bundles = [load(s) for s in sources]
+        bundles = [load_source(s) for s in sources]
     except BundleError as exc:
         raise MergeError(str(exc)) from None
     results, infos, duplicates = merge_results(bundles)

@@ -2,7 +2,7 @@
 
 A bundle (``NAME.iapo.zip`` or ``NAME.iapo.tar.gz``) holds exactly three members:
 
-- ``manifest.json``  the provenance (schema ``docs/bundle-schema.json``, ``BUNDLE_SCHEMA_VERSION``):
+- ``manifest.json``  the provenance (schema ``bundle-schema.json`` beside this module, ``BUNDLE_SCHEMA_VERSION``):
   software versions, protocol parameters (root seed, train fraction, budgets, runs), per task its
   table digests (``table_checksum``) and the release file's git blob id, per agent its spec,
   parameters and a sha256 of its source modules, and the sha256 of the two other members;
@@ -15,6 +15,7 @@ paths), unknown members, a newer schema version or digests that do not match are
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import io
@@ -37,8 +38,8 @@ import numpy as np
 
 from iapo_gym._version import __version__
 from iapo_gym.data.download import file_hashes
-from iapo_gym.leaderboard.specs import AgentSpec
-from iapo_gym.leaderboard.store import DB_NAME, ResultStore, RunResult, TaskInfo
+from iapo_gym.leaderboard.run.specs import AgentSpec
+from iapo_gym.leaderboard.run.store import DB_NAME, ResultStore, RunResult, TaskInfo
 
 BUNDLE_FORMAT = "iapo-gym-bundle"
 #: Version of the manifest schema this iapo-gym writes and the newest it reads.
@@ -135,7 +136,7 @@ def _release_blob(task: str, digests: set[str]) -> str | None:
         return None
     try:
         from iapo_gym.data import resolve_table
-        from iapo_gym.leaderboard.specs import table_checksum
+        from iapo_gym.leaderboard.run.specs import table_checksum
         from iapo_gym.tables import read_metadata, read_table
 
         path = resolve_table(spec)
@@ -340,95 +341,40 @@ def _check_member_set(path: Path, names: list[str]) -> None:
         raise BundleError(f"{path.name}: duplicate member names")
 
 
-_HEX64 = "0123456789abcdef"
+#: The manifest's JSON Schema, shipped in the package (the one copy; docs/leaderboard.md links to it).
+SCHEMA_PATH = Path(__file__).resolve().parent / "bundle-schema.json"
 
 
-def _fail(where: str, message: str) -> None:
-    raise BundleError(f"{where}: manifest field {message}")
+@functools.lru_cache(maxsize=1)
+def _validator() -> Any:
+    import jsonschema
 
-
-def _is_hex(value: Any, length: int) -> bool:
-    return isinstance(value, str) and len(value) == length and all(c in _HEX64 for c in value)
-
-
-def _need(obj: Any, key: str, types: type | tuple[type, ...], where: str, path: str) -> Any:
-    if not isinstance(obj, dict) or key not in obj:
-        _fail(where, f"{path}{key!r} is missing")
-    value = obj[key]
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        _fail(where, f"{path}{key!r} must be {types}, got {value!r}")
-    if not isinstance(value, types):
-        names = "/".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
-        _fail(where, f"{path}{key!r} must be {names}, got {type(value).__name__} {value!r}"[:300])
-    return value
-
-
-#: Required fields (checked by ``validate_manifest``; the same as docs/bundle-schema.json requires).
-REQUIRED = {
-    "": ("format", "schema_version", "created_at", "software", "protocol", "n_results", "tasks", "agents", "files"),
-    "software": ("iapo_gym", "python", "numpy"),
-    "protocol": ("root_seed", "train_fraction", "budgets", "runs"),
-    "tasks[]": ("name", "title", "synthetic", "table_sha256", "release_git_blob", "runs", "budgets", "n_results"),
-    "agents[]": ("name", "params", "label", "spec", "source"),
-    "agents[].source": ("sha256", "modules"),
-    "files": (RESULTS, TASKS),
-}
+    schema = json.loads(SCHEMA_PATH.read_text())
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
 
 
 def validate_manifest(manifest: Any, where: str = "bundle") -> dict[str, Any]:
-    """Check the manifest's structure; a BundleError names the first bad field and what was expected."""
+    """Check the manifest against ``bundle-schema.json``; a BundleError names the first bad field and what was expected.
+
+    A manifest of a newer schema version than this iapo-gym knows is refused with that said, before the schema.
+    """
     if not isinstance(manifest, dict):
         raise BundleError(f"{where}: {MANIFEST} must hold a JSON object")
     fmt = manifest.get("format")
     if fmt != BUNDLE_FORMAT:
         raise BundleError(f"{where} is not an iapo-gym bundle: manifest format {fmt!r}, expected {BUNDLE_FORMAT!r}")
-    version = _need(manifest, "schema_version", int, where, "")
-    if version > BUNDLE_SCHEMA_VERSION:
+    version = manifest.get("schema_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > BUNDLE_SCHEMA_VERSION:
         raise BundleError(f"{where}: manifest schema version {version} is newer than this iapo-gym "
                           f"({__version__}) reads (up to {BUNDLE_SCHEMA_VERSION}); upgrade iapo-gym")
-    if version < 1:
-        _fail(where, f"'schema_version' must be >= 1, got {version}")
-    _need(manifest, "created_at", str, where, "")
-    software = _need(manifest, "software", dict, where, "")
-    for key in REQUIRED["software"]:
-        _need(software, key, str, where, "software.")
-    protocol = _need(manifest, "protocol", dict, where, "")
-    _need(protocol, "root_seed", int, where, "protocol.")
-    _need(protocol, "train_fraction", float, where, "protocol.")
-    budgets = _need(protocol, "budgets", list, where, "protocol.")
-    if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in budgets):
-        _fail(where, f"'protocol.budgets' must be integers >= 1, got {budgets!r}")
-    _need(protocol, "runs", int, where, "protocol.")
-    _need(manifest, "n_results", int, where, "")
-    for i, task in enumerate(_need(manifest, "tasks", list, where, "")):
-        p = f"tasks[{i}]."
-        _need(task, "name", str, where, p)
-        _need(task, "title", str, where, p)
-        _need(task, "synthetic", bool, where, p)
-        digests = _need(task, "table_sha256", list, where, p)
-        if not digests or not all(_is_hex(d, 64) for d in digests):
-            _fail(where, f"'{p}table_sha256' must be a non-empty list of sha256 hex digests, got {digests!r}"[:300])
-        blob = task.get("release_git_blob", "missing")
-        if blob is not None and not _is_hex(blob, 40):
-            _fail(where, f"'{p}release_git_blob' must be a 40-hex git blob id or null, got {blob!r}")
-        for key in ("runs", "budgets"):
-            _need(task, key, list, where, p)
-        _need(task, "n_results", int, where, p)
-    for i, agent in enumerate(_need(manifest, "agents", list, where, "")):
-        p = f"agents[{i}]."
-        for key in ("name", "label", "spec"):
-            _need(agent, key, str, where, p)
-        _need(agent, "params", dict, where, p)
-        source = _need(agent, "source", dict, where, p)
-        if not _is_hex(source.get("sha256"), 64):
-            _fail(where, f"'{p}source.sha256' must be a sha256 hex digest, got {source.get('sha256')!r}")
-        modules = _need(source, "modules", dict, where, p + "source.")
-        if not modules or not all(_is_hex(v, 64) for v in modules.values()):
-            _fail(where, f"'{p}source.modules' must map module names to sha256 hex digests")
-    files = _need(manifest, "files", dict, where, "")
-    for key in REQUIRED["files"]:
-        if not _is_hex(files.get(key), 64):
-            _fail(where, f"'files.{key}' must be the member's sha256 hex digest, got {files.get(key)!r}")
+    import jsonschema
+
+    error = jsonschema.exceptions.best_match(_validator().iter_errors(manifest))
+    if error is not None:
+        field = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error.absolute_path)
+        raise BundleError(f"{where}: manifest field {field.lstrip('.') or '(top level)'!r}: {error.message}"[:400])
     return manifest
 
 
@@ -521,9 +467,5 @@ def load(source: str | os.PathLike[str]) -> Bundle:
     if path.is_dir():
         if not (path / DB_NAME).is_file():
             raise BundleError(f"{path} is a folder without {DB_NAME}: not a leaderboard results folder")
-        bundle = collect(path)
-        from iapo_gym.leaderboard.merge import read_provenance
-
-        bundle.extra["provenance"] = read_provenance(path)
-        return bundle
+        return collect(path)
     return read_bundle(path)

@@ -18,11 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats as sps
 
-from iapo_gym.leaderboard.store import RunResult
-
-TESTS = ("wilcoxon", "sign")
-CORRECTIONS = ("holm", "bh", "none")
-DEFAULT_ALPHA = 0.05
+from iapo_gym.leaderboard.report import CORRECTIONS, DEFAULT_ALPHA, TESTS  # noqa: F401  (the stats' options)
+from iapo_gym.leaderboard.run.store import RunResult
 
 
 def mean_sem(values: Sequence[float] | np.ndarray) -> tuple[float, float, int]:

@@ -12,8 +12,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 
-from iapo_gym.leaderboard.report import Report, budgets_of, cells_by_label, labels_by_rank, modal_arms  # noqa: E402
-from iapo_gym.leaderboard.stats import win_matrix  # noqa: E402
+from iapo_gym.leaderboard.report.model import Report, budgets_of, cells_by_label, labels_by_rank, modal_arms, optimal_means  # noqa: E402
+from iapo_gym.leaderboard.report.stats import win_matrix  # noqa: E402
 
 _WIN_CMAP = ListedColormap(["#d7301f", "#f0f0f0", "#1a9850"])
 
@@ -40,7 +40,7 @@ def plot_acr_vs_budget(report: Report, path: Path) -> Path:
             sem = np.nan_to_num(np.array([r.acr_sem for r in rows]))
             ax.plot(x, y, marker="o", ms=3, lw=1.4, color=colors[label], label=label)
             ax.fill_between(x, y - sem, y + sem, color=colors[label], alpha=0.2, lw=0)
-        optimal = np.mean([s.optimal_acr_mean for s in report.summary if s.task == task])
+        optimal = optimal_means(report, task)[0]
         ax.axhline(float(optimal), color="black", ls="--", lw=1, label="optimal (test)")
         info = report.tasks.get(task)
         ax.set_title(info.title if info else task)

@@ -20,11 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from iapo_gym.leaderboard.bundle import Bundle, agent_source_digest, read_bundle
-from iapo_gym.leaderboard.merge import run_name, verify_record_path
-from iapo_gym.leaderboard.runner import WorkUnit, run_unit
-from iapo_gym.leaderboard.specs import AgentSpec, TaskRef, resolve_task, task_available
-from iapo_gym.leaderboard.store import RunResult
+from iapo_gym.leaderboard.run.runner import WorkUnit, run_unit
+from iapo_gym.leaderboard.run.specs import AgentSpec, TaskRef, resolve_task, task_available
+from iapo_gym.leaderboard.run.store import RunResult
+from iapo_gym.leaderboard.submit.bundle import Bundle, agent_source_digest, read_bundle
+from iapo_gym.leaderboard.submit.merge import run_name
+from iapo_gym.leaderboard.submit.provenance import verify_record_path
 from iapo_gym.seeding import derive_rng
 
 

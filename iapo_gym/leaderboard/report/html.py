@@ -19,8 +19,15 @@ from typing import Any
 
 import jinja2
 
-from iapo_gym.leaderboard.report import Report, budgets_of, cells_by_label, display_path, labels_by_rank
-from iapo_gym.leaderboard.stats import win_matrix
+from iapo_gym.leaderboard.report.model import (
+    Report,
+    budgets_of,
+    cells_by_label,
+    display_path,
+    labels_by_rank,
+    optimal_means,
+)
+from iapo_gym.leaderboard.report.stats import win_matrix
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 ASSETS = ("site.css", "site.js")
@@ -70,8 +77,7 @@ def _task_view(report: Report, task: str) -> dict[str, Any]:
                                       "loss" if losses[i][j] > wins[i][j] else "even"}
                                      for j in range(len(labels))]} for i, a in enumerate(labels)]
     task_cells = [s for s in report.summary if s.task == task]
-    optimal = sum(s.optimal_acr_mean for s in task_cells) / len(task_cells)
-    train_opt = sum(s.train_optimal_acr_mean for s in task_cells) / len(task_cells)
+    optimal, train_opt = optimal_means(report, task)
     best = rows[0] if rows else None
     last = budgets[-1]
     best_last = next((s for s in cells[str(best["label"])] if s.budget == last), None) if best else None
@@ -87,21 +93,6 @@ def _task_view(report: Report, task: str) -> dict[str, Any]:
         "matrix_plot": f"assets/pairwise_{task}.png",
         "aggregator": info.aggregator if info else "", "digests": report.meta.get("checksums", {}).get(task, []),
     }
-
-
-def _provenance(out_dir: str | Path) -> list[dict[str, Any]]:
-    """The inputs merged into ``out_dir`` (provenance.json), or the folder itself described as a bundle."""
-    from iapo_gym.leaderboard.bundle import BundleError, load
-    from iapo_gym.leaderboard.merge import provenance_entries, read_provenance
-
-    merged = read_provenance(out_dir)
-    if merged:
-        return merged
-    try:
-        return provenance_entries(load(out_dir))
-    except BundleError as exc:
-        return [{"name": Path(out_dir).name, "kind": "folder", "sha256": None, "manifest": None,
-                 "verify": None, "error": str(exc)}]
 
 
 def _provenance_view(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -132,7 +123,8 @@ def write_site(report: Report, out_dir: str | Path, site_dir: str | Path) -> Pat
     Written into a temporary sibling folder first and moved into place, so a failure leaves the
     previous site intact.
     """
-    from iapo_gym.leaderboard.plots import plot_acr_vs_budget, plot_win_matrices
+    from iapo_gym.leaderboard.report.plots import plot_acr_vs_budget, plot_win_matrices
+    from iapo_gym.leaderboard.submit.provenance import site_provenance
 
     site = Path(site_dir)
     site.parent.mkdir(parents=True, exist_ok=True)
@@ -151,12 +143,19 @@ def write_site(report: Report, out_dir: str | Path, site_dir: str | Path) -> Pat
             shutil.copyfile(TEMPLATES / name, assets / name)
         page = _environment().get_template("index.html.j2").render(
             tasks=views, meta=report.meta, test=report.test, correction=report.correction, alpha=report.alpha,
-            provenance=_provenance_view(_provenance(out_dir)), source=display_path(out_dir),
+            provenance=_provenance_view(site_provenance(out_dir)), source=display_path(out_dir),
         )
         (tmp / "index.html").write_text(page, encoding="utf-8")
+        old = site.with_name(f".{site.name}.old-{os.getpid()}")
         if site.exists():
-            shutil.rmtree(site)
-        os.replace(tmp, site)
+            os.replace(site, old)  # kept until the new site is in place
+        try:
+            os.replace(tmp, site)
+        except BaseException:
+            if old.exists():
+                os.replace(old, site)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,0 +1,2 @@
+"""Running the protocol: agent and task specs (``specs``), the sweep and its executors (``runner``),
+the result store (``store``)."""
