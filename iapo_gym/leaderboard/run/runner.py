@@ -151,6 +151,7 @@ def run_setup(task: TaskRef, run: int, root_seed: int = DEFAULT_ROOT_SEED,
         split_seed = derive_seed(root_seed, "split", task.name, run)
         splitter = IAPOEnv(table=table)
         splitter.resplit(train_fraction, split_seed)
+        assert isinstance(splitter.table, OutcomeTable)  # a table env's resplit keeps its outcome distributions
         run_table = splitter.table
     return RunSetup(table, checksum, run_table, split_seed, derive_seed(root_seed, "env", task.name, run))
 
