@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from iapo_gym.deploy.policyfile import PolicyFile, describe
 from iapo_gym.leaderboard.run.specs import AgentSpec, parse_agent_spec, resolve_task
+from iapo_gym.policyfile import PolicyFile, describe
 from iapo_gym.seeding import derive_rng, derive_seed
 
 CHECK_KEY = "iapo_gym.optimize.check"
@@ -305,9 +305,9 @@ def render_report(pf: PolicyFile) -> str:
 
 def cmd_optimize(args: argparse.Namespace) -> int:
     """Run ``optimize``; exit 0 with the policy written, 1 on a reported failure."""
-    from iapo_gym.deploy.policyfile import PolicyFileError
     from iapo_gym.llm.client import BudgetExhausted, EndpointError
     from iapo_gym.llm.spec import SpecError
+    from iapo_gym.policyfile import PolicyFileError
 
     try:
         result = optimize(args.target, args.agent, args.budget, args.out, seed=args.seed, run=args.run,
