@@ -216,7 +216,7 @@ class _UnitContext:
     optimal_json: str
 
     def result(self, spec: AgentSpec, budget: int, agent_seed: int, policy: Any, seconds: float,
-               spent: int) -> RunResult:
+               spent: int, effective_params: str | None) -> RunResult:
         """The stored row of one trained policy (the budget is checked against the meter first)."""
         if spent > budget:
             raise BudgetExceededError(f"drew {spent} completions with a budget of {budget}")
@@ -228,7 +228,25 @@ class _UnitContext:
             env_seed=self.env_seed, agent_seed=agent_seed, acr=acr, optimal_acr=self.optimal_acr,
             train_optimal_acr=self.train_optimal_acr, regret=self.optimal_acr - acr, arms=json.dumps(arms.tolist()),
             optimal_arms=self.optimal_json, train_seconds=seconds, budget_spent=spent, version=__version__,
+            effective_params=effective_params,
         )
+
+
+def effective_params_json(agent: Any) -> str | None:
+    """Canonical JSON of ``agent.params()`` (its effective parameters, defaults included); None without ``params``.
+
+    NumPy scalars and arrays become numbers and lists; any other value that JSON cannot hold, its ``repr``.
+    """
+    params = getattr(agent, "params", None)
+    if not callable(params):
+        return None
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, (np.generic, np.ndarray)):
+            return value.tolist()
+        return repr(value)
+
+    return json.dumps(params(), sort_keys=True, default=plain)
 
 
 def _failure(context: _UnitContext, spec: AgentSpec, budget: int, exc: BaseException) -> Failure:
@@ -242,10 +260,12 @@ def _run_one(context: _UnitContext, spec: AgentSpec, budget: int, agent_seed: in
         env = IAPOEnv(table=context.table)
         env.reset(seed=context.env_seed)
         agent = build_agent(spec, agent_seed)
+        effective = effective_params_json(agent)
         start = time.perf_counter()
         policy = agent.train(env, budget)
         seconds = time.perf_counter() - start
-        outcome.results.append(context.result(spec, budget, agent_seed, policy, seconds, env.completions_drawn))
+        outcome.results.append(context.result(spec, budget, agent_seed, policy, seconds, env.completions_drawn,
+                                              effective))
     except Exception as exc:  # one broken agent must not stop the sweep
         outcome.failures.append(_failure(context, spec, budget, exc))
 
@@ -262,6 +282,7 @@ def _run_shared(context: _UnitContext, spec: AgentSpec, budgets: list[int], agen
     pending = sorted(budgets)
     seconds = 0.0
     try:
+        effective = effective_params_json(agent)
         policies = iter(agent.train_budgets(env, pending))
         while pending:
             start = time.perf_counter()
@@ -271,7 +292,8 @@ def _run_shared(context: _UnitContext, spec: AgentSpec, budgets: list[int], agen
                 raise RuntimeError(f"train_budgets returned budget {budget}, expected {pending[0]}")
             pending.pop(0)
             try:
-                outcome.results.append(context.result(spec, budget, agent_seed, policy, seconds, env.completions_drawn))
+                outcome.results.append(context.result(spec, budget, agent_seed, policy, seconds, env.completions_drawn,
+                                                      effective))
             except Exception as exc:
                 outcome.failures.append(_failure(context, spec, budget, exc))
     except Exception as exc:  # the budgets not reached fail with the trajectory's error

@@ -27,7 +27,7 @@ import tarfile
 import tempfile
 import time
 import zipfile
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path, PurePosixPath
 from types import ModuleType
 from typing import Any
@@ -348,7 +348,10 @@ def validate_manifest(manifest: Any, where: str = "bundle") -> dict[str, Any]:
 
 
 def _parse_rows(where: str, member: str, data: bytes, cls: type) -> list[Any]:
+    """The rows of a JSON-lines member: each has every field of ``cls`` (those with a default may be absent:
+    bundles written before them still read)."""
     names = {f.name for f in fields(cls)}
+    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
     rows = []
     for lineno, line in enumerate(data.decode("utf-8", errors="strict").splitlines(), 1):
         if not line.strip():
@@ -357,9 +360,11 @@ def _parse_rows(where: str, member: str, data: bytes, cls: type) -> list[Any]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise BundleError(f"{where}: {member} line {lineno} is not JSON ({exc})") from None
-        if not isinstance(obj, dict) or set(obj) != names:
+        if not isinstance(obj, dict) or not required <= set(obj) <= names:
             got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-            raise BundleError(f"{where}: {member} line {lineno} must have the fields {sorted(names)}, got {got}")
+            optional = f" (optional: {sorted(names - required)})" if names != required else ""
+            raise BundleError(f"{where}: {member} line {lineno} must have the fields {sorted(required)}{optional}, "
+                              f"got {got}")
         if cls is TaskInfo:
             obj["context_names"] = tuple(obj["context_names"])
         rows.append(cls(**obj))
