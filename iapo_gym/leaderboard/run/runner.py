@@ -44,6 +44,7 @@ from iapo_gym.leaderboard.run.specs import (
 )
 from iapo_gym.leaderboard.run.store import ResultStore, RunResult, TaskInfo
 from iapo_gym.oracle import acr_from_q, greedy_policy, policy_arms, q_table
+from iapo_gym.progress import Progress
 from iapo_gym.seeding import derive_seed
 from iapo_gym.tables import OutcomeTable
 
@@ -376,60 +377,6 @@ def _dask(units: Sequence[WorkUnit], scheduler: str, jobs: int) -> Generator[Uni
         client.close()
         if cluster is not None:
             cluster.close()
-
-
-# ---- progress --------------------------------------------------------------------------------
-
-
-class Progress:
-    """A tqdm bar with ETA on a terminal, plain log lines (at most every ``interval`` s) otherwise."""
-
-    def __init__(self, total: int, stream: TextIO | None = None, bar: bool | None = None, interval: float = 5.0) -> None:
-        """Track ``total`` runs; ``bar=None`` picks the bar when ``stream`` is a TTY and tqdm is installed."""
-        self.total, self.done = total, 0
-        self.stream = stream if stream is not None else sys.stderr
-        self.start = self.last = time.monotonic()
-        self.interval = interval
-        self._bar: Any = None
-        if bar is None:
-            bar = bool(getattr(self.stream, "isatty", lambda: False)())
-        if bar:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                tqdm = None
-            if tqdm is not None:
-                self._bar = tqdm(total=total, unit="run", file=self.stream, dynamic_ncols=True, smoothing=0.05)
-
-    def update(self, n: int, note: str) -> None:
-        """``n`` more runs finished (``note`` says which unit)."""
-        self.done += n
-        if self._bar is not None:
-            self._bar.set_postfix_str(note, refresh=False)
-            self._bar.update(n)
-            return
-        now = time.monotonic()
-        if now - self.last < self.interval and self.done < self.total and self.done != n:
-            return
-        self.last = now
-        elapsed = now - self.start
-        eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
-        print(f"[{self.done}/{self.total} runs] {note}; elapsed {_fmt(elapsed)}, ETA {_fmt(eta)}",
-              file=self.stream, flush=True)
-
-    def close(self) -> None:
-        """Finish the bar."""
-        if self._bar is not None:
-            self._bar.close()
-
-
-def _fmt(seconds: float) -> str:
-    if not np.isfinite(seconds):
-        return "?"
-    seconds = int(round(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 # ---- the sweep -------------------------------------------------------------------------------
