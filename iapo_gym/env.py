@@ -13,7 +13,8 @@ from gymnasium import spaces
 from iapo_gym.oracle import exact_acr, monte_carlo_acr, optimal_policy, q_table
 from iapo_gym.policy import Policy, PolicyLike
 from iapo_gym.sampling import AliasSampler
-from iapo_gym.tables import TEST, TRAIN, OutcomeTable, read_table
+from iapo_gym.source import CompletionSource, TableSource
+from iapo_gym.tables import TEST, TRAIN, OutcomeTable, TableSchema, read_table
 from iapo_gym.utility import block_utilities
 
 SPLITS = ("train", "test")
@@ -75,16 +76,19 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
     ``reset`` draws a context (its weight vector is the observation); ``step((p, N))`` draws
     a query of the current split and N completions, and returns their aggregated utility.
     ``pull``/``utilities`` are the vectorized path for agents; ``q_table`` the exact oracle.
+    The completions come from ``source``: a table's sampler, or a live endpoint (``LiveEnv``).
     """
 
     metadata: dict[str, Any] = {"render_modes": []}
-    #: True when completions are drawn from ``table`` by ``sampler`` (so a compiled agent loop may replicate
-    #: ``pull_one``'s draws and account for them with ``record_draws``); False for a live endpoint.
-    draws_from_table: bool = True
 
-    def __init__(self, task: str | None = None, *, table: OutcomeTable | None = None,
-                 path: str | None = None, instance: int = 0, split: str = "train") -> None:
-        """Build from an in-memory ``table``, a table file ``path`` or a registered ``task``."""
+    def __init__(self, task: str | None = None, *, table: TableSchema | None = None,
+                 path: str | None = None, instance: int = 0, split: str = "train",
+                 source: CompletionSource | None = None) -> None:
+        """Build from an in-memory ``table``, a table file ``path`` or a registered ``task``.
+
+        ``source`` draws the completions (default: the table's sampler); a ``TableSchema`` without
+        outcome distributions needs one.
+        """
         if table is None:
             if task is None and path is None:
                 raise ValueError("IAPOEnv needs a task name, a table or a path")
@@ -96,7 +100,13 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
                 table = load_task_table(task, instance=instance, path=path)
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if source is None:
+            if not isinstance(table, OutcomeTable):
+                raise ValueError(f"a {type(table).__name__} without outcome distributions needs a completion source "
+                                 "(source=...); an OutcomeTable defaults to sampling its own")
+            source = TableSource(table)
         self.table = table
+        self.source: CompletionSource = source
         self.split = split
         self.task = table.task
         self.completions_drawn = 0  # every completion this env has drawn; no reset clears it
@@ -129,6 +139,12 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         return self.table.n_contexts
 
     @property
+    def draws_from_table(self) -> bool:
+        """True when completions are drawn from ``table`` by ``sampler`` (so a compiled agent loop may replicate
+        ``pull_one``'s draws and account for them with ``record_draws``); False for a live endpoint."""
+        return isinstance(self.source, TableSource)
+
+    @property
     def budget_used(self) -> int:
         """Completions drawn since the last seeded reset (``info["budget_used"]``; ``completions_drawn`` counts all)."""
         return self.completions_drawn - self._drawn_at_seed
@@ -156,6 +172,7 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         super().reset(seed=seed)
         if seed is not None:
             self._drawn_at_seed = self.completions_drawn
+            self.source.restart()
         if options and "context" in options:
             self._context = _as_index(options["context"], "options['context']", 0, self.n_contexts - 1)
         else:
@@ -202,12 +219,11 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
 
     # ---- vectorized path --------------------------------------------------------------
     def _get_sampler(self) -> AliasSampler:
-        """The table's alias sampler, built on first use and shared by every env on the table."""
-        cache = self.table._cache
-        if "sampler" not in cache:
-            cache["sampler"] = AliasSampler(self.table.probs.reshape(-1, self.table.n_atoms))
-        sampler: AliasSampler = cache["sampler"]
-        return sampler
+        """The table's alias sampler (built on first use, shared by every env on the table); refused for another source."""
+        if not isinstance(self.source, TableSource):
+            raise NotImplementedError(f"{type(self).__name__} draws its completions from {type(self.source).__name__}; "
+                                      "it has no outcome distribution to sample")
+        return self.source.sampler
 
     def pull(self, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray | None = None) -> Pulls:
         """Draw many pulls in one vectorized call, from this env's generator and budget.
@@ -219,8 +235,7 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         if prompts.size == 1 and ns.size == 1 and queries is None:
             return self._pull_one(int(prompts[0]), int(ns[0]))
         queries = self._pull_queries(prompts, ns, queries)
-        rows = np.repeat(prompts * self.table.n_queries + queries, ns)
-        atoms = self._get_sampler().sample(rows, self.np_random)
+        atoms = self.source.draw(prompts, queries, ns, self.np_random)
         offsets = np.zeros(prompts.size + 1, dtype=np.int64)
         np.cumsum(ns, out=offsets[1:])
         self.completions_drawn += int(offsets[-1])
@@ -228,7 +243,7 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
 
     def _pull_queries(self, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray | None) -> np.ndarray:
         """Check a batch's prompts and Ns, then its given queries or draw them from the split (one rule for every
-        completion source: the table's sampler here, the endpoint in ``LiveEnv``)."""
+        completion source)."""
         if prompts.shape != ns.shape:
             raise ValueError(f"prompts and ns must have the same length, got {prompts.size} and {ns.size}")
         if prompts.size and (prompts.min() < 0 or prompts.max() >= self.n_prompts):
@@ -269,7 +284,7 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         pool = self._split_queries[self.split]
         rng = self.np_random
         query = int(pool[rng.integers(pool.size)])
-        atoms = self._get_sampler().sample_row(prompt * self.table.n_queries + query, n, rng)
+        atoms = self.source.draw_one(prompt, query, n, rng)
         self.completions_drawn += n
         return query, atoms
 
@@ -330,25 +345,37 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         order = np.random.default_rng(seed).permutation(n_q)
         split = np.full(n_q, TEST, dtype=np.uint8)
         split[order[:n_train]] = TRAIN
-        self.table = self.table.with_split(split)
+        if isinstance(self.source, TableSource):  # the source samples the resplit table
+            self.source = TableSource(self.source.table.with_split(split))
+            self.table = self.source.table
+        else:
+            self.table = self.table.with_split(split)
         self._split_queries = {s: self.table.split_indices(s) for s in SPLITS}
 
+    def _known_table(self) -> OutcomeTable:
+        """The table whose outcome distributions the completions come from, or NotImplementedError saying
+        that this source has no exact answer (a live endpoint)."""
+        if not self.source.exact or not isinstance(self.table, OutcomeTable):
+            raise NotImplementedError(self.source.no_exact or f"{type(self.source).__name__} has no exact oracle")
+        return self.table
+
     def q_table(self, split: str = "test") -> np.ndarray:
-        """Exact expected utilities (C, P, N_max) on ``split``; entry [c, p, N-1]."""
-        return q_table(self.table, self.queries(split))
+        """Exact expected utilities (C, P, N_max) on ``split``; entry [c, p, N-1] (refused without an exact oracle)."""
+        return q_table(self._known_table(), self.queries(split))
 
     def optimal_policy(self, split: str = "test") -> Policy:
-        """The exact optimal policy on ``split``."""
-        return optimal_policy(self.table, self.queries(split))
+        """The exact optimal policy on ``split`` (refused without an exact oracle)."""
+        return optimal_policy(self._known_table(), self.queries(split))
 
     def evaluate(self, policy: PolicyLike, split: str = "test") -> float:
-        """Exact ACR of ``policy`` on ``split``."""
-        return exact_acr(self.table, policy, self.queries(split))
+        """Exact ACR of ``policy`` on ``split`` (refused without an exact oracle)."""
+        return exact_acr(self._known_table(), policy, self.queries(split))
 
     def evaluate_monte_carlo(self, policy: PolicyLike, split: str = "test", n_samples: int = 10_000,
                              seed: int | None = None) -> tuple[float, float]:
         """The paper's n-sample ACR estimate (mean, standard error), from its own seeded generator."""
-        return monte_carlo_acr(self.table, policy, self.queries(split), n_samples, np.random.default_rng(seed))
+        return monte_carlo_acr(self._known_table(), policy, self.queries(split), n_samples,
+                               np.random.default_rng(seed))
 
 
 def base_env(env: Any, needs: str = "expected") -> IAPOEnv:

@@ -11,7 +11,7 @@ import numpy as np
 
 from iapo_gym.exact import stored
 from iapo_gym.policy import Policy, PolicyLike
-from iapo_gym.tables import OutcomeTable
+from iapo_gym.tables import OutcomeTable, TableSchema
 from iapo_gym.utility import block_utilities, expected_arm_reward, mean_task_reward
 
 
@@ -45,7 +45,7 @@ def optimal_policy(table: OutcomeTable, queries: np.ndarray | None = None) -> Po
     return greedy_policy(q_table(table, queries))
 
 
-def policy_arms(policy: PolicyLike, table: OutcomeTable) -> np.ndarray:
+def policy_arms(policy: PolicyLike, table: TableSchema) -> np.ndarray:
     """(C, 2) array of the policy's (p, N), checked against the table's arm ranges."""
     arms = np.array(Policy.coerce(policy, table.n_contexts).arms, dtype=np.int64)
     bad = (arms[:, 0] < 0) | (arms[:, 0] >= table.n_prompts) | (arms[:, 1] < 1) | (arms[:, 1] > table.n_max)

@@ -68,7 +68,7 @@ class Policy:
         by default; a table alone has prompt ids only, and such a file cannot be served). An env with
         an exact oracle adds the exact test values; ``learned`` and ``estimate`` are stored as given.
         """
-        from iapo_gym.deploy.policyfile import describe
+        from iapo_gym.policyfile import describe
 
         return describe(self.arms, source, spec=spec, learned=learned, estimate=estimate).save(path)
 
@@ -78,7 +78,7 @@ class Policy:
 
         ``iapo_gym.deploy.load_policy`` gives the whole document (prompts, contexts, estimates).
         """
-        from iapo_gym.deploy.policyfile import load_policy
+        from iapo_gym.policyfile import load_policy
 
         return cls(load_policy(path).arms)
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import h5py  # every environment reads a table file; imported with the package, not on the first gym.make
 import numpy as np
@@ -36,28 +36,31 @@ MAX_TABLE_BYTES = 4 << 30
 MAX_N_MAX = (1 << 31) - 1
 Aggregator = Literal["bon", "mv"]
 TRAIN, TEST = 0, 1
+_Schema = TypeVar("_Schema", bound="TableSchema")
 
 
 class TableError(ValueError):
     """A table (in memory or on disk) breaks a rule of the schema."""
 
 
-@dataclass(frozen=True, eq=False)
-class OutcomeTable:
-    """Categorical outcome distributions of one IAPO task, with its contexts and costs.
+@dataclass(frozen=True, eq=False, kw_only=True)
+class TableSchema:
+    """An IAPO task without its outcome distributions: shapes, contexts, cost, atoms, gold and split.
 
-    Shapes use P prompts, Q queries, M atoms, K objectives, C contexts.
+    What the env, the utilities and the agents need of a task; a live endpoint has only this (its
+    outcome distributions are unknown), a table (``OutcomeTable``) adds ``probs``. Shapes use P
+    prompts, Q queries, M atoms, K objectives, C contexts.
     """
 
     task: str
     aggregator: Aggregator
-    probs: np.ndarray  # (P, Q, M) float64, rows sum to 1
     cost: np.ndarray  # (P,) or (P, Q) per-completion cost, >= 0
     n_max: int
     context_weights: np.ndarray  # (C, K + 1); the last weight multiplies the cost
     context_names: tuple[str, ...]
     context_probs: np.ndarray  # (C,)
     objective_names: tuple[str, ...]  # (K,)
+    shape: tuple[int, int, int] = (0, 0, 0)  # (P, Q, M)
     atoms: np.ndarray | None = None  # bon: (P, Q, M, K) objective vectors
     gold: np.ndarray | None = None  # mv: (Q,) gold bucket per query
     prompts: tuple[str, ...] = ()
@@ -69,7 +72,6 @@ class OutcomeTable:
     def __post_init__(self) -> None:
         """Coerce arrays to canonical dtypes, fill default ids, then validate."""
         set_ = object.__setattr__
-        set_(self, "probs", np.ascontiguousarray(self.probs, dtype=np.float64))
         set_(self, "cost", np.ascontiguousarray(self.cost, dtype=np.float64))
         set_(self, "context_weights", np.ascontiguousarray(self.context_weights, dtype=np.float64))
         set_(self, "context_probs", np.ascontiguousarray(self.context_probs, dtype=np.float64))
@@ -80,13 +82,14 @@ class OutcomeTable:
         if self.split is not None:
             set_(self, "split", np.ascontiguousarray(self.split, dtype=np.uint8))
         set_(self, "n_max", int(self.n_max))
+        set_(self, "shape", tuple(int(n) for n in self.shape))
         set_(self, "context_names", tuple(str(n) for n in self.context_names))
         set_(self, "objective_names", tuple(str(n) for n in self.objective_names))
-        if self.probs.ndim == 3:
+        if len(self.shape) == 3:
             if not self.prompts:
-                set_(self, "prompts", tuple(f"p{i}" for i in range(self.probs.shape[0])))
+                set_(self, "prompts", tuple(f"p{i}" for i in range(self.shape[0])))
             if not self.queries:
-                set_(self, "queries", tuple(f"q{i}" for i in range(self.probs.shape[1])))
+                set_(self, "queries", tuple(f"q{i}" for i in range(self.shape[1])))
         set_(self, "prompts", tuple(str(p) for p in self.prompts))
         set_(self, "queries", tuple(str(q) for q in self.queries))
         validate(self)
@@ -95,17 +98,17 @@ class OutcomeTable:
     @property
     def n_prompts(self) -> int:
         """Number of prompts P."""
-        return int(self.probs.shape[0])
+        return self.shape[0]
 
     @property
     def n_queries(self) -> int:
         """Number of queries Q (train and test together)."""
-        return int(self.probs.shape[1])
+        return self.shape[1]
 
     @property
     def n_atoms(self) -> int:
         """Number of outcome atoms M per (prompt, query)."""
-        return int(self.probs.shape[2])
+        return self.shape[2]
 
     @property
     def n_objectives(self) -> int:
@@ -135,7 +138,7 @@ class OutcomeTable:
             return np.flatnonzero(self.split == TEST)
         raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
 
-    def with_split(self, split: np.ndarray | None) -> OutcomeTable:
+    def with_split(self: _Schema, split: np.ndarray | None) -> _Schema:
         """The same table with another stored split (validated); derived caches are shared."""
         new = replace(self, split=split)
         object.__setattr__(new, "_cache", self._cache)
@@ -159,6 +162,24 @@ class OutcomeTable:
         }
 
 
+@dataclass(frozen=True, eq=False, kw_only=True)
+class OutcomeTable(TableSchema):
+    """Categorical outcome distributions of one IAPO task, with its contexts and costs (the schema plus ``probs``).
+
+    ``shape`` is that of ``probs`` (set from it).
+    """
+
+    probs: np.ndarray  # (P, Q, M) float64, rows sum to 1
+    shape: tuple[int, int, int] = field(default=(0, 0, 0), init=False)
+
+    def __post_init__(self) -> None:
+        """Coerce ``probs``, take the shape from it, then as ``TableSchema``."""
+        object.__setattr__(self, "probs", np.ascontiguousarray(self.probs, dtype=np.float64))
+        if self.probs.ndim == 3:
+            object.__setattr__(self, "shape", self.probs.shape)
+        super().__post_init__()
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
@@ -173,14 +194,10 @@ def _fail(where: str, message: str) -> None:
     raise TableError(f"{where}: {message}")
 
 
-def validate(table: OutcomeTable, where: str = "table") -> None:
-    """Check every rule of the schema; raise ``TableError`` naming the dataset and rule."""
-    if table.aggregator not in AGGREGATORS:
-        _fail(where, f"aggregator must be one of {AGGREGATORS}, got {table.aggregator!r}")
-    probs = table.probs
+def _validate_probs(probs: np.ndarray, where: str) -> None:
+    """The rules of dataset ``probs``: shape (P, Q, M), finite, non-negative, rows summing to 1."""
     if probs.ndim != 3 or 0 in probs.shape:
         _fail(where, f"dataset 'probs' must have shape (P, Q, M) with P, Q, M >= 1, got {probs.shape}")
-    n_p, n_q, n_m = probs.shape
     if not np.all(np.isfinite(probs)):
         _fail(where, "dataset 'probs' holds NaN or infinite values")
     if np.any(probs < 0):
@@ -192,6 +209,17 @@ def validate(table: OutcomeTable, where: str = "table") -> None:
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
         total = float(sums[idx])
         _fail(where, f"dataset 'probs' row {idx} (prompt, query) sums to {total!r}, not 1 (tolerance {PROB_TOLERANCE})")
+
+
+def validate(table: TableSchema, where: str = "table") -> None:
+    """Check every rule of the schema (and of ``probs`` for a table); raise ``TableError`` naming the dataset and rule."""
+    if table.aggregator not in AGGREGATORS:
+        _fail(where, f"aggregator must be one of {AGGREGATORS}, got {table.aggregator!r}")
+    if isinstance(table, OutcomeTable):
+        _validate_probs(table.probs, where)
+    elif len(table.shape) != 3 or min(table.shape) < 1:
+        _fail(where, f"the schema's shape must be (P, Q, M) with P, Q, M >= 1, got {table.shape}")
+    n_p, n_q, n_m = table.shape
     if not 1 <= table.n_max <= MAX_N_MAX:
         _fail(where, f"attribute 'n_max' must be in [1, {MAX_N_MAX}], got {table.n_max}")
     cost = table.cost

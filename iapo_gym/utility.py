@@ -24,7 +24,7 @@ from iapo_gym.exact import (  # noqa: F401  (re-exported: the exact kernels' old
     task_reward_fits,
     vote_credit_series,
 )
-from iapo_gym.tables import OutcomeTable
+from iapo_gym.tables import OutcomeTable, TableSchema
 
 
 def mv_credit(counts: np.ndarray, gold: np.ndarray) -> np.ndarray:
@@ -39,7 +39,7 @@ def mv_credit(counts: np.ndarray, gold: np.ndarray) -> np.ndarray:
     return np.where(gold_votes == top, 1.0 / ties, 0.0)
 
 
-def block_utilities(table: OutcomeTable, prompts: np.ndarray, queries: np.ndarray,
+def block_utilities(table: TableSchema, prompts: np.ndarray, queries: np.ndarray,
                     atom_blocks: np.ndarray) -> np.ndarray:
     """Utilities (C, n) under every context of n blocks of k completions each.
 

@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from iapo_gym.deploy.policyfile import PolicyContext, PolicyFile, PolicyPrompt
+from iapo_gym.policyfile import PolicyContext, PolicyFile, PolicyPrompt
 from tests.llm_server import HERE, _log_file, stop, wait_ready
 
 TEMPLATES = {"plain": "Q: {query}\nA:", "short": "{query} ->"}

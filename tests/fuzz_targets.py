@@ -867,7 +867,7 @@ def policy_file_seeds() -> list[bytes]:
 
 def policy_file_mutator(data: bytes, rnd: random.Random) -> bytes:
     """A JSON mutation, then most of the time a fresh checksum, so the checks past the checksum are reached."""
-    from iapo_gym.deploy.policyfile import _digest
+    from iapo_gym.policyfile import _digest
 
     data = json_mutator(data, rnd)
     if rnd.random() < 0.8:

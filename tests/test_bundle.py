@@ -287,3 +287,27 @@ def test_merge_refuses_changed_agent_source_and_cli(setup: dict[str, Any], capsy
     index = setup["tmp"] / "m" / "report" / "site" / "index.html"
     html = index.read_text()
     assert "second.iapo.zip" in html and "not verified" in html and 'id="task-tiny"' in html
+
+
+def test_runs_carry_effective_params_and_bundles_without_them_still_read_and_verify(setup: dict[str, Any],
+                                                                                   good_bundle: Path) -> None:
+    members = _members(good_bundle)
+    rows = [json.loads(line) for line in members["results.jsonl"].decode().splitlines()]
+    assert all("effective_params" in row for row in rows)  # the toy agents have no params(): null
+    stripped = "".join(json.dumps({k: v for k, v in row.items() if k != "effective_params"}, sort_keys=True) + "\n"
+                       for row in rows).encode()
+    manifest = json.loads(members["manifest.json"])
+    manifest["files"]["results.jsonl"] = sha256_bytes(stripped)
+    old = _zip(setup["tmp"] / "old.iapo.zip", {**members, "results.jsonl": stripped,
+                                                "manifest.json": json.dumps(manifest).encode()})
+    bundle = read_bundle(old)
+    assert [r.effective_params for r in bundle.results] == [None] * len(rows)
+    assert [dataclasses.replace(r, effective_params=None) for r in read_bundle(good_bundle).results] == bundle.results
+    outcome = verify_bundle(old, 6, seed=1, tables=setup["tables"])
+    assert outcome.ok and len(outcome.checks) == 6
+    extra = "".join(json.dumps({**row, "surplus": 1}, sort_keys=True) + "\n" for row in rows).encode()
+    manifest["files"]["results.jsonl"] = sha256_bytes(extra)
+    bad = _zip(setup["tmp"] / "extra.iapo.zip", {**members, "results.jsonl": extra,
+                                                  "manifest.json": json.dumps(manifest).encode()})
+    with pytest.raises(BundleError, match=r"optional: \['effective_params'\]\), got .*'surplus'"):
+        read_bundle(bad)

@@ -11,8 +11,8 @@ import pytest
 from iapo_gym import IAPOEnv, Policy
 from iapo_gym.data import load_task_table
 from iapo_gym.deploy import PolicyFileError, Router, describe, load_policy
-from iapo_gym.deploy.policyfile import PolicyFile, schema
 from iapo_gym.llm.spec import load_spec
+from iapo_gym.policyfile import PolicyFile, schema
 from tests.deploy_helpers import mv_policy
 from tests.llm_server import free_port, write_spec
 

@@ -175,7 +175,7 @@ def test_upstream_refusal_is_reported_and_does_not_stop_the_router(tmp_path: Pat
 
 
 def test_chat_upstream_gets_the_policy_messages(tmp_path: Path) -> None:
-    from iapo_gym.deploy.policyfile import PolicyContext, PolicyFile, PolicyPrompt
+    from iapo_gym.policyfile import PolicyContext, PolicyFile, PolicyPrompt
 
     port = free_port()
     proc = start_scripted({"Q: 6 * 7": ["42", "the answer is 42", "41"]}, tmp_path, port)

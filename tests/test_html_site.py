@@ -159,3 +159,33 @@ def test_site_sources_are_local(site: Path) -> None:
             continue
         assert "://" not in ref and not ref.startswith("/"), ref
         assert (site.parent / ref).is_file(), ref
+
+
+def test_the_site_reuses_the_reports_pairwise_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With plots and --html, each task's win matrices are drawn once; the site holds the report's very file."""
+    from iapo_gym.leaderboard.report import plots
+    from iapo_gym.leaderboard.report.write import write_report
+    from iapo_gym.tables import write_table
+    from tests.conftest import tiny_bon_table, tiny_mv_table
+
+    tasks = [resolve_task(str(write_table(make(n_queries=20), tmp_path / f"{name}.h5")))
+             for name, make in (("tiny_mv", tiny_mv_table), ("tiny_bon", tiny_bon_table))]
+    agents = [parse_agent_spec(s) for s in ("tests.leaderboard_toy_agents:Greedy@greedy",
+                                            "tests.leaderboard_toy_agents:Fixed@fixed")]
+    assert not run_sweep(tmp_path / "out", tasks, agents, [30], 3, log=sys.stderr, bar=False).failures
+    drawn: list[str] = []
+    real = plots.plot_win_matrices
+
+    def counted(report: Any, task: str, path: Path) -> Path:
+        drawn.append(task)
+        return real(report, task, path)
+
+    monkeypatch.setattr(plots, "plot_win_matrices", counted)
+    written = write_report(tmp_path / "out", html=True, plots=True)
+    assert sorted(drawn) == ["tiny_bon", "tiny_mv"]  # once per task, not again for the site
+    site = written["html"].parent / "assets"
+    for task in ("tiny_bon", "tiny_mv"):
+        assert (site / f"pairwise_{task}.png").read_bytes() == written[f"pairwise_{task}"].read_bytes()
+    drawn.clear()
+    only_site = write_report(tmp_path / "out", tmp_path / "report2", html=True, plots=False)
+    assert sorted(drawn) == ["tiny_bon", "tiny_mv"] and (only_site["html"].parent / "assets" / "pairwise_tiny_mv.png").is_file()

@@ -31,6 +31,7 @@ from iapo_gym.leaderboard import (
     table_checksum,
     write_report,
 )
+from iapo_gym.leaderboard.run import store as store_module
 from iapo_gym.leaderboard.run.specs import AgentSpec
 from iapo_gym.policy import Policy
 from iapo_gym.seeding import derive_seed
@@ -333,3 +334,44 @@ def test_a_failed_download_skips_the_task_with_its_message(monkeypatch) -> None:
     monkeypatch.setattr("iapo_gym.data.resolve_table", refuse)
     message = task_available(resolve_task("math"))
     assert message is not None and "skipping task 'math'" in message and "nothing was kept" in message
+
+
+# ---- effective parameters --------------------------------------------------------------------
+
+
+def test_every_run_records_the_agents_effective_parameters(tmp_path: Path, tables: dict[str, str]) -> None:
+    import agents
+
+    specs = [parse_agent_spec("psst_topk:k=2"), parse_agent_spec("ucb"), parse_agent_spec(f"{TOY}:Fixed:n=2@fixed")]
+    summary = run_sweep(tmp_path, [resolve_task(tables["mv"])], specs, [40, 80], 2, log=open(os.devnull, "w"))  # noqa: SIM115
+    assert not summary.failures
+    rows = _stored(tmp_path)
+    assert len(rows) == 3 * 2 * 2
+    for r in rows:
+        if r.agent == f"{TOY}:Fixed":
+            assert r.effective_params is None  # an agent without params(): nothing to record
+            continue
+        recorded = json.loads(r.effective_params)
+        expected = agents.make(r.agent, seed=r.agent_seed, **json.loads(r.params)).params()
+        assert recorded == json.loads(json.dumps(expected)) and len(recorded) > len(json.loads(r.params))
+    assert json.loads(next(r for r in rows if r.agent == "psst_topk").effective_params)["k"] == 2
+
+
+def test_a_database_written_before_effective_params_opens_and_keeps_its_rows(tmp_path: Path,
+                                                                             tables: dict[str, str]) -> None:
+    _sweep(tmp_path / "new", tables)
+    new = _stored(tmp_path / "new")
+    old = tmp_path / "old"
+    old.mkdir()
+    with sqlite3.connect(old / "results.sqlite") as conn:  # the schema without the column, as released
+        conn.executescript(store_module._SCHEMA.replace("    effective_params TEXT,\n", ""))
+        conn.execute("INSERT INTO meta VALUES ('schema_version', '1')")
+        fields = [f for f in store_module._RESULT_FIELDS if f != "effective_params"]
+        conn.executemany(f"INSERT INTO runs ({', '.join(fields)}) VALUES ({', '.join('?' * len(fields))})",
+                         [[getattr(r, f) for f in fields] for r in new[:5]])
+        assert "effective_params" not in {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
+    rows = _stored(old)
+    assert rows == [replace(r, effective_params=None) for r in new[:5]]
+    with ResultStore(old) as store:
+        assert store.add(new) == len(new) - 5
+    assert _stored(old)[5:] == [r for r in new if r.key not in {x.key for x in new[:5]}]

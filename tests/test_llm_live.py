@@ -45,7 +45,7 @@ def test_check_env_and_rewards_follow_the_majority_vote(tmp_path: Path, proxy: i
     base = env.unwrapped
     assert isinstance(base, LiveEnv)
     check_env(base, skip_render_check=True)
-    extract = base._extract
+    extract = base.source._extract
     assert extract is not None
     for seed in range(6):
         obs, info = base.reset(seed=seed)
@@ -126,12 +126,16 @@ def test_bad_pulls_and_the_cap_stop_before_sending(tmp_path: Path, proxy: int) -
     with pytest.raises(BudgetExhausted, match="max_requests = 3"):
         env.pull(np.array([0, 1]), np.array([4, 4]))
     assert env.requests == 3 and proxy_stats(proxy)["posts"] == 3
-    assert env._drawn.sum() == 0  # the failed pull used up no sample index
+    assert env.source._drawn.sum() == 0  # the failed pull used up no sample index
     env.close()
 
 
-def test_pull_one_asks_the_endpoint_and_the_schema_probs_are_never_sampled(tmp_path: Path, proxy: int) -> None:
+def test_pull_one_asks_the_endpoint_and_the_live_schema_has_nothing_to_sample(tmp_path: Path, proxy: int) -> None:
     env = LiveEnv(_spec(tmp_path, proxy), cache=tmp_path / "cache.sqlite")
+    assert not hasattr(env.table, "probs") and not env.draws_from_table and not env.source.exact
+    for refused in (env.q_table, env.optimal_policy):
+        with pytest.raises(NotImplementedError, match="a live endpoint has no exact oracle"):
+            refused()
     env.reset(seed=2)
     before = proxy_stats(proxy)["posts"]
     query, atoms = env.pull_one(1, 3)

@@ -1,15 +1,16 @@
 """Deploy what you learn: the policy file, the ``Router`` that applies it per request, and ``iapo-gym serve``.
 
-``load_policy``/``PolicyFile`` read and write policy files (schema ``policy.schema.json`` in this
-package); ``Router(policy, spec)`` routes queries to an OpenAI-compatible upstream; ``server``
-puts a Router behind an OpenAI-compatible HTTP API. See docs/deploy.md.
+``load_policy``/``PolicyFile`` read and write policy files (``iapo_gym.policyfile``, in the core
+because ``Policy.save``/``load`` use it; its names are re-exported here); ``Router(policy, spec)``
+routes queries to an OpenAI-compatible upstream; ``server`` puts a Router behind an OpenAI-compatible
+HTTP API. See docs/deploy.md.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from iapo_gym.deploy.policyfile import PolicyContext, PolicyFile, PolicyFileError, PolicyPrompt, describe, load_policy
+from iapo_gym.policyfile import PolicyContext, PolicyFile, PolicyFileError, PolicyPrompt, describe, load_policy
 
 __all__ = ["ContextError", "PolicyContext", "PolicyFile", "PolicyFileError", "PolicyPrompt", "Routed", "Router",
            "describe", "load_policy"]

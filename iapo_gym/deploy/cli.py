@@ -10,9 +10,9 @@ from typing import Any
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted; exit 1 when the policy, the spec or the key cannot be used."""
-    from iapo_gym.deploy.policyfile import PolicyFileError
     from iapo_gym.deploy.router import Router
     from iapo_gym.llm.spec import SpecError
+    from iapo_gym.policyfile import PolicyFileError
 
     api_key = None
     if args.api_key_env:

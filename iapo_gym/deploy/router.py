@@ -28,11 +28,11 @@ from typing import Any, cast
 
 import numpy as np
 
-from iapo_gym.deploy.policyfile import PolicyContext, PolicyFile, PolicyFileError, load_policy
 from iapo_gym.llm.client import BudgetExhausted, Completion, EndpointError, LLMClient
 from iapo_gym.llm.loop import LoopThread, gather_all
 from iapo_gym.llm.scoring import make_extractor, make_scorer
 from iapo_gym.llm.spec import Prompt, Scorer, Spec, load_spec
+from iapo_gym.policyfile import PolicyContext, PolicyFile, PolicyFileError, load_policy
 from iapo_gym.seeding import derive_rng
 
 TIE_KEY = "iapo_gym.deploy.tie"

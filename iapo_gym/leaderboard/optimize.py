@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from iapo_gym.deploy.policyfile import PolicyFile, describe
 from iapo_gym.leaderboard.run.specs import AgentSpec, parse_agent_spec, resolve_task
+from iapo_gym.policyfile import PolicyFile, describe
+from iapo_gym.progress import Progress
 from iapo_gym.seeding import derive_rng, derive_seed
 
 CHECK_KEY = "iapo_gym.optimize.check"
@@ -45,15 +46,14 @@ class OptimizeResult:
 
 
 class _Bar:
-    """A tqdm bar over the budget, fed by polling a counter (the env is never wrapped: results stay identical)."""
+    """The shared ``Progress`` over the budget, fed by polling a counter (the env is never wrapped: results stay
+    identical)."""
 
     def __init__(self, total: int, read: Any, enabled: bool) -> None:
         self.read, self._stop = read, threading.Event()
-        self.bar: Any = None
+        self.progress: Progress | None = None
         if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="completion", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+            self.progress = Progress(total, sys.stderr, unit="completions", interval=5.0)
             self.thread = threading.Thread(target=self._poll, daemon=True)
             self.thread.start()
 
@@ -62,15 +62,15 @@ class _Bar:
             self._show()
 
     def _show(self) -> None:
-        now = int(self.read())
-        self.bar.update(max(0, now - self.bar.n))
+        assert self.progress is not None
+        self.progress.update(max(0, int(self.read()) - self.progress.done), "training")
 
     def close(self) -> None:
-        if self.bar is not None:
+        if self.progress is not None:
             self._stop.set()
             self.thread.join()
             self._show()
-            self.bar.close()
+            self.progress.close()
 
 
 def is_spec_path(target: str) -> bool:
@@ -305,9 +305,9 @@ def render_report(pf: PolicyFile) -> str:
 
 def cmd_optimize(args: argparse.Namespace) -> int:
     """Run ``optimize``; exit 0 with the policy written, 1 on a reported failure."""
-    from iapo_gym.deploy.policyfile import PolicyFileError
     from iapo_gym.llm.client import BudgetExhausted, EndpointError
     from iapo_gym.llm.spec import SpecError
+    from iapo_gym.policyfile import PolicyFileError
 
     try:
         result = optimize(args.target, args.agent, args.budget, args.out, seed=args.seed, run=args.run,

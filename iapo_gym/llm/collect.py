@@ -29,6 +29,7 @@ from iapo_gym.llm.loop import run as run_sync
 from iapo_gym.llm.retry import EndpointUnreachable
 from iapo_gym.llm.scoring import make_extractor, make_scorer
 from iapo_gym.llm.spec import Query, Spec, SpecError
+from iapo_gym.progress import Progress
 from iapo_gym.tables import OutcomeTable, write_table
 
 #: Seconds between fsyncs of the log (every line is flushed to the OS at once, which a killed process
@@ -100,41 +101,32 @@ def read_done(log: Path) -> set[str]:
 
 
 class _Progress:
-    """A one-line progress report on stderr: logged / total, from the cache, in flight, rate and ETA."""
+    """The shared ``Progress`` over the completions to log, noting how many came from the cache and are in flight."""
 
     def __init__(self, total: int, done: int, stream: TextIO | None) -> None:
-        self.total, self.start_done, self.done = total, done, done
         self.cached = 0
-        self.stream = stream
-        self.t0 = self.last = time.monotonic()
         self.in_flight: Any = lambda: 0
-        self.shown = False
+        self.progress = Progress(total, stream, unit="completions logged", interval=2.0, initial=done) \
+            if stream is not None else None
+
+    def _note(self) -> str:
+        return f"{self.cached} of them from the cache, {self.in_flight()} in flight"
 
     def update(self, k: int, cached: int) -> None:
-        self.done += k
         self.cached += cached
-        self.show(force=self.done == self.total)
-
-    def show(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.stream is not None and (force or now - self.last >= 0.5):
-            self.last = now
-            self.shown = True
-            rate = (self.done - self.start_done) / max(now - self.t0, 1e-9)
-            eta = f"{(self.total - self.done) / rate:.0f}s" if rate > 0 else "?"
-            self.stream.write(f"\rcollect: {self.done}/{self.total} completions logged ({self.cached} of them from "
-                              f"the cache), {self.in_flight()} in flight, {rate:.1f}/s, ETA {eta}   ")
-            self.stream.flush()
+        if self.progress is not None:
+            self.progress.update(k, self._note())
 
     async def tick(self) -> None:
-        """Refresh the line every half second, also while nothing is logged (a slow or stalled endpoint)."""
+        """Refresh also while nothing is logged (a slow or stalled endpoint)."""
         while True:
             await asyncio.sleep(0.5)
-            self.show()
+            if self.progress is not None:
+                self.progress.update(0, self._note())
 
     def close(self) -> None:
-        if self.stream is not None and self.shown:
-            self.stream.write("\n")
+        if self.progress is not None:
+            self.progress.close()
 
 
 class Collector:

@@ -9,8 +9,9 @@ builder buckets them, so ``utilities``/``block_utilities`` and the agents' estim
   first appearance in the pull, atom N_max + 1 "no answer" (the table's "other" bucket);
 * Best-of-N: scores rounded to the spec's ``grid`` within ``score_range``; the atoms are the grid.
 
-The env's ``table`` carries the schema (prompts, queries, contexts, cost, atoms); its ``probs``
-are unknown, so the exact oracle is refused and ``evaluate_monte_carlo`` samples the endpoint.
+The env's ``table`` is a ``TableSchema`` (prompts, queries, contexts, cost, atoms, no outcome
+distributions) and its ``source`` an ``EndpointSource``, which has no exact answer: the oracle's
+methods refuse, saying so, and ``evaluate_monte_carlo`` samples the endpoint.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, SupportsFloat
 import numpy as np
 
 from iapo_gym.data.build import bon_contexts
-from iapo_gym.env import IAPOEnv, Pulls
+from iapo_gym.env import IAPOEnv
 from iapo_gym.llm.cache import ResponseCache
 from iapo_gym.llm.client import LLMClient
 from iapo_gym.llm.loop import LoopThread, gather_all
@@ -30,8 +31,8 @@ from iapo_gym.llm.scoring import make_extractor, make_scorer
 from iapo_gym.llm.spec import Spec, SpecError, load_spec
 from iapo_gym.oracle import policy_arms
 from iapo_gym.paths import cache_dir
-from iapo_gym.policy import Policy, PolicyLike
-from iapo_gym.tables import TEST, TRAIN, OutcomeTable
+from iapo_gym.policy import PolicyLike
+from iapo_gym.tables import TEST, TRAIN, TableSchema
 from iapo_gym.tasks.contexts import mv_cost_contexts
 
 NO_ORACLE = ("a live endpoint has no exact oracle: collect a table with `iapo-gym collect SPEC --out DIR` and "
@@ -39,8 +40,8 @@ NO_ORACLE = ("a live endpoint has no exact oracle: collect a table with `iapo-gy
              "evaluate_monte_carlo on the live env (real requests, with a standard error)")
 
 
-def _schema_table(spec: Spec) -> OutcomeTable:
-    """The live task's table: its shapes, contexts, cost and atoms; ``probs`` uniform (unknown, never sampled)."""
+def _schema_table(spec: Spec) -> TableSchema:
+    """The live task's schema: its shapes, contexts, cost and atoms (its outcome distributions are unknown)."""
     n_p, n_q = len(spec.prompts), len(spec.queries)
     cost = np.asarray(spec.live_cost if spec.live_cost is not None else [spec.build.cost_scale] * n_p)
     split = None
@@ -49,13 +50,13 @@ def _schema_table(spec: Spec) -> OutcomeTable:
     common: dict[str, Any] = {"task": spec.task, "cost": cost, "n_max": spec.n_max, "split": split,
                               "prompts": tuple(p.id for p in spec.prompts), "queries": tuple(q.id for q in spec.queries),
                               "attrs": {"source": f"live endpoint, model {spec.endpoint.model!r}",
-                                        "build": "iapo_gym.llm.live (probs unknown: live samples only)"}}
+                                        "build": "iapo_gym.llm.live (outcome distributions unknown: live samples only)"}}
     if spec.aggregator == "mv":
         n_m = spec.n_max + 2
         weights, names, cprobs = mv_cost_contexts()
-        return OutcomeTable(aggregator="mv", probs=np.full((n_p, n_q, n_m), 1.0 / n_m), context_weights=weights,
-                            context_names=names, context_probs=cprobs, objective_names=("correct",),
-                            gold=np.zeros(n_q, dtype=np.int64), **common)
+        return TableSchema(aggregator="mv", shape=(n_p, n_q, n_m), context_weights=weights,
+                           context_names=names, context_probs=cprobs, objective_names=("correct",),
+                           gold=np.zeros(n_q, dtype=np.int64), **common)
     sc = spec.scorer
     if sc.grid is None or sc.score_range is None or not sc.objectives:
         raise SpecError(f"{spec.path}: the live Best-of-N env needs scorer.grid, scorer.score_range and "
@@ -65,55 +66,48 @@ def _schema_table(spec: Spec) -> OutcomeTable:
     grid = np.array(list(itertools.product(points, repeat=k)))  # (G^K, K)
     atoms = np.broadcast_to(grid, (n_p, n_q, *grid.shape))
     weights, names, cprobs = bon_contexts(k)
-    return OutcomeTable(aggregator="bon", probs=np.full((n_p, n_q, grid.shape[0]), 1.0 / grid.shape[0]),
-                        atoms=atoms, context_weights=weights, context_names=names, context_probs=cprobs,
+    return TableSchema(aggregator="bon", shape=(n_p, n_q, grid.shape[0]),
+                       atoms=atoms, context_weights=weights, context_names=names, context_probs=cprobs,
                         objective_names=sc.objectives, **common)
 
 
-class LiveEnv(IAPOEnv):
-    """The IAPO contextual bandit on a live OpenAI-compatible endpoint (``gym.make("IAPO-Live-v0", spec=...)``)."""
+class EndpointSource:
+    """Completions requested from a live endpoint through the response cache (no exact oracle).
 
-    draws_from_table = False
+    Pull (p, N) on query q asks for the next N sample indices of (p, q); a seeded reset of the env
+    restarts them, so a rerun is answered by the cache. Only a pull that completed uses up its indices.
+    """
 
-    def __init__(self, spec: str | os.PathLike[str] | Spec, *, split: str = "train",
-                 cache: str | os.PathLike[str] | None = None) -> None:
-        """``spec``: a spec file or ``Spec``; ``cache``: the response cache file (default: the spec's, else the user cache)."""
-        self.llm_spec = spec if isinstance(spec, Spec) else load_spec(spec)
-        super().__init__(table=_schema_table(self.llm_spec), split=split)
-        path = cache or self.llm_spec.cache or cache_dir() / "llm" / f"{self.llm_spec.task}.sqlite"
-        self.response_cache = ResponseCache(path)
-        self._extract = make_extractor(self.llm_spec.scorer) if self.llm_spec.aggregator == "mv" else None
-        bon = self.llm_spec.aggregator == "bon"
-        self._score = make_scorer(self.llm_spec) if bon else None
-        self._drawn = np.zeros((self.n_prompts, self.table.n_queries), dtype=np.int64)  # samples used per pair
+    exact = False
+    no_exact = NO_ORACLE
+
+    def __init__(self, spec: Spec, schema: TableSchema, cache: str | os.PathLike[str]) -> None:
+        """Open the response cache ``cache`` and the client of ``spec``'s endpoint on a loop of its own."""
+        self.spec = spec
+        self.n_max = schema.n_max
+        self.response_cache = ResponseCache(cache)
+        self._extract = make_extractor(spec.scorer) if spec.aggregator == "mv" else None
+        self._score = make_scorer(spec) if spec.aggregator == "bon" else None
+        self._drawn = np.zeros((schema.n_prompts, schema.n_queries), dtype=np.int64)  # samples used per pair
         # the client's loop runs on its own thread, so the env also works inside a running loop (a notebook)
         self._loop = LoopThread("iapo-gym-live")
-        self.client = LLMClient(self.llm_spec, self.response_cache)
+        self.client = LLMClient(spec, self.response_cache)
         self._loop.run(self.client.__aenter__())
-        self._last_tokens = np.zeros(0, dtype=np.int64)
-        self._last_texts: list[str] = []
-        if self.llm_spec.aggregator == "bon":
-            sc = self.llm_spec.scorer
+        self.last_tokens = np.zeros(0, dtype=np.int64)  # real token counts of the last pull's completions
+        self.last_texts: list[str] = []  # and their texts
+        if spec.aggregator == "bon":
+            sc = spec.scorer
             assert sc.grid is not None and sc.score_range is not None
             self._grid_lo = int(np.ceil(sc.score_range[0] / sc.grid))
             self._grid_n = int(np.floor(sc.score_range[1] / sc.grid)) - self._grid_lo + 1
 
-    @property
-    def requests(self) -> int:
-        """HTTP requests this env has sent (cache hits send none)."""
-        return self.client.cap.requests
+    def restart(self) -> None:
+        """Sample indices start over (a seeded rerun asks for the same completions, answered by the cache)."""
+        self._drawn[...] = 0
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
-        """As ``IAPOEnv.reset``; a seeded reset also restarts the sample indices (a rerun hits the cache)."""
-        if seed is not None:
-            self._drawn[...] = 0
-        return super().reset(seed=seed, options=options)
-
-    def pull(self, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray | None = None) -> Pulls:
-        """Draw queries as the table env does, then request every pull's completions concurrently."""
-        prompts = np.asarray(prompts, dtype=np.int64).reshape(-1)
-        ns = np.asarray(ns, dtype=np.int64).reshape(-1)
-        queries = self._pull_queries(prompts, ns, queries)
+    def draw(self, prompts: np.ndarray, queries: np.ndarray, ns: np.ndarray,
+             rng: np.random.Generator) -> np.ndarray:
+        """Request every pull's completions concurrently (``rng`` is not used: the endpoint samples)."""
         drawn = self._drawn.copy()
         starts = np.empty(prompts.size, dtype=np.int64)
         for i, (p, q, n) in enumerate(zip(prompts.tolist(), queries.tolist(), ns.tolist(), strict=True)):
@@ -121,29 +115,20 @@ class LiveEnv(IAPOEnv):
             drawn[p, q] += n
         results = self._loop.run(self._fetch(prompts, queries, ns, starts))
         atoms = np.concatenate([a for a, _, _ in results]) if results else np.zeros(0, dtype=np.int64)
-        self._last_tokens = np.concatenate([t for _, t, _ in results]) if results else np.zeros(0, dtype=np.int64)
-        self._last_texts = [text for _, _, texts in results for text in texts]
+        self.last_tokens = np.concatenate([t for _, t, _ in results]) if results else np.zeros(0, dtype=np.int64)
+        self.last_texts = [text for _, _, texts in results for text in texts]
         self._drawn = drawn  # only a pull that completed uses up its sample indices
-        offsets = np.zeros(prompts.size + 1, dtype=np.int64)
-        np.cumsum(ns, out=offsets[1:])
-        self.completions_drawn += int(offsets[-1])
-        return Pulls(prompts, ns, queries, atoms.astype(np.int64), offsets)
+        return atoms.astype(np.int64)
 
-    def pull_one(self, prompt: int, n: int) -> tuple[int, np.ndarray]:
-        """One live pull: (query, atoms), through ``pull`` (the table's draws are never used here)."""
-        pulls = self.pull(np.array([prompt]), np.array([n]))
-        return int(pulls.queries[0]), pulls.atoms
-
-    def _get_sampler(self) -> Any:
-        """Refused: the schema table's ``probs`` are not the model's, so nothing may sample them."""
-        raise NotImplementedError("LiveEnv draws completions from the endpoint; its table has no outcome "
-                                  "distribution to sample")
+    def draw_one(self, prompt: int, query: int, n: int, rng: np.random.Generator) -> np.ndarray:
+        """One pull's completions, as ``draw`` of a batch of one."""
+        return self.draw(np.array([prompt]), np.array([query]), np.array([n]), rng)
 
     async def _fetch(self, prompts: np.ndarray, queries: np.ndarray, ns: np.ndarray,
                      starts: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, list[str]]]:
         async def one(p: int, q: int, n: int, start: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
-            query = self.llm_spec.queries[q]
-            comps = await self.client.complete(self.llm_spec.prompts[p].render(query.text), list(range(start, start + n)))
+            query = self.spec.queries[q]
+            comps = await self.client.complete(self.spec.prompts[p].render(query.text), list(range(start, start + n)))
             tokens = np.array([c.tokens for c in comps], dtype=np.int64)
             texts = [c.text for c in comps]
             if self._extract is not None:
@@ -171,7 +156,7 @@ class LiveEnv(IAPOEnv):
 
     def _bon_atoms(self, scores: list[dict[str, float]]) -> np.ndarray:
         """Grid index of each completion's rounded score vector (scores outside ``score_range`` are an error)."""
-        sc = self.llm_spec.scorer
+        sc = self.spec.scorer
         assert sc.grid is not None
         vec = np.array([[s[name] for name in sc.objectives] for s in scores])
         steps = np.round(vec / sc.grid).astype(np.int64) - self._grid_lo
@@ -180,25 +165,45 @@ class LiveEnv(IAPOEnv):
                              f"outside scorer.score_range {sc.score_range}")
         return np.ravel_multi_index(tuple(steps.T), (self._grid_n,) * len(sc.objectives)).astype(np.int64)
 
+    def close(self) -> None:
+        """Close the client, its event loop and the cache."""
+        if not self._loop.closed:
+            self._loop.run(self.client.__aexit__(None, None, None))
+            if self._score is not None:
+                self._loop.run(self._score.aclose())
+            self._loop.close()
+            self.response_cache.close()
+
+
+class LiveEnv(IAPOEnv):
+    """The IAPO contextual bandit on a live OpenAI-compatible endpoint (``gym.make("IAPO-Live-v0", spec=...)``).
+
+    ``source`` (an ``EndpointSource``) requests the completions; the oracle's methods refuse (no exact answer).
+    """
+
+    source: EndpointSource
+
+    def __init__(self, spec: str | os.PathLike[str] | Spec, *, split: str = "train",
+                 cache: str | os.PathLike[str] | None = None) -> None:
+        """``spec``: a spec file or ``Spec``; ``cache``: the response cache file (default: the spec's, else the user cache)."""
+        self.llm_spec = spec if isinstance(spec, Spec) else load_spec(spec)
+        schema = _schema_table(self.llm_spec)
+        path = cache or self.llm_spec.cache or cache_dir() / "llm" / f"{self.llm_spec.task}.sqlite"
+        super().__init__(table=schema, split=split, source=EndpointSource(self.llm_spec, schema, path))
+        self.response_cache = self.source.response_cache
+        self.client = self.source.client
+
+    @property
+    def requests(self) -> int:
+        """HTTP requests this env has sent (cache hits send none)."""
+        return self.client.cap.requests
+
     def step(self, action: tuple[int, int]) -> tuple[np.ndarray, SupportsFloat, bool, bool, dict[str, Any]]:
         """As ``IAPOEnv.step``; ``info`` adds the completions' ``texts`` and real token counts (``tokens``)."""
         obs, reward, terminated, truncated, info = super().step(action)
-        info["tokens"] = self._last_tokens.copy()
-        info["texts"] = list(self._last_texts)
+        info["tokens"] = self.source.last_tokens.copy()
+        info["texts"] = list(self.source.last_texts)
         return obs, reward, terminated, truncated, info
-
-    # ---- no exact oracle -----------------------------------------------------------------
-    def q_table(self, split: str = "test") -> np.ndarray:
-        """Refused: the live model's outcome distribution is unknown."""
-        raise NotImplementedError(NO_ORACLE)
-
-    def optimal_policy(self, split: str = "test") -> Policy:
-        """Refused: the live model's outcome distribution is unknown."""
-        raise NotImplementedError(NO_ORACLE)
-
-    def evaluate(self, policy: PolicyLike, split: str = "test") -> float:
-        """Refused: use ``evaluate_monte_carlo`` (real requests) or collect a table."""
-        raise NotImplementedError(NO_ORACLE)
 
     def evaluate_monte_carlo(self, policy: PolicyLike, split: str = "test", n_samples: int = 100,
                              seed: int | None = None) -> tuple[float, float]:
@@ -217,11 +222,6 @@ class LiveEnv(IAPOEnv):
         return float(values.mean()), float(values.std(ddof=1) / np.sqrt(n_samples))
 
     def close(self) -> None:
-        """Close the client, its event loop and the cache."""
-        if not self._loop.closed:
-            self._loop.run(self.client.__aexit__(None, None, None))
-            if self._score is not None:
-                self._loop.run(self._score.aclose())
-            self._loop.close()
-            self.response_cache.close()
+        """Close the endpoint source (client, event loop, cache)."""
+        self.source.close()
         super().close()

@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -117,11 +118,13 @@ def _provenance_view(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def write_site(report: Report, out_dir: str | Path, site_dir: str | Path) -> Path:
+def write_site(report: Report, out_dir: str | Path, site_dir: str | Path,
+               pairwise: Mapping[str, Path] | None = None) -> Path:
     """Render the site for ``report`` (read from ``out_dir``) into ``site_dir``; returns its index.html.
 
-    Written into a temporary sibling folder first and moved into place, so a failure leaves the
-    previous site intact.
+    ``pairwise``: per task, its pairwise win-matrix plot already drawn for the report (copied, not
+    drawn again); the others are drawn here. Written into a temporary sibling folder first and
+    moved into place, so a failure leaves the previous site intact.
     """
     from iapo_gym.leaderboard.report.plots import plot_acr_vs_budget, plot_win_matrices
     from iapo_gym.leaderboard.submit.provenance import site_provenance
@@ -137,7 +140,11 @@ def write_site(report: Report, out_dir: str | Path, site_dir: str | Path) -> Pat
         for task in tasks:
             sub = dataclasses.replace(report, summary=[s for s in report.summary if s.task == task])
             plot_acr_vs_budget(sub, assets / f"acr_vs_budget_{task}.png")
-            plot_win_matrices(report, task, assets / f"pairwise_{task}.png")
+            drawn = (pairwise or {}).get(task)
+            if drawn is not None:
+                shutil.copyfile(drawn, assets / f"pairwise_{task}.png")
+            else:
+                plot_win_matrices(report, task, assets / f"pairwise_{task}.png")
             views.append(_task_view(report, task))
         for name in ASSETS:
             shutil.copyfile(TEMPLATES / name, assets / name)

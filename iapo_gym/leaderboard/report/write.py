@@ -141,5 +141,6 @@ def write_report(out_dir: str | Path, report_dir: str | Path | None = None, *, p
     if html:
         from iapo_gym.leaderboard.report.html import write_site
 
-        written["html"] = write_site(report, out_dir, target / "site")
+        drawn = {task: written[f"pairwise_{task}"] for task in {s.task for s in report.summary}} if plots else None
+        written["html"] = write_site(report, out_dir, target / "site", pairwise=drawn)
     return written

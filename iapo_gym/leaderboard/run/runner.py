@@ -44,6 +44,7 @@ from iapo_gym.leaderboard.run.specs import (
 )
 from iapo_gym.leaderboard.run.store import ResultStore, RunResult, TaskInfo
 from iapo_gym.oracle import acr_from_q, greedy_policy, policy_arms, q_table
+from iapo_gym.progress import Progress
 from iapo_gym.seeding import derive_seed
 from iapo_gym.tables import OutcomeTable
 
@@ -151,6 +152,7 @@ def run_setup(task: TaskRef, run: int, root_seed: int = DEFAULT_ROOT_SEED,
         split_seed = derive_seed(root_seed, "split", task.name, run)
         splitter = IAPOEnv(table=table)
         splitter.resplit(train_fraction, split_seed)
+        assert isinstance(splitter.table, OutcomeTable)  # a table env's resplit keeps its outcome distributions
         run_table = splitter.table
     return RunSetup(table, checksum, run_table, split_seed, derive_seed(root_seed, "env", task.name, run))
 
@@ -215,7 +217,7 @@ class _UnitContext:
     optimal_json: str
 
     def result(self, spec: AgentSpec, budget: int, agent_seed: int, policy: Any, seconds: float,
-               spent: int) -> RunResult:
+               spent: int, effective_params: str | None) -> RunResult:
         """The stored row of one trained policy (the budget is checked against the meter first)."""
         if spent > budget:
             raise BudgetExceededError(f"drew {spent} completions with a budget of {budget}")
@@ -227,7 +229,25 @@ class _UnitContext:
             env_seed=self.env_seed, agent_seed=agent_seed, acr=acr, optimal_acr=self.optimal_acr,
             train_optimal_acr=self.train_optimal_acr, regret=self.optimal_acr - acr, arms=json.dumps(arms.tolist()),
             optimal_arms=self.optimal_json, train_seconds=seconds, budget_spent=spent, version=__version__,
+            effective_params=effective_params,
         )
+
+
+def effective_params_json(agent: Any) -> str | None:
+    """Canonical JSON of ``agent.params()`` (its effective parameters, defaults included); None without ``params``.
+
+    NumPy scalars and arrays become numbers and lists; any other value that JSON cannot hold, its ``repr``.
+    """
+    params = getattr(agent, "params", None)
+    if not callable(params):
+        return None
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, (np.generic, np.ndarray)):
+            return value.tolist()
+        return repr(value)
+
+    return json.dumps(params(), sort_keys=True, default=plain)
 
 
 def _failure(context: _UnitContext, spec: AgentSpec, budget: int, exc: BaseException) -> Failure:
@@ -241,10 +261,12 @@ def _run_one(context: _UnitContext, spec: AgentSpec, budget: int, agent_seed: in
         env = IAPOEnv(table=context.table)
         env.reset(seed=context.env_seed)
         agent = build_agent(spec, agent_seed)
+        effective = effective_params_json(agent)
         start = time.perf_counter()
         policy = agent.train(env, budget)
         seconds = time.perf_counter() - start
-        outcome.results.append(context.result(spec, budget, agent_seed, policy, seconds, env.completions_drawn))
+        outcome.results.append(context.result(spec, budget, agent_seed, policy, seconds, env.completions_drawn,
+                                              effective))
     except Exception as exc:  # one broken agent must not stop the sweep
         outcome.failures.append(_failure(context, spec, budget, exc))
 
@@ -261,6 +283,7 @@ def _run_shared(context: _UnitContext, spec: AgentSpec, budgets: list[int], agen
     pending = sorted(budgets)
     seconds = 0.0
     try:
+        effective = effective_params_json(agent)
         policies = iter(agent.train_budgets(env, pending))
         while pending:
             start = time.perf_counter()
@@ -270,7 +293,8 @@ def _run_shared(context: _UnitContext, spec: AgentSpec, budgets: list[int], agen
                 raise RuntimeError(f"train_budgets returned budget {budget}, expected {pending[0]}")
             pending.pop(0)
             try:
-                outcome.results.append(context.result(spec, budget, agent_seed, policy, seconds, env.completions_drawn))
+                outcome.results.append(context.result(spec, budget, agent_seed, policy, seconds, env.completions_drawn,
+                                                      effective))
             except Exception as exc:
                 outcome.failures.append(_failure(context, spec, budget, exc))
     except Exception as exc:  # the budgets not reached fail with the trajectory's error
@@ -353,60 +377,6 @@ def _dask(units: Sequence[WorkUnit], scheduler: str, jobs: int) -> Generator[Uni
         client.close()
         if cluster is not None:
             cluster.close()
-
-
-# ---- progress --------------------------------------------------------------------------------
-
-
-class Progress:
-    """A tqdm bar with ETA on a terminal, plain log lines (at most every ``interval`` s) otherwise."""
-
-    def __init__(self, total: int, stream: TextIO | None = None, bar: bool | None = None, interval: float = 5.0) -> None:
-        """Track ``total`` runs; ``bar=None`` picks the bar when ``stream`` is a TTY and tqdm is installed."""
-        self.total, self.done = total, 0
-        self.stream = stream if stream is not None else sys.stderr
-        self.start = self.last = time.monotonic()
-        self.interval = interval
-        self._bar: Any = None
-        if bar is None:
-            bar = bool(getattr(self.stream, "isatty", lambda: False)())
-        if bar:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                tqdm = None
-            if tqdm is not None:
-                self._bar = tqdm(total=total, unit="run", file=self.stream, dynamic_ncols=True, smoothing=0.05)
-
-    def update(self, n: int, note: str) -> None:
-        """``n`` more runs finished (``note`` says which unit)."""
-        self.done += n
-        if self._bar is not None:
-            self._bar.set_postfix_str(note, refresh=False)
-            self._bar.update(n)
-            return
-        now = time.monotonic()
-        if now - self.last < self.interval and self.done < self.total and self.done != n:
-            return
-        self.last = now
-        elapsed = now - self.start
-        eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
-        print(f"[{self.done}/{self.total} runs] {note}; elapsed {_fmt(elapsed)}, ETA {_fmt(eta)}",
-              file=self.stream, flush=True)
-
-    def close(self) -> None:
-        """Finish the bar."""
-        if self._bar is not None:
-            self._bar.close()
-
-
-def _fmt(seconds: float) -> str:
-    if not np.isfinite(seconds):
-        return "?"
-    seconds = int(round(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 # ---- the sweep -------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ CREATE TABLE IF NOT EXISTS runs (
     budget_spent INTEGER NOT NULL,
     version TEXT NOT NULL,
     created_at TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')),
+    effective_params TEXT,
     PRIMARY KEY (task, agent, params, budget, run)
 );
 CREATE TABLE IF NOT EXISTS tasks (
@@ -84,6 +85,9 @@ class RunResult:
     train_seconds: float
     budget_spent: int
     version: str
+    #: JSON of the agent's ``params()``, its effective parameters with the defaults; None for runs stored before
+    #: they were recorded, or an agent without ``params()``.
+    effective_params: str | None = None
 
     @property
     def key(self) -> tuple[str, str, str, int, int]:
@@ -128,6 +132,9 @@ class ResultStore:
                 if statement.strip():
                     cur.execute(statement)
             cur.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            columns = {row[1] for row in cur.execute("PRAGMA table_info(runs)").fetchall()}
+            if "effective_params" not in columns:  # a database written before the column existed
+                cur.execute("ALTER TABLE runs ADD COLUMN effective_params TEXT")
         stored = self.get_meta("schema_version")
         if stored != str(SCHEMA_VERSION):
             raise RuntimeError(f"{self.path} has results schema {stored}, this iapo-gym writes {SCHEMA_VERSION}")

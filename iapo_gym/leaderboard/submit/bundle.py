@@ -29,7 +29,7 @@ import tempfile
 import time
 import zipfile
 import zlib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path, PurePosixPath
 from types import ModuleType
 from typing import Any
@@ -380,7 +380,7 @@ def validate_manifest(manifest: Any, where: str = "bundle") -> dict[str, Any]:
 
 def _row_value(kind: str, value: Any) -> tuple[bool, Any]:
     """(whether ``value`` is of the declared field type ``kind``, the value as stored)."""
-    if kind == "int | None" and value is None:
+    if kind in ("int | None", "str | None") and value is None:
         return True, None
     if kind in ("int", "int | None"):
         return isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < (1 << 63), value
@@ -405,7 +405,11 @@ def _utf8(text: str) -> bool:
 
 
 def _parse_rows(where: str, member: str, data: bytes, cls: type) -> list[Any]:
+    """The rows of a JSON-lines member: each has every field of ``cls`` (those with a default may be absent:
+    bundles written before them still read)."""
     kinds = {f.name: str(f.type) for f in fields(cls)}
+    names = set(kinds)
+    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
     rows = []
     for lineno, line in enumerate(data.decode("utf-8", errors="strict").splitlines(), 1):
         if not line.strip():
@@ -414,10 +418,13 @@ def _parse_rows(where: str, member: str, data: bytes, cls: type) -> list[Any]:
             obj = json.loads(line)
         except (ValueError, RecursionError) as exc:
             raise BundleError(f"{where}: {member} line {lineno} is not JSON ({exc})") from None
-        if not isinstance(obj, dict) or set(obj) != set(kinds):
+        if not isinstance(obj, dict) or not required <= set(obj) <= names:
             got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-            raise BundleError(f"{where}: {member} line {lineno} must have the fields {sorted(kinds)}, got {got}")
-        for name, kind in kinds.items():
+            optional = f" (optional: {sorted(names - required)})" if names != required else ""
+            raise BundleError(f"{where}: {member} line {lineno} must have the fields {sorted(required)}{optional}, "
+                              f"got {got}")
+        for name in list(obj):
+            kind = kinds[name]
             ok, obj[name] = _row_value(kind, obj[name])
             if not ok:
                 raise BundleError(f"{where}: {member} line {lineno} field {name!r} must be {kind} "

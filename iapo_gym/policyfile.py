@@ -171,8 +171,8 @@ class PolicyFile:
 
 @lru_cache(maxsize=1)
 def schema() -> dict[str, Any]:
-    """The JSON Schema of the policy file (``iapo_gym/deploy/policy.schema.json``)."""
-    text = resources.files("iapo_gym.deploy").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
+    """The JSON Schema of the policy file (``iapo_gym/policy.schema.json``)."""
+    text = resources.files("iapo_gym").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
     loaded: dict[str, Any] = json.loads(text)
     return loaded
 
@@ -303,8 +303,8 @@ def describe(arms: Sequence[Sequence[int]], source: Any, *, spec: Any = None, le
     ``source`` is the env the policy was trained on (an ``IAPOEnv``, a ``LiveEnv``, or a wrapper),
     or its ``OutcomeTable``. ``spec`` (a collection ``Spec``; a ``LiveEnv``'s own by default)
     supplies the prompt texts, the scorer and the sampling; its prompt ids must be the table's.
-    Without an explicit ``estimate``, an env with an exact oracle (``exact=True``) gives the
-    exact test-split values; a live env gives none (``iapo-gym optimize --check K`` measures them).
+    Without an explicit ``estimate``, an env whose completion source has an exact oracle (and
+    ``exact=True``) gives the exact test-split values; a live env gives none (``iapo-gym optimize --check K`` measures them).
     """
     env = getattr(source, "unwrapped", source)
     table = getattr(env, "table", env)
@@ -325,7 +325,7 @@ def describe(arms: Sequence[Sequence[int]], source: Any, *, spec: Any = None, le
     values: list[dict[str, Any]] = [dict(v) for v in context_values] if context_values is not None else \
         [{} for _ in range(n_c)]
     est: dict[str, Any] = dict(estimate) if estimate is not None else {"method": None}
-    if estimate is None and exact and hasattr(env, "q_table") and getattr(env, "llm_spec", None) is None:
+    if estimate is None and exact and getattr(getattr(env, "source", None), "exact", False):  # its oracle answers
         est, values = exact_estimate(env, pairs)
     weights = table.context_weights
     contexts = tuple(
