@@ -6,12 +6,11 @@ import json
 import os
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from iapo_gym.policyfile import PolicyContext, PolicyFile, PolicyPrompt
-from tests.llm_server import HERE, _log_file, stop, wait_ready
+from tests.llm_server import HERE, _log_file, proxy_stats, start_with_stats, stop, wait_ready
 
 TEMPLATES = {"plain": "Q: {query}\nA:", "short": "{query} ->"}
 
@@ -53,22 +52,12 @@ def start_scripted(script: dict[str, list[str]], folder: Path, port: int, *, ign
         cmd.append("--ignore-n")
     if delay:
         cmd += ["--delay", str(delay)]
-    log = _log_file("scripted")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    proc.log_file = log  # type: ignore[attr-defined]
-    try:
-        wait_ready(f"http://127.0.0.1:{port}/__stats", proc, timeout=20)
-    except BaseException:
-        stop(proc)
-        raise
-    return proc
+    return start_with_stats(cmd, "scripted", port)
 
 
 def scripted_stats(port: int) -> dict[str, int]:
     """The scripted server's counters."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/__stats", timeout=5) as resp:
-        stats: dict[str, int] = json.loads(resp.read())
-    return stats
+    return proxy_stats(port)
 
 
 def start_serve(policy: Path, spec: Path, port: int, *, extra: list[str] | None = None,

@@ -146,7 +146,12 @@ def start_proxy(upstream_port: int, port: int, schedule: list[str] | None = None
            "--slow", str(slow)]
     if schedule:
         cmd += ["--schedule", ",".join(schedule)]
-    log = _log_file("proxy")
+    return start_with_stats(cmd, "proxy", port)
+
+
+def start_with_stats(cmd: list[str], name: str, port: int) -> subprocess.Popen[bytes]:
+    """Start a test helper process (output in a log file) and wait until its ``/__stats`` answers."""
+    log = _log_file(name)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     proc.log_file = log  # type: ignore[attr-defined]
     try:
@@ -158,7 +163,7 @@ def start_proxy(upstream_port: int, port: int, schedule: list[str] | None = None
 
 
 def proxy_stats(port: int) -> dict[str, int]:
-    """The proxy's counters: requests forwarded, errors injected, completion tokens served."""
+    """The counters of a helper on ``port`` (the proxy's: requests forwarded, errors injected, tokens served)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/__stats", timeout=5) as resp:
         stats: dict[str, int] = json.loads(resp.read())
     return stats

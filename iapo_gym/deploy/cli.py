@@ -59,7 +59,7 @@ def add_commands(subparsers: Any) -> None:
                     "Endpoints /v1/chat/completions, /v1/completions, /v1/models, /health (docs/deploy.md).")
     p.add_argument("policy", help="policy file written by iapo-gym optimize (DIR/policy.json)")
     p.add_argument("--upstream", required=True, help="collection spec naming the upstream endpoint, model, sampling, "
-                   "retries and spending cap (OPENAI_BASE_URL/OPENAI_API_KEY override it as in collect)")
+                   "retries and spending cap; its key goes only to its own host, as in collect (docs/collect.md)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key-env", help="environment variable holding the key callers must send "
