@@ -15,12 +15,21 @@ from iapo_gym.data import load_task_table
 from iapo_gym.env import IAPOEnv, Pulls, base_env
 from iapo_gym.policy import Policy, PolicyError, PolicyLike
 from iapo_gym.source import CompletionSource, TableSource
-from iapo_gym.tables import OutcomeTable, TableError, TableSchema, read_metadata, read_table, validate, write_table
+from iapo_gym.tables import (
+    OutcomeTable,
+    TableError,
+    TableSchema,
+    check_table_file,
+    read_metadata,
+    read_table,
+    validate,
+    write_table,
+)
 from iapo_gym.tasks import TASKS, get_task
 
 __all__ = [
     "CompletionSource", "IAPOEnv", "OutcomeTable", "Policy", "PolicyError", "Pulls", "TASKS", "TableError",
-    "TableSchema", "TableSource", "__version__", "base_env", "evaluate",
+    "TableSchema", "TableSource", "__version__", "base_env", "check_table_file", "evaluate",
     "get_task", "load_table", "read_metadata", "read_table", "register_envs", "validate", "write_table",
 ]
 

@@ -10,6 +10,9 @@ and the agents know about a task comes from here; the schema is documented in
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -536,3 +539,48 @@ def _attach_exact(table: OutcomeTable, path: Path, version: int, digest: str, re
 
 class TableWarning(UserWarning):
     """A table file is usable but not as written (e.g. its stored exact expectations were ignored)."""
+
+
+#: Seconds a child process may take to read a table file before the file is declared corrupt.
+CHECK_TIMEOUT = 60.0
+_CHECK_CHILD = (
+    "import sys\n"
+    "from iapo_gym.tables import TableError, read_metadata, read_table\n"
+    "try:\n"
+    "    read_metadata(sys.argv[1])\n"
+    "    read_table(sys.argv[1])\n"
+    "except TableError as exc:\n"
+    "    print(exc, file=sys.stderr)\n"
+    "    sys.exit(3)\n"
+)
+
+
+def check_table_file(path: str | os.PathLike[str], timeout: float = CHECK_TIMEOUT) -> None:
+    """Read ``path`` (metadata, then the table) in a child process; raise ``TableError`` if it is not a valid table.
+
+    For table files from others: a corrupted HDF5 file can make the HDF5 C library loop or crash,
+    which no check in this process could catch. The child's hang (past ``timeout`` seconds) or
+    crash becomes a ``TableError`` naming the file; a clean refusal keeps the reader's message.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise TableError(f"{path}: no such table file")
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHECK_CHILD, str(path)], capture_output=True,
+                              timeout=timeout, text=True, errors="replace")
+    except subprocess.TimeoutExpired:
+        raise TableError(f"{path}: reading the file did not finish within {timeout:g} s (the HDF5 library "
+                         "loops on it): the file is corrupt") from None
+    if done.returncode == 0:
+        return
+    message = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+    if done.returncode == 3:
+        raise TableError(message or f"{path}: not a valid table")
+    if done.returncode < 0:
+        try:
+            name = signal.Signals(-done.returncode).name
+        except ValueError:
+            name = f"signal {-done.returncode}"
+        raise TableError(f"{path}: the HDF5 library crashed ({name}) reading the file: the file is corrupt")
+    raise TableError(f"{path}: reading the file failed in a child process (exit status {done.returncode}"
+                     + (f": {message}" if message else "") + ")")

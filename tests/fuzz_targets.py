@@ -844,6 +844,14 @@ def parse_table(path: Path, out: Path) -> object:
     return read_table(path)
 
 
+def parse_table_checked(path: Path, out: Path) -> object:
+    """A table file from others: check_table_file (a child process reads it first), then read it here."""
+    from iapo_gym.tables import check_table_file
+
+    check_table_file(path, timeout=3.0)
+    return parse_table(path, out)
+
+
 # ---- seeds: policies ---------------------------------------------------------------------------------
 
 
@@ -920,7 +928,7 @@ def _register_all() -> None:
     register(Target("hdf5_table", ".h5", (TableError,), table_seeds, parse_table, (h5_mutator,), byte_level=0.0))
     # Byte-level corruption of HDF5 files can make the HDF5 library itself loop (seen with HDF5 2.0.0):
     # run in forked children with a time limit, by benchmarks/fuzz.py only.
-    register(Target("hdf5_table_bytes", ".h5", (TableError,), table_seeds, parse_table, BYTE_MUTATORS,
+    register(Target("hdf5_table_bytes", ".h5", (TableError,), table_seeds, parse_table_checked, BYTE_MUTATORS,
                     byte_level=0.0, isolate=True))
     register(Target("policy_json", ".json", (PolicyError,), policy_seeds, parse_policy, (json_mutator,)))
     register(Target("policy_file", ".json", (PolicyFileError,), policy_file_seeds, parse_policy_file,

@@ -104,11 +104,30 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def _load_for_show(name: str) -> Any:
     from iapo_gym.data import load_task_table
-    from iapo_gym.tables import read_table
+    from iapo_gym.tables import check_table_file, read_table
 
     if Path(name).suffix == ".h5" or Path(name).is_file():
+        check_table_file(name)  # a file given by path may come from anyone: a corrupt one must not hang us
         return read_table(name)
     return load_task_table(name)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Read each table file in a child process, so a corrupt file cannot hang or crash this one."""
+    from iapo_gym.tables import TableError, check_table_file, read_metadata
+
+    bad = 0
+    for file in args.files:
+        try:
+            check_table_file(file, timeout=args.timeout)
+        except TableError as exc:
+            print(f"NOT A VALID TABLE: {exc}")
+            bad += 1
+            continue
+        meta = read_metadata(file)
+        print(f"ok: {file}: task {meta['task']!r}, {meta['n_prompts']} prompts, {meta['n_queries']} queries, "
+              f"N_max {meta['n_max']}")
+    return 1 if bad else 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -168,6 +187,11 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("task", help="task name or path of an .h5 table")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_guarded(cmd_show))
+
+    p = sub.add_parser("check", help="read table files in a child process (safe for files from others)")
+    p.add_argument("files", nargs="+", help=".h5 table files")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds a file may take to read (default 60)")
+    p.set_defaults(func=_guarded(cmd_check))
 
     p = sub.add_parser("build", help="build a table from a JSONL log of completions (docs/log-format.md)")
     p.add_argument("log", help="JSONL file, one completion per line")
