@@ -24,7 +24,7 @@ register("psst_cq", "agents.challenger:CommonQueryPSST")
 register("plugin_halving", "agents.challenger:PlugInHalving")
 register("plugin_anytime", "agents.challenger:AnytimePlugIn")
 #: The recommended agent: the strongest measured one (docs/agents.md, "auto").
-register("auto", "agents.challenger:PlugInHalving")
+register("auto", "agents.challenger:AnytimePlugIn")
 register_entry_points()  # third-party agents (entry-point group ``iapo_gym.agents``)
 
 __all__ = ["REGISTRY", "Agent", "AgentLike", "AnytimeAgent", "available", "make", "register"]

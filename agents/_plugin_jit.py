@@ -9,6 +9,7 @@ bit for bit; ``tests/test_challenger.py`` compares the two. Used when ``agents._
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -72,15 +73,23 @@ def _credit_rows(p_gold: np.ndarray, others: np.ndarray, width: np.ndarray, n_ma
 def credit_rows(p_gold: np.ndarray, others: np.ndarray, width: np.ndarray, n_max: int) -> np.ndarray:
     """(R, n_max) majority-vote credit of rows with gold probability ``p_gold`` (R,) and the other
     buckets' probabilities ``others`` (R, B-1), of which the first ``width`` (R,) are used."""
-    n_others = others.shape[1]
+    nodes, weights, n_nodes = _quadrature(others.shape[1])
+    return _credit_rows(np.ascontiguousarray(p_gold, dtype=np.float64), np.ascontiguousarray(others, dtype=np.float64),
+                        np.ascontiguousarray(width, dtype=np.int64), int(n_max), nodes, weights, n_nodes)
+
+
+@cache
+def _quadrature(n_others: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gauss-Legendre nodes, weights and node counts for rows of 0..``n_others`` other buckets (read-only)."""
     nodes = np.zeros((n_others + 1, (n_others + 2) // 2 + 1))
     weights = np.zeros_like(nodes)
     n_nodes = np.zeros(n_others + 1, dtype=np.int64)
     for w in range(n_others + 1):
         x, v = gauss_legendre_01(max(1, (w + 2) // 2))
         nodes[w, :x.size], weights[w, :x.size], n_nodes[w] = x, v, x.size
-    return _credit_rows(np.ascontiguousarray(p_gold, dtype=np.float64), np.ascontiguousarray(others, dtype=np.float64),
-                        np.ascontiguousarray(width, dtype=np.int64), int(n_max), nodes, weights, n_nodes)
+    for array in (nodes, weights, n_nodes):
+        array.flags.writeable = False
+    return nodes, weights, n_nodes
 
 
 def available() -> bool:

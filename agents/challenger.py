@@ -1,4 +1,4 @@
-"""Agents that compare prompts on common queries: ``plugin_halving`` (``auto``), ``plugin_anytime``, ``psst_cq``.
+"""Agents that compare prompts on common queries: ``plugin_anytime`` (``auto``), ``plugin_halving``, ``psst_cq``.
 
 PSST draws an independent query for every pull, so two prompts' estimates differ by the
 difficulty of the queries each happened to see as well as by their quality; on MATH and the
@@ -6,14 +6,13 @@ synthetic tasks query difficulty varies far more than prompt quality. The agents
 every live prompt the *same* train queries in a round, drawn without replacement (a fresh
 shuffle once the split is used up), through the public ``env.pull(prompts, ns, queries=...)``:
 
-* ``PlugInHalving`` (``plugin_halving``, the recommended ``auto``): successive halving over
-  prompts for a known budget, many common queries per round at a small N, read through
-  ``PlugInEstimator``.
-* ``AnytimePlugIn`` (``plugin_anytime``): elimination over prompts at a pace set by the
-  completions spent, so one trajectory serves every budget (``train_budgets``), with the
-  prompts' response curves over query difficulty as the majority-vote prior. On held-out seeds
-  it beats ``auto`` at small budgets on one task and loses at 30K-40K on two (docs/agents.md),
-  so it is not ``auto``.
+* ``AnytimePlugIn`` (``plugin_anytime``, the recommended ``auto``): elimination over prompts at
+  a pace set by the completions spent, so one trajectory serves every budget
+  (``train_budgets``), each budget ending in successive halving of the prompts still live,
+  with the prompts' response curves over query difficulty as the majority-vote prior.
+* ``PlugInHalving`` (``plugin_halving``): successive halving over prompts for a known budget,
+  many common queries per round at a small N, read through ``PlugInEstimator`` (``auto`` of
+  issue 14; on held-out seeds the anytime agent removes more regret, docs/agents.md).
 * ``CommonQueryPSST`` (``psst_cq``): PSST's rounds unchanged on common queries; a measured
   negative result kept for the record (docs/agents.md).
 """
@@ -165,6 +164,9 @@ class PlugInEstimator(Estimator):
         self._seen = np.zeros((self.n_prompts, table.n_queries), dtype=bool)
         if self.aggregator == "mv":
             self._credit = np.zeros((self.n_prompts, table.n_queries, self.n_max))  # per (p, q), cached
+            self._votes = np.zeros((self.n_prompts, table.n_queries), dtype=np.int64)  # atom_counts summed over atoms
+            self._gold_votes = np.zeros((self.n_prompts, table.n_queries), dtype=np.int64)  # ... on the gold atom
+            self._pooled = np.zeros((table.n_queries, self.n_atoms), dtype=np.int64)  # ... summed over prompts
         else:
             self._objectives, row = np.unique(self._weights[:, :-1], axis=0, return_inverse=True)
             self._objective_row = row.reshape(-1)
@@ -176,7 +178,8 @@ class PlugInEstimator(Estimator):
         self._cost_sum[...] = 0.0
         self._seen[...] = False
         if self.aggregator == "mv":
-            self._credit[...] = 0.0
+            for array in (self._credit, self._votes, self._gold_votes, self._pooled):
+                array[...] = 0
 
     def update(self, pulls: Pulls, *, scales: str | np.ndarray | None = None, arm_mask: np.ndarray | None = None,
                contexts: np.ndarray | None = None) -> None:
@@ -186,6 +189,13 @@ class PlugInEstimator(Estimator):
         """
         rep = np.repeat(np.arange(len(pulls)), pulls.ns)
         np.add.at(self.atom_counts, (pulls.prompts[rep], pulls.queries[rep], pulls.atoms), 1)
+        if self.aggregator == "mv":
+            gold = self.env.table.gold
+            assert gold is not None
+            np.add.at(self._votes, (pulls.prompts, pulls.queries), pulls.ns)
+            np.add.at(self._gold_votes, (pulls.prompts[rep], pulls.queries[rep]),
+                      pulls.atoms == gold[pulls.queries[rep]])
+            np.add.at(self._pooled, (pulls.queries[rep], pulls.atoms), 1)
         fresh = ~self._seen[pulls.prompts, pulls.queries]
         pairs = np.unique(np.column_stack([pulls.prompts[fresh], pulls.queries[fresh]]), axis=0)
         self._seen[pairs[:, 0], pairs[:, 1]] = True
@@ -212,7 +222,7 @@ class PlugInEstimator(Estimator):
         """
         gold = self.env.table.gold
         assert gold is not None
-        pooled = self.atom_counts[:, queries].sum(axis=0).astype(np.float64)  # (q, atoms) over all prompts
+        pooled = self._pooled[queries].astype(np.float64)  # (q, atoms) over all prompts
         prior = pooled / pooled.sum(axis=1, keepdims=True)
         p_pos, q_pos = np.nonzero(self._seen[prompts][:, queries])
         p_idx = prompts[p_pos]
@@ -234,11 +244,8 @@ class PlugInEstimator(Estimator):
         """
         gold = self.env.table.gold
         assert gold is not None
-        n_q = self.atom_counts.shape[1]
-        cols = np.arange(n_q)
-        votes = self.atom_counts.sum(axis=2)  # (P, Q)
-        gold_votes = self.atom_counts[:, cols, gold]  # (P, Q)
-        pooled = self.atom_counts.sum(axis=0).astype(np.float64)  # (Q, atoms)
+        votes, gold_votes = self._votes, self._gold_votes  # (P, Q)
+        pooled = self._pooled.astype(np.float64)  # (Q, atoms)
         z = np.log((gold_votes.sum(axis=0) + 0.5) / (votes.sum(axis=0) - gold_votes.sum(axis=0) + 0.5))
         g, n = gold_votes[prompts].astype(np.float64), votes[prompts].astype(np.float64)
         theta = np.zeros((prompts.size, 2))
@@ -391,18 +398,22 @@ class AnytimePlugIn(Agent):
     query difficulty, ``curve``, as the prior of ``alpha`` pseudo-votes). After each step, with
     s completions spent in all, each context keeps the top max(keep_last, ceil(P (s0 / s)^rate))
     of its live prompts by max_N of the estimate.
-    A budget T stops the steps where the next one no longer fits; what is left goes into one
-    last step by the same rule, and the policy is, per context, the best (p, N) of its live
-    prompts. So ``train_budgets`` reads every budget off one trajectory.
+    A budget T stops the steps where the next one no longer fits; what is left (the budget's
+    tail, on a branch of the trajectory) goes into one last step by the same rule
+    (``tail="step"``) or into successive halving of the live prompts (``tail="halving"``: the
+    rounds of ``PlugInHalving`` on what is left, each context halving its own live set), and
+    the policy is, per context, the best (p, N) of its live prompts. So ``train_budgets`` reads
+    every budget off one trajectory.
     """
 
     anytime = True
 
     def __init__(self, seed: int | None = None, n_min: int = 2, q0: int = 8, growth: float = 1.0,
-                 rate: float = 1.0, alpha: float = 32.0, keep_last: int = 1, kappa: float = 2.0,
-                 curve: float = 3.0) -> None:
+                 rate: float = 0.5, alpha: float = 32.0, keep_last: int = 1, kappa: float = 2.0,
+                 curve: float = 3.0, tail: str = "halving") -> None:
         """``n_min``, ``kappa``: completions per (prompt, query); ``q0``, ``growth``, ``rate``: the pace;
-        ``alpha``, ``curve``: the estimator's prior (defaults: chosen on tuning seeds, docs/agents.md)."""
+        ``alpha``, ``curve``: the estimator's prior; ``tail``: how a budget spends what the whole
+        steps leave ("step" or "halving") (defaults: chosen on tuning seeds, docs/agents.md)."""
         super().__init__(seed)
         for key, value in (("n_min", n_min), ("q0", q0), ("keep_last", keep_last)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -421,13 +432,16 @@ class AnytimePlugIn(Agent):
         if not float(curve) >= 0.0:
             raise ValueError(f"curve must be >= 0, got {curve!r}")
         self.curve = float(curve)
+        if tail not in ("step", "halving"):
+            raise ValueError(f"tail must be 'step' or 'halving', got {tail!r}")
+        self.tail = tail
         _plugin_jit.warm_up()
 
     def params(self) -> dict[str, Any]:
         """Hyper-parameters recorded with results."""
         return {"n_min": self.n_min, "q0": self.q0, "growth": self.growth, "rate": self.rate,
                 "alpha": self.alpha, "keep_last": self.keep_last, "kappa": self.kappa,
-                "curve": self.curve}
+                "curve": self.curve, "tail": self.tail}
 
     def train(self, env: Any, budget: int) -> Policy:
         """Spend at most ``budget`` completions of ``env``; the best live arm per context."""
@@ -497,8 +511,8 @@ class AnytimePlugIn(Agent):
         run.spent += pulls.completions
         run.est.update(pulls)
 
-    def _trim(self, run: _PlugInRun, target: int) -> None:
-        """Keep the top ``target`` live prompts of each context by max_N of the estimate."""
+    def _trim(self, run: _PlugInRun, target: int | np.ndarray) -> None:
+        """Keep the top ``target`` (one count, or one per context) live prompts of each context by max_N of the estimate."""
         alive = run.alive
         n_contexts, n_prompts = alive.shape
         score = np.where(alive, run.est.mean(unseen=-np.inf).max(axis=2), -np.inf)
@@ -508,8 +522,28 @@ class AnytimePlugIn(Agent):
         np.put_along_axis(rank, order, np.arange(n_prompts)[None, :].repeat(n_contexts, 0), axis=1)
         alive &= rank < keep[:, None]
 
+    def _halve(self, run: _PlugInRun, budget: int) -> None:
+        """Successive halving of each context's live prompts on what is left of ``budget``.
+
+        floor(log2(largest live set / keep_last)) + 1 rounds; round r spends floor(left / rounds
+        left) by the step rule; after each round but the last every context keeps the top
+        max(keep_last, floor(|L_c| / 2)) of its live prompts. Stops early if a round cannot give
+        one completion to every live prompt.
+        """
+        rounds = rounds_to_one(max(1, int(run.alive.sum(axis=1).max()) // self.keep_last)) + 1
+        for r in range(rounds):
+            b = (budget - run.spent) // (rounds - r)
+            if b < int(run.alive.any(axis=0).sum()):
+                break
+            self._pull(run, b)
+            if r < rounds - 1:
+                self._trim(run, np.maximum(self.keep_last, run.alive.sum(axis=1) // 2))
+
     def _finish(self, run: _PlugInRun, budget: int) -> Policy:
-        """The last step with what is left of ``budget``, then the read-out."""
-        self._pull(run, budget - run.spent)
+        """The budget's tail (one last step, or halving) with what is left of ``budget``, then the read-out."""
+        if self.tail == "halving":
+            self._halve(run, budget)
+        else:
+            self._pull(run, budget - run.spent)
         n_max = run.est.sums.shape[2]
         return run.est.best_arms(run.stream.rng, np.repeat(run.alive[:, :, None], n_max, axis=2))

@@ -132,19 +132,31 @@ def share_removed(cell: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], la
     return gain / regret if regret > 0 else float("nan")
 
 
-def select(store: str, candidates: list[str], tasks: list[str], budgets: list[int]) -> tuple[str, dict[str, float]]:
-    """The candidate label of largest mean share removed over the (task, budget) cells named; and every score.
+def select(store: str, candidates: list[str], tasks: list[str], budgets: list[int],
+           penalty_budgets: list[int] | None = None) -> tuple[str, dict[str, float]]:
+    """The candidate label of largest score; and every score.
 
-    Reads only ``store`` (the tuning store), so the choice never sees the report seeds; each
-    candidate is paired with PSST and PSST+K4 on the runs all three completed.
+    The score is the mean share removed over the (task, budget) cells of ``budgets``, minus,
+    per task, the shortfall below 0 of the mean share removed over its ``penalty_budgets``
+    cells, averaged over the tasks: a candidate that loses to the better agent at the
+    penalty budgets pays for it, one that wins there gains nothing. Reads only ``store`` (the
+    tuning store), so the choice never sees the report seeds; each candidate is paired with
+    PSST and PSST+K4 on the runs all three completed.
     """
+    penalty_budgets = penalty_budgets or []
     scores = {}
     for label in candidates:
         cells = load_cells(store, [PSST, TOPK, label])
-        keys = [k for k in cells if k[0] in tasks and k[1] in budgets]
-        if len(keys) < len(tasks) * len(budgets):
-            raise SystemExit(f"candidate {label!r} lacks tuning runs in {store} for tasks {tasks} x budgets {budgets}")
-        scores[label] = float(np.mean([share_removed(cells[k], label) for k in keys]))
+        wanted = set(budgets) | set(penalty_budgets)
+        keys = [k for k in cells if k[0] in tasks and k[1] in wanted]
+        if len(keys) < len(tasks) * len(wanted):
+            raise SystemExit(f"candidate {label!r} lacks tuning runs in {store} for tasks {tasks} x budgets "
+                             f"{sorted(wanted)}")
+        score = float(np.mean([share_removed(cells[k], label) for k in keys if k[1] in budgets]))
+        if penalty_budgets:
+            score += float(np.mean([min(0.0, float(np.mean([share_removed(cells[(t, b)], label)
+                                                            for b in penalty_budgets]))) for t in tasks]))
+        scores[label] = score
     best = max(candidates, key=lambda label: scores[label])
     return best, scores
 
@@ -291,6 +303,9 @@ def main() -> None:
                         help="the candidate specs of the tuning store (with --select-from); the sweep of --out "
                              "runs --challengers (auto should be the chosen one: it is checked), --loto the folds' choices")
     parser.add_argument("--select-budgets", nargs="+", type=int, default=[3000, 5000, 10000])
+    parser.add_argument("--penalty-budgets", nargs="*", type=int, default=[],
+                        help="with --select-from: subtract each task's shortfall below 0 of the mean share removed "
+                             "over these budgets (e.g. 20000 30000 40000)")
     parser.add_argument("--loto", action="store_true",
                         help="with --select-from: the leave-one-task-out table (choose on two tasks, report on the third)")
     parser.add_argument("--loto-markdown", type=Path, help="also write the leave-one-task-out table here")
@@ -305,7 +320,8 @@ def main() -> None:
         by_label = {label_of(c): c for c in args.candidates}
         if not by_label:
             raise SystemExit("--select-from needs --candidates")
-        chosen, scores = select(args.select_from, list(by_label), args.tasks, args.select_budgets)
+        chosen, scores = select(args.select_from, list(by_label), args.tasks, args.select_budgets,
+                                args.penalty_budgets)
         print(f"chosen on {', '.join(args.tasks)} (tuning store {args.select_from}): {chosen}; mean share removed: "
               + ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(scores.items(), key=lambda kv: -kv[1])))
         check_auto(by_label[chosen])
@@ -313,7 +329,8 @@ def main() -> None:
             fold = {}
             for task in args.tasks:
                 others = [t for t in args.tasks if t != task]
-                fold[task], _ = select(args.select_from, list(by_label), others, args.select_budgets)
+                fold[task], _ = select(args.select_from, list(by_label), others, args.select_budgets,
+                                       args.penalty_budgets)
                 print(f"held out {task}: chosen on {', '.join(others)}: {fold[task]}")
             if not args.analyse_only:
                 for task in args.tasks:

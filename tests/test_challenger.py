@@ -30,8 +30,8 @@ class RecordingEnv(IAPOEnv):
         return pulls
 
 
-def test_auto_is_plugin_halving_with_its_defaults() -> None:
-    auto, plugin = agents.make("auto", seed=0), agents.make("plugin_halving", seed=0)
+def test_auto_is_plugin_anytime_with_its_defaults() -> None:
+    auto, plugin = agents.make("auto", seed=0), agents.make("plugin_anytime", seed=0)
     assert type(auto) is type(plugin) and auto.params() == plugin.params()  # type: ignore[attr-defined]
 
 
@@ -158,7 +158,8 @@ def test_plugin_halving_rejects_bad_parameters() -> None:
 # ---- the anytime plug-in agent (plugin_anytime) ------------------------------------------------------------
 
 
-def test_anytime_train_budgets_is_bit_identical_to_separate_runs(math_release: Path) -> None:
+@pytest.mark.parametrize("tail", ["step", "halving"])
+def test_anytime_train_budgets_is_bit_identical_to_separate_runs(math_release: Path, tail: str) -> None:
     from iapo_gym.data.release import read_release
 
     budgets = [0, 7, 900, 3_000, 5_000, 10_000]
@@ -167,9 +168,9 @@ def test_anytime_train_budgets_is_bit_identical_to_separate_runs(math_release: P
         separate = []
         for budget in budgets:
             env.reset(seed=11)
-            separate.append((agents.make("plugin_anytime", seed=5).train(env, budget), env.budget_used))
+            separate.append((agents.make("plugin_anytime", seed=5, tail=tail).train(env, budget), env.budget_used))
         env.reset(seed=11)
-        agent = agents.make("plugin_anytime", seed=5)
+        agent = agents.make("plugin_anytime", seed=5, tail=tail)
         assert agent.anytime  # type: ignore[attr-defined]
         shared = list(agent.train_budgets(env, reversed(budgets)))  # type: ignore[attr-defined]
         assert [b for b, _ in shared] == budgets
@@ -184,7 +185,7 @@ def test_anytime_steps_do_not_depend_on_the_budget() -> None:
     for budget in (2_000, 6_000):
         env = RecordingEnv(tiny_mv_table(n_prompts=8, n_queries=200, n_max=8))
         env.reset(seed=0)
-        agents.make("plugin_anytime", seed=0).train(env, budget)
+        agents.make("plugin_anytime", seed=0, tail="step").train(env, budget)
         batches.append(env.batches)
     small, large = batches
     assert len(large) > len(small) >= 3
@@ -197,7 +198,7 @@ def test_anytime_steps_do_not_depend_on_the_budget() -> None:
 def test_anytime_live_prompts_shrink_at_the_documented_pace() -> None:
     env = RecordingEnv(tiny_mv_table(n_prompts=16, n_queries=400, n_max=8))
     env.reset(seed=0)
-    agent = agents.make("plugin_anytime", seed=0, n_min=1, q0=4, growth=1.0, rate=1.0)
+    agent = agents.make("plugin_anytime", seed=0, n_min=1, q0=4, growth=1.0, rate=1.0, tail="step")
     agent.train(env, 4_000)
     s0 = 16 * 4 * 1
     spent = 0
@@ -207,6 +208,27 @@ def test_anytime_live_prompts_shrink_at_the_documented_pace() -> None:
         assert live <= min(16, env.n_contexts * target), (spent, live, target)
         spent += pulls.completions
     assert np.unique(env.batches[0].prompts).size == 16 and np.unique(env.batches[-1].prompts).size < 16
+
+
+def test_anytime_halving_tail_halves_each_context_on_what_is_left() -> None:
+    """tail="halving": the same whole steps as tail="step", then rounds whose live prompts never grow,
+    ending with one per context, within the budget and spending nearly all of it."""
+    table = tiny_mv_table(n_prompts=16, n_queries=400, n_max=8)
+    runs = {}
+    for tail in ("step", "halving"):
+        env = RecordingEnv(table)
+        env.reset(seed=0)
+        agents.make("plugin_anytime", seed=0, tail=tail).train(env, 5_000)
+        runs[tail] = env.batches
+    step, halving = runs["step"], runs["halving"]
+    whole = len(step) - 1
+    for a, b in zip(step[:whole], halving[:whole]):
+        assert np.array_equal(a.prompts, b.prompts) and np.array_equal(a.atoms, b.atoms)
+    live = [np.unique(pulls.prompts).size for pulls in halving[whole:]]
+    assert len(live) >= 3 and all(b <= a for a, b in zip(live, live[1:])), live
+    assert live[-1] <= table.n_contexts < live[0], live
+    spent = sum(pulls.completions for pulls in halving)
+    assert 4_500 <= spent <= 5_000, spent
 
 
 def test_mv_credit_rows_matches_the_exact_oracle() -> None:
@@ -263,6 +285,6 @@ def test_response_curve_prior_separates_a_steep_prompt_from_a_flat_one() -> None
 
 def test_anytime_rejects_bad_parameters() -> None:
     for bad in ({"n_min": 0}, {"q0": 0}, {"keep_last": 0}, {"growth": 0.0}, {"rate": -1.0}, {"alpha": -1.0},
-                {"kappa": -1.0}):
+                {"kappa": -1.0}, {"curve": -1.0}, {"tail": "rounds"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             agents.make("plugin_anytime", **bad)
