@@ -28,6 +28,7 @@ def _credit_rows(p_gold: np.ndarray, others: np.ndarray, width: np.ndarray, n_ma
     series = np.empty(n_max + 1)
     poly = np.empty(n_max + 1)
     new = np.empty(n_max + 1)
+    full = np.empty(n_max + 1)
     for r in range(n_rows):
         w = width[r]
         a_gold[0] = 1.0
@@ -37,12 +38,32 @@ def _credit_rows(p_gold: np.ndarray, others: np.ndarray, width: np.ndarray, n_ma
             a_other[j, 0] = 1.0
             for s in range(1, n_max + 1):
                 a_other[j, s] = a_other[j, s - 1] * others[r, j] / s
+        # The others' whole product up to degree n_max: for k > n_max - k no other bucket can reach
+        # k votes, so no tie is possible and the k-th term is a_gold[k] times its prefix.
+        full[0] = 1.0
+        full_size = 1
+        for j in range(w):
+            for d in range(n_max + 1):
+                new[d] = 0.0
+            for s in range(n_max + 1):
+                c = a_other[j, s]
+                if c == 0.0:
+                    continue
+                for d in range(min(full_size, n_max + 1 - s)):
+                    new[d + s] += c * full[d]
+            full_size = n_max + 1
+            for d in range(full_size):
+                full[d] = new[d]
         series[:] = 0.0
         for k in range(1, n_max + 1):
             if a_gold[k] == 0.0:
                 break
             degree = n_max - k
-            top = min(k, degree)
+            if k > degree:
+                for d in range(min(full_size, degree + 1)):
+                    series[k + d] += a_gold[k] * full[d]
+                continue
+            top = k
             for g in range(n_nodes[w]):
                 u = nodes[w, g]
                 poly[0] = 1.0

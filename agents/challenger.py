@@ -240,28 +240,19 @@ class PlugInEstimator(Estimator):
         ``curve`` towards (0, 1), the pooled curve. The other buckets share the rest as q's pooled
         wrong answers do (one wrong bucket takes all of it while q has no wrong answer). A
         prompt's few votes on one query are thus read together with how it does on queries of
-        the same difficulty, not only with how other prompts do on that query.
+        the same difficulty, not only with how other prompts do on that query. The curves move
+        with every pull, so every row of ``prompts`` is recomputed.
         """
         gold = self.env.table.gold
         assert gold is not None
         votes, gold_votes = self._votes, self._gold_votes  # (P, Q)
         pooled = self._pooled.astype(np.float64)  # (Q, atoms)
-        z = np.log((gold_votes.sum(axis=0) + 0.5) / (votes.sum(axis=0) - gold_votes.sum(axis=0) + 0.5))
-        g, n = gold_votes[prompts].astype(np.float64), votes[prompts].astype(np.float64)
-        theta = np.zeros((prompts.size, 2))
-        theta[:, 1] = 1.0
-        lam = self.curve
-        for _ in range(8):  # Newton steps of the penalised binomial log-likelihood, per prompt
-            mu = 1.0 / (1.0 + np.exp(-np.clip(theta[:, :1] + theta[:, 1:] * z[None, :], -30.0, 30.0)))
-            r, w = g - n * mu, n * mu * (1.0 - mu)
-            grad = np.stack([r.sum(axis=1) - lam * theta[:, 0], (r * z).sum(axis=1) - lam * (theta[:, 1] - 1.0)], 1)
-            h00 = w.sum(axis=1) + lam
-            h01 = (w * z).sum(axis=1)
-            h11 = (w * z * z).sum(axis=1) + lam
-            det = h00 * h11 - h01 * h01
-            theta[:, 0] += (h11 * grad[:, 0] - h01 * grad[:, 1]) / det
-            theta[:, 1] += (h00 * grad[:, 1] - h01 * grad[:, 0]) / det
+        theta = self._fit_curves(prompts)
         p_idx, q_idx = np.nonzero(self._seen[prompts])
+        cols = np.unique(q_idx)
+        g_all, n_all = gold_votes[:, cols].sum(axis=0), votes[:, cols].sum(axis=0)
+        z = np.zeros(votes.shape[1])
+        z[cols] = np.log((g_all + 0.5) / (n_all - g_all + 0.5))
         share = 1.0 / (1.0 + np.exp(-np.clip(theta[p_idx, 0] + theta[p_idx, 1] * z[q_idx], -30.0, 30.0)))
         rows = np.arange(q_idx.size)
         wrong = pooled[q_idx].copy()
@@ -274,7 +265,32 @@ class PlugInEstimator(Estimator):
         counts = self.atom_counts[rows_p, q_idx].astype(np.float64)
         probs = (counts + self.alpha * prior) / (counts.sum(axis=1, keepdims=True) + self.alpha)
         self._credit[rows_p, q_idx] = mv_credit_rows(probs, gold[q_idx], self.n_max)
-        return self._credit[prompts].sum(axis=1) / self._seen[prompts].sum(axis=1)[:, None]
+        seen = self._seen[prompts]
+        cols = np.flatnonzero(seen.any(axis=0))  # unseen rows hold 0: sum only the columns any of them has
+        return self._credit[prompts[:, None], cols[None, :]].sum(axis=1) / seen.sum(axis=1)[:, None]
+
+    def _fit_curves(self, prompts: np.ndarray) -> np.ndarray:
+        """(len(prompts), 2) response curves (a_p, b_p): Newton steps of the ridge-penalised binomial
+        log-likelihood of each prompt's gold votes against the difficulty of the queries it has seen."""
+        cols = np.flatnonzero(self._votes[prompts].sum(axis=0))
+        g = self._gold_votes[prompts][:, cols].astype(np.float64)
+        n = self._votes[prompts][:, cols].astype(np.float64)
+        g_all, n_all = self._gold_votes[:, cols].sum(axis=0), self._votes[:, cols].sum(axis=0)
+        z = np.log((g_all + 0.5) / (n_all - g_all + 0.5))
+        theta = np.zeros((prompts.size, 2))
+        theta[:, 1] = 1.0
+        lam = self.curve
+        for _ in range(8):
+            mu = 1.0 / (1.0 + np.exp(-np.clip(theta[:, :1] + theta[:, 1:] * z[None, :], -30.0, 30.0)))
+            r, w = g - n * mu, n * mu * (1.0 - mu)
+            grad = np.stack([r.sum(axis=1) - lam * theta[:, 0], (r * z).sum(axis=1) - lam * (theta[:, 1] - 1.0)], 1)
+            h00 = w.sum(axis=1) + lam
+            h01 = (w * z).sum(axis=1)
+            h11 = (w * z * z).sum(axis=1) + lam
+            det = h00 * h11 - h01 * h01
+            theta[:, 0] += (h11 * grad[:, 0] - h01 * grad[:, 1]) / det
+            theta[:, 1] += (h00 * grad[:, 1] - h01 * grad[:, 0]) / det
+        return theta
 
     def _bon_value(self, prompts: np.ndarray) -> np.ndarray:
         """(C, len(prompts), N_max) expected best-of-N task value of each prompt's pooled outcomes.
