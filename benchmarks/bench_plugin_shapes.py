@@ -19,24 +19,9 @@ import time
 import numpy as np
 
 import agents
-from iapo_gym import IAPOEnv, OutcomeTable
+from iapo_gym import IAPOEnv
 from iapo_gym.seeding import derive_seed
-
-
-def multiple_choice_table(seed: int, n_prompts: int = 48, n_queries: int = 1500, n_answers: int = 5,
-                          n_max: int = 32) -> OutcomeTable:
-    """A random majority-vote table of the given shape (Dirichlet answer probabilities, 20 % test split)."""
-    rng = np.random.default_rng(seed)
-    split = np.zeros(n_queries, dtype=np.uint8)
-    split[: n_queries // 5] = 1
-    return OutcomeTable(
-        task="multiple_choice_shape", aggregator="mv",
-        probs=rng.dirichlet(np.ones(n_answers), size=(n_prompts, n_queries)),
-        cost=rng.uniform(0.004, 0.01, n_prompts), n_max=n_max,
-        context_weights=np.array([[1.0, 0.0], [1.0, -0.2], [1.0, -1.0]]),
-        context_names=("low", "mid", "high"), context_probs=np.full(3, 1 / 3),
-        objective_names=("correct",), gold=rng.integers(0, n_answers, n_queries), split=split,
-    )
+from iapo_gym.tasks.synthetic import random_mv_table
 
 
 def main() -> None:
@@ -45,7 +30,8 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[3000, 10000, 40000])
     parser.add_argument("--agents", nargs="+", default=["auto", "plugin_anytime:tail=step,rate=1.0", "plugin_halving"])
     args = parser.parse_args()
-    env = IAPOEnv(table=multiple_choice_table(0))
+    env = IAPOEnv(table=random_mv_table(0, n_prompts=48, n_queries=1500, n_answers=5, n_max=32,
+                                         cost_range=(0.004, 0.01), task="multiple_choice_shape"))
     env.reset(seed=0)
     env.pull(np.zeros(1, np.int64), np.ones(1, np.int64))  # builds the table's sampler before any clock
     specs = {"psst": ("psst", {})}

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from iapo_gym.tables import OutcomeTable
+from iapo_gym.tasks.synthetic import random_mv_table
 
 RELEASE_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "iapo-release"
 MATH_RELEASE = RELEASE_DIR / "MATH_final.pkl"
@@ -44,17 +45,7 @@ def math_release() -> Path:
 
 def tiny_mv_table(seed: int = 0, n_prompts: int = 3, n_queries: int = 10, n_buckets: int = 3, n_max: int = 6) -> OutcomeTable:
     """A small random majority-vote table with a stored split."""
-    rng = np.random.default_rng(seed)
-    split = np.zeros(n_queries, dtype=np.uint8)
-    split[: max(1, n_queries // 5)] = 1
-    return OutcomeTable(
-        task="tiny_mv", aggregator="mv",
-        probs=rng.dirichlet(np.ones(n_buckets), size=(n_prompts, n_queries)),
-        cost=rng.uniform(0.01, 0.05, n_prompts), n_max=n_max,
-        context_weights=np.array([[1.0, 0.0], [1.0, -0.2], [1.0, -1.0]]),
-        context_names=("low", "mid", "high"), context_probs=np.full(3, 1 / 3),
-        objective_names=("correct",), gold=rng.integers(0, n_buckets, n_queries), split=split,
-    )
+    return random_mv_table(seed, n_prompts, n_queries, n_buckets, n_max, task="tiny_mv")
 
 
 def tiny_bon_table(seed: int = 0, n_prompts: int = 3, n_queries: int = 10, n_atoms: int = 4, n_max: int = 6) -> OutcomeTable:

@@ -56,3 +56,15 @@ def test_hmlv_wins_at_one_lmhv_at_large_n(instance: int) -> None:
     for c in cheap:
         assert hmlv[int(np.argmax(q[c, :, 0]))], table.context_names[c]
         assert not hmlv[int(np.argmax(q[c, :, 31]))], table.context_names[c]
+
+
+def test_random_mv_table_has_the_shape_asked_for_and_refuses_bad_shapes() -> None:
+    from iapo_gym.tasks.synthetic import random_mv_table
+
+    table = random_mv_table(4, n_prompts=48, n_queries=1500, n_answers=5, n_max=32)
+    assert table.probs.shape == (48, 1500, 5) and table.n_max == 32
+    assert np.allclose(table.probs.sum(axis=2), 1.0) and (table.probs > 0).all()
+    assert table.split.sum() == 300 and set(np.unique(table.gold)) == set(range(5))
+    assert np.array_equal(random_mv_table(4, 48, 1500, 5, 32).probs, table.probs)  # seeded
+    with pytest.raises(ValueError, match="n_answers >= 2"):
+        random_mv_table(0, n_answers=1)

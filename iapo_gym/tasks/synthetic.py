@@ -129,3 +129,28 @@ def synthetic_categorical(instance: int = 0, n_prompts: int = 32, n_queries: int
 
 
 GENERATORS = {"synthetic_bernoulli": synthetic_bernoulli, "synthetic_categorical": synthetic_categorical}
+
+
+def random_mv_table(seed: int = 0, n_prompts: int = 3, n_queries: int = 10, n_answers: int = 3, n_max: int = 6,
+                    cost_range: tuple[float, float] = (0.01, 0.05), task: str = "random_mv") -> OutcomeTable:
+    """A random majority-vote table of any shape, for tests and benchmarks on shapes no shipped task has.
+
+    Every (prompt, query) draws its answer probabilities from Dirichlet(1, ..., 1) (every answer
+    possible: the costliest case for the exact majority-vote credit), every query a uniform gold
+    answer, every prompt a cost uniform in ``cost_range``; the MV tasks' three cost contexts; the
+    first fifth of the queries (at least one) is the stored test split.
+    """
+    if min(n_prompts, n_queries, n_max) < 1 or n_answers < 2:
+        raise ValueError(f"random_mv_table needs n_prompts, n_queries, n_max >= 1 and n_answers >= 2, got "
+                         f"{n_prompts}, {n_queries}, {n_max} and {n_answers}")
+    rng = np.random.default_rng(seed)
+    split = np.full(n_queries, TRAIN, dtype=np.uint8)
+    split[: max(1, n_queries // 5)] = TEST
+    weights, names, cprobs = mv_cost_contexts()
+    return OutcomeTable(
+        task=task, aggregator="mv",
+        probs=rng.dirichlet(np.ones(n_answers), size=(n_prompts, n_queries)),
+        cost=rng.uniform(cost_range[0], cost_range[1], n_prompts), n_max=n_max,
+        context_weights=weights, context_names=names, context_probs=cprobs,
+        objective_names=("correct",), gold=rng.integers(0, n_answers, n_queries), split=split,
+    )
