@@ -247,12 +247,12 @@ class PlugInEstimator(Estimator):
         assert gold is not None
         votes, gold_votes = self._votes, self._gold_votes  # (P, Q)
         pooled = self._pooled.astype(np.float64)  # (Q, atoms)
-        theta = self._fit_curves(prompts)
         p_idx, q_idx = np.nonzero(self._seen[prompts])
-        cols = np.unique(q_idx)
+        cols = np.unique(q_idx)  # the queries any of ``prompts`` has seen
         g_all, n_all = gold_votes[:, cols].sum(axis=0), votes[:, cols].sum(axis=0)
         z = np.zeros(votes.shape[1])
         z[cols] = np.log((g_all + 0.5) / (n_all - g_all + 0.5))
+        theta = self._fit_curves(prompts, cols, z[cols])
         share = 1.0 / (1.0 + np.exp(-np.clip(theta[p_idx, 0] + theta[p_idx, 1] * z[q_idx], -30.0, 30.0)))
         rows = np.arange(q_idx.size)
         wrong = pooled[q_idx].copy()
@@ -269,14 +269,11 @@ class PlugInEstimator(Estimator):
         cols = np.flatnonzero(seen.any(axis=0))  # unseen rows hold 0: sum only the columns any of them has
         return self._credit[prompts[:, None], cols[None, :]].sum(axis=1) / seen.sum(axis=1)[:, None]
 
-    def _fit_curves(self, prompts: np.ndarray) -> np.ndarray:
+    def _fit_curves(self, prompts: np.ndarray, cols: np.ndarray, z: np.ndarray) -> np.ndarray:
         """(len(prompts), 2) response curves (a_p, b_p): Newton steps of the ridge-penalised binomial
-        log-likelihood of each prompt's gold votes against the difficulty of the queries it has seen."""
-        cols = np.flatnonzero(self._votes[prompts].sum(axis=0))
+        log-likelihood of each prompt's gold votes on the queries ``cols`` of difficulty ``z``."""
         g = self._gold_votes[prompts][:, cols].astype(np.float64)
         n = self._votes[prompts][:, cols].astype(np.float64)
-        g_all, n_all = self._gold_votes[:, cols].sum(axis=0), self._votes[:, cols].sum(axis=0)
-        z = np.log((g_all + 0.5) / (n_all - g_all + 0.5))
         theta = np.zeros((prompts.size, 2))
         theta[:, 1] = 1.0
         lam = self.curve
