@@ -79,10 +79,3 @@ def start_serve(policy: Path, spec: Path, port: int, *, extra: list[str] | None 
     return proc
 
 
-def output(proc: subprocess.Popen[bytes]) -> str:
-    """What a process started here has printed so far."""
-    log = getattr(proc, "log_file", None)
-    if log is None:
-        return ""
-    log.seek(0)
-    return str(log.read().decode(errors="replace"))

@@ -99,7 +99,8 @@ def _log_file(name: str) -> object:
     return tempfile.TemporaryFile(prefix=f"iapo-{name}-")
 
 
-def _output(proc: subprocess.Popen[bytes]) -> str:
+def output(proc: subprocess.Popen[bytes]) -> str:
+    """What a process started here has printed so far."""
     log = getattr(proc, "log_file", None)
     if log is None:
         return ""
@@ -112,7 +113,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {_output(proc)[-2000:]}")
+            raise RuntimeError(f"server exited with {proc.returncode}: {output(proc)[-2000:]}")
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:
@@ -215,6 +216,17 @@ def llama_server(tiny_model: Path) -> object:
     _need_llama_cpp()
     port = free_port()
     proc = start_llama_server(tiny_model, port)
+    try:
+        yield port
+    finally:
+        stop(proc)
+
+
+@pytest.fixture
+def proxy(llama_server: int) -> object:
+    """A counting, header-capturing proxy in front of the session's server; yields its port."""
+    port = free_port()
+    proc = start_proxy(llama_server, port)
     try:
         yield port
     finally:

@@ -18,10 +18,9 @@ from tests.llm_server import (
     RewardServer,
     free_port,
     llama_server,  # noqa: F401 (fixture)
+    proxy,  # noqa: F401 (fixture)
     proxy_headers,
     proxy_stats,
-    start_proxy,
-    stop,
     tiny_model,  # noqa: F401 (fixture)
     write_spec,
 )
@@ -32,14 +31,9 @@ REWARD_SECRET = "reward-secret-5555"
 
 
 @pytest.fixture
-def other_provider(llama_server: int) -> object:  # noqa: F811
-    """A header-capturing proxy in front of the session's llama.cpp server: "another provider's host"."""
-    port = free_port()
-    proc = start_proxy(llama_server, port)
-    try:
-        yield port
-    finally:
-        stop(proc)
+def other_provider(proxy: int) -> int:  # noqa: F811
+    """The header-capturing proxy in front of the session's llama.cpp server: "another provider's host"."""
+    return proxy
 
 
 @pytest.fixture

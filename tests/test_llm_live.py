@@ -14,25 +14,12 @@ import iapo_gym  # noqa: F401 (registers IAPO-Live-v0)
 from iapo_gym.llm.live import LiveEnv
 from tests.llm_scorer import score
 from tests.llm_server import (
-    free_port,
     llama_server,  # noqa: F401 (fixture)
+    proxy,  # noqa: F401 (fixture)
     proxy_stats,
-    start_proxy,
-    stop,
     tiny_model,  # noqa: F401 (fixture)
     write_spec,
 )
-
-
-@pytest.fixture
-def proxy(llama_server: int) -> object:  # noqa: F811
-    """A counting proxy in front of the session's server; yields its port."""
-    port = free_port()
-    proc = start_proxy(llama_server, port)
-    try:
-        yield port
-    finally:
-        stop(proc)
 
 
 def _spec(tmp_path: Path, port: int, aggregator: str = "mv") -> Path:
@@ -40,7 +27,7 @@ def _spec(tmp_path: Path, port: int, aggregator: str = "mv") -> Path:
                       sampling={"temperature": 0.9, "max_tokens": 4}, endpoint={"concurrency": 8})
 
 
-def test_check_env_and_rewards_follow_the_majority_vote(tmp_path: Path, proxy: int) -> None:
+def test_check_env_and_rewards_follow_the_majority_vote(tmp_path: Path, proxy: int) -> None:  # noqa: F811
     env = gym.make("IAPO-Live-v0", spec=str(_spec(tmp_path, proxy)), cache=str(tmp_path / "cache.sqlite"))
     base = env.unwrapped
     assert isinstance(base, LiveEnv)
@@ -65,7 +52,7 @@ def test_check_env_and_rewards_follow_the_majority_vote(tmp_path: Path, proxy: i
     env.close()
 
 
-def test_best_of_n_rewards_are_the_best_rounded_score(tmp_path: Path, proxy: int) -> None:
+def test_best_of_n_rewards_are_the_best_rounded_score(tmp_path: Path, proxy: int) -> None:  # noqa: F811
     env = LiveEnv(_spec(tmp_path, proxy, "bon"), cache=tmp_path / "cache.sqlite")
     check_env(env, skip_render_check=True)
     env.reset(seed=3)
@@ -79,7 +66,7 @@ def test_best_of_n_rewards_are_the_best_rounded_score(tmp_path: Path, proxy: int
 
 
 @pytest.mark.parametrize("agent", ["psst", "ucb"])
-def test_agents_train_within_budget_and_a_rerun_is_served_by_the_cache(tmp_path: Path, proxy: int, agent: str) -> None:
+def test_agents_train_within_budget_and_a_rerun_is_served_by_the_cache(tmp_path: Path, proxy: int, agent: str) -> None:  # noqa: F811
     from agents import make
 
     spec = _spec(tmp_path, proxy)
@@ -97,7 +84,7 @@ def test_agents_train_within_budget_and_a_rerun_is_served_by_the_cache(tmp_path:
     assert policies[0] == policies[1]
 
 
-def test_monte_carlo_evaluation_is_reproducible_from_the_cache(tmp_path: Path, proxy: int) -> None:
+def test_monte_carlo_evaluation_is_reproducible_from_the_cache(tmp_path: Path, proxy: int) -> None:  # noqa: F811
     spec = _spec(tmp_path, proxy)
     results = []
     for _ in range(2):
@@ -111,7 +98,7 @@ def test_monte_carlo_evaluation_is_reproducible_from_the_cache(tmp_path: Path, p
     assert results[1] == ((mean, se), 0)
 
 
-def test_bad_pulls_and_the_cap_stop_before_sending(tmp_path: Path, proxy: int) -> None:
+def test_bad_pulls_and_the_cap_stop_before_sending(tmp_path: Path, proxy: int) -> None:  # noqa: F811
     from iapo_gym.llm.client import BudgetExhausted
 
     spec = write_spec(tmp_path, proxy, n_max=4, sampling={"temperature": 0.9, "max_tokens": 4},
@@ -130,7 +117,7 @@ def test_bad_pulls_and_the_cap_stop_before_sending(tmp_path: Path, proxy: int) -
     env.close()
 
 
-def test_pull_one_asks_the_endpoint_and_the_live_schema_has_nothing_to_sample(tmp_path: Path, proxy: int) -> None:
+def test_pull_one_asks_the_endpoint_and_the_live_schema_has_nothing_to_sample(tmp_path: Path, proxy: int) -> None:  # noqa: F811
     env = LiveEnv(_spec(tmp_path, proxy), cache=tmp_path / "cache.sqlite")
     assert not hasattr(env.table, "probs") and not env.draws_from_table and not env.source.exact
     for refused in (env.q_table, env.optimal_policy):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -20,8 +19,8 @@ from iapo_gym.tables import write_table
 from tests.llm_server import (
     free_port,
     llama_server,  # noqa: F401 (fixture)
+    proxy,  # noqa: F401 (fixture)
     proxy_stats,
-    start_proxy,
     stop,
     tiny_model,  # noqa: F401 (fixture)
     write_spec,
@@ -91,17 +90,8 @@ def test_optimize_a_collected_table_with_its_spec_is_servable(tmp_path: Path, ll
     assert "Serve it" in (out / "report.md").read_text(encoding="utf-8")
 
 
-@pytest.fixture
-def proxy(llama_server: int) -> Any:  # noqa: F811
-    port = free_port()
-    proc = start_proxy(llama_server, port)
-    try:
-        yield port
-    finally:
-        stop(proc)
 
-
-def test_optimize_live_then_serve_round_trip(tmp_path: Path, proxy: int) -> None:
+def test_optimize_live_then_serve_round_trip(tmp_path: Path, proxy: int) -> None:  # noqa: F811
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     from tests.deploy_helpers import start_serve

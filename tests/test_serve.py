@@ -20,10 +20,11 @@ from typing import Any
 
 import pytest
 
-from tests.deploy_helpers import mv_policy, output, start_scripted, start_serve
+from tests.deploy_helpers import mv_policy, start_scripted, start_serve
 from tests.llm_server import (
     free_port,
     llama_server,  # noqa: F401 (fixture)
+    output,
     proxy_stats,
     start_llama_server,
     start_proxy,
