@@ -406,7 +406,9 @@ class AnytimePlugIn(Agent):
     completion per live prompt). A step of b completions gives every prompt live in some
     context the same m train queries (without replacement; a fresh shuffle once the split is
     used up), n completions each: n = min(N_max, max(n_min, ceil(sqrt(b / (live * kappa))),
-    ceil(b / (live * |train|)))) (kappa = 0 drops the square-root term), m = floor(b / (live * n));
+    ceil(b / (live * |train|)), ceil(votes / live))) (kappa = 0 drops the square-root term; the
+    last term keeps ``votes`` completions per query over the live prompts, so a query's
+    difficulty stays measured when few are live), m = floor(b / (live * n));
     it is read through ``PlugInEstimator`` (majority vote: with the prompts' response curves over
     query difficulty, ``curve``, as the prior of ``alpha`` pseudo-votes). After each step, with
     s completions spent in all, each context keeps the top max(keep_last, ceil(P (s0 / s)^rate))
@@ -423,8 +425,8 @@ class AnytimePlugIn(Agent):
 
     def __init__(self, seed: int | None = None, n_min: int = 2, q0: int = 8, growth: float = 1.0,
                  rate: float = 0.5, alpha: float = 32.0, keep_last: int = 1, kappa: float = 2.0,
-                 curve: float = 3.0, tail: str = "halving") -> None:
-        """``n_min``, ``kappa``: completions per (prompt, query); ``q0``, ``growth``, ``rate``: the pace;
+                 curve: float = 3.0, tail: str = "halving", votes: int = 0) -> None:
+        """``n_min``, ``kappa``, ``votes``: completions per (prompt, query); ``q0``, ``growth``, ``rate``: the pace;
         ``alpha``, ``curve``: the estimator's prior; ``tail``: how a budget spends what the whole
         steps leave ("step" or "halving") (defaults: chosen on tuning seeds, docs/agents.md)."""
         super().__init__(seed)
@@ -448,13 +450,16 @@ class AnytimePlugIn(Agent):
         if tail not in ("step", "halving"):
             raise ValueError(f"tail must be 'step' or 'halving', got {tail!r}")
         self.tail = tail
+        if isinstance(votes, bool) or not isinstance(votes, (int, np.integer)) or votes < 0:
+            raise ValueError(f"votes must be an integer >= 0, got {votes!r}")
+        self.votes = int(votes)
         _plugin_jit.warm_up()
 
     def params(self) -> dict[str, Any]:
         """Hyper-parameters recorded with results."""
         return {"n_min": self.n_min, "q0": self.q0, "growth": self.growth, "rate": self.rate,
                 "alpha": self.alpha, "keep_last": self.keep_last, "kappa": self.kappa,
-                "curve": self.curve, "tail": self.tail}
+                "curve": self.curve, "tail": self.tail, "votes": self.votes}
 
     def train(self, env: Any, budget: int) -> Policy:
         """Spend at most ``budget`` completions of ``env``; the best live arm per context."""
@@ -515,7 +520,7 @@ class AnytimePlugIn(Agent):
         n = max(self.n_min, math.ceil(b / (live.size * pool)))
         if self.kappa > 0:
             n = max(n, math.ceil(math.sqrt(b / (live.size * self.kappa))))
-        n = min(n_max, n)
+        n = min(n_max, max(n, math.ceil(self.votes / live.size)))
         m = b // (live.size * n)
         if m == 0:
             n, m = b // live.size, 1

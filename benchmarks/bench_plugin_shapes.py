@@ -20,6 +20,7 @@ import numpy as np
 
 import agents
 from iapo_gym import IAPOEnv
+from iapo_gym.leaderboard.run.specs import parse_agent_spec
 from iapo_gym.seeding import derive_seed
 from iapo_gym.tasks.synthetic import random_mv_table
 
@@ -28,20 +29,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--budgets", type=int, nargs="+", default=[3000, 10000, 40000])
-    parser.add_argument("--agents", nargs="+", default=["auto", "plugin_anytime:tail=step,rate=1.0", "plugin_halving"])
+    parser.add_argument("--agents", nargs="+",
+                        default=["auto", "plugin_anytime:n_min=2,kappa=2.0,votes=0@round2", "plugin_halving"])
     args = parser.parse_args()
     env = IAPOEnv(table=random_mv_table(0, n_prompts=48, n_queries=1500, n_answers=5, n_max=32,
                                          cost_range=(0.004, 0.01), task="multiple_choice_shape"))
     env.reset(seed=0)
     env.pull(np.zeros(1, np.int64), np.ones(1, np.int64))  # builds the table's sampler before any clock
-    specs = {"psst": ("psst", {})}
+    specs: dict[str, tuple[str, dict[str, object]]] = {"psst": ("psst", {})}
     for spec in args.agents:
-        name, _, params = spec.partition(":")
-        kwargs: dict[str, object] = {}
-        for item in filter(None, params.split(",")):
-            key, value = item.split("=")
-            kwargs[key] = value if key == "tail" else float(value)
-        specs[spec] = (name, kwargs)
+        parsed = parse_agent_spec(spec)
+        specs[parsed.label] = (parsed.name, dict(parsed.params))
     for name, kwargs in specs.values():
         agents.make(name, seed=0, **kwargs)  # compiles (or loads) any kernel before the clocks start
     print(f"| T | {' | '.join(specs)} |")

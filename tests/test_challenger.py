@@ -231,6 +231,27 @@ def test_anytime_halving_tail_halves_each_context_on_what_is_left() -> None:
     assert 4_500 <= spent <= 5_000, spent
 
 
+@pytest.mark.parametrize("votes", [0, 16, 48])
+def test_anytime_votes_give_every_common_query_enough_completions(votes: int) -> None:
+    """Every step gives each (prompt, query) at least ceil(votes / live) completions (at most N_max), so
+    a common query has ``votes`` or more votes over the live prompts however few are live; a step
+    that cannot afford one query at that n gives one query all it can."""
+    table = tiny_mv_table(n_prompts=12, n_queries=300, n_max=8)
+    env = RecordingEnv(table)
+    env.reset(seed=0)
+    agents.make("plugin_anytime", seed=0, n_min=1, kappa=8.0, votes=votes).train(env, 6_000)
+    floors = []
+    for pulls in env.batches:
+        live = np.unique(pulls.prompts).size
+        floor = min(table.n_max, max(1, -(-votes // live)))
+        assert np.unique(pulls.ns).size == 1, "every (prompt, query) of a step gets the same n"
+        if np.unique(pulls.queries).size > 1:
+            assert pulls.ns[0] >= floor, (live, pulls.ns[0], floor)
+        floors.append(floor)
+    if votes:
+        assert max(floors) > 1  # the rule bound somewhere: few prompts were live
+
+
 def test_mv_credit_rows_matches_the_exact_oracle() -> None:
     from agents import _plugin_jit
     from agents.challenger import mv_credit_rows
@@ -285,6 +306,6 @@ def test_response_curve_prior_separates_a_steep_prompt_from_a_flat_one() -> None
 
 def test_anytime_rejects_bad_parameters() -> None:
     for bad in ({"n_min": 0}, {"q0": 0}, {"keep_last": 0}, {"growth": 0.0}, {"rate": -1.0}, {"alpha": -1.0},
-                {"kappa": -1.0}, {"curve": -1.0}, {"tail": "rounds"}):
+                {"kappa": -1.0}, {"curve": -1.0}, {"tail": "rounds"}, {"votes": -1}, {"votes": 2.5}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             agents.make("plugin_anytime", **bad)
