@@ -45,14 +45,15 @@ def main() -> None:
         if key not in tables:
             table = run_setup(task, r.run, r.root_seed).run_table
             q_test, q_train = q_table(table, table.split_indices("test")), q_table(table, table.split_indices("train"))
-            tables[key] = (q_test, q_train, np.array(greedy_policy(q_train).arms), table.context_probs)
+            optimal, probs = np.array(greedy_policy(q_train).arms), table.context_probs
+            tables[key] = (q_test, q_train, optimal, probs)
             contexts = np.arange(q_test.shape[0])
             best_n = q_train.argmax(axis=2)  # (C, P): each prompt's train-best N - 1
-            ceiling = q_test[contexts, tables[key][2][:, 0], tables[key][2][:, 1] - 1]
+            ceiling = q_test[contexts, optimal[:, 0], optimal[:, 1] - 1]
             for k in args.top:
                 picks = np.argsort(-q_train.max(axis=2), axis=1)[:, :k]  # (C, k)
                 value = q_test[contexts[:, None], picks, best_n[contexts[:, None], picks]].mean(axis=1)
-                top[k].append(float(table.context_probs @ (ceiling - value)))
+                top[k].append(float(probs @ (ceiling - value)))
         q_test, q_train, optimal, probs = tables[key]
         arms = np.array(json.loads(r.arms))
         for c, ((p, n), (p_opt, n_opt)) in enumerate(zip(arms, optimal, strict=True)):
