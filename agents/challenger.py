@@ -247,8 +247,9 @@ class PlugInEstimator(Estimator):
         assert gold is not None
         votes, gold_votes = self._votes, self._gold_votes  # (P, Q)
         pooled = self._pooled.astype(np.float64)  # (Q, atoms)
-        p_idx, q_idx = np.nonzero(self._seen[prompts])
-        cols = np.unique(q_idx)  # the queries any of ``prompts`` has seen
+        seen = self._seen[prompts]
+        p_idx, q_idx = np.nonzero(seen)
+        cols = np.flatnonzero(seen.any(axis=0))  # the queries any of ``prompts`` has seen
         g_all, n_all = gold_votes[:, cols].sum(axis=0), votes[:, cols].sum(axis=0)
         z = np.zeros(votes.shape[1])
         z[cols] = np.log((g_all + 0.5) / (n_all - g_all + 0.5))
@@ -265,8 +266,7 @@ class PlugInEstimator(Estimator):
         counts = self.atom_counts[rows_p, q_idx].astype(np.float64)
         probs = (counts + self.alpha * prior) / (counts.sum(axis=1, keepdims=True) + self.alpha)
         self._credit[rows_p, q_idx] = mv_credit_rows(probs, gold[q_idx], self.n_max)
-        seen = self._seen[prompts]
-        cols = np.flatnonzero(seen.any(axis=0))  # unseen rows hold 0: sum only the columns any of them has
+        # unseen rows hold 0: sum only the columns any of them has seen
         return self._credit[prompts[:, None], cols[None, :]].sum(axis=1) / seen.sum(axis=1)[:, None]
 
     def _fit_curves(self, prompts: np.ndarray, cols: np.ndarray, z: np.ndarray) -> np.ndarray:
@@ -315,6 +315,17 @@ class PlugInEstimator(Estimator):
             out[i] = bon_expected_max(scores, probs, self.n_max)
         result: np.ndarray = out[self._objective_row]
         return result
+
+
+def keep_top(alive: np.ndarray, est: Estimator, target: int | np.ndarray, rng: np.random.Generator) -> None:
+    """Keep, in place, the top ``target`` (one count, or one per context) of each context's live prompts
+    in ``alive`` (C, P) by max_N of ``est``'s estimate, ties broken at random by ``rng``."""
+    n_contexts, n_prompts = alive.shape
+    score = np.where(alive, est.mean(unseen=-np.inf).max(axis=2), -np.inf)
+    order = np.lexsort((rng.random(alive.shape), -score), axis=-1)
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(n_prompts)[None, :].repeat(n_contexts, 0), axis=1)
+    alive &= rank < np.broadcast_to(target, (n_contexts,))[:, None]
 
 
 class PlugInHalving(Agent):
@@ -370,13 +381,7 @@ class PlugInHalving(Agent):
             spent += pulls.completions
             est.update(pulls)
             if r < rounds_total - 1:
-                score = np.where(alive, est.mean(unseen=-np.inf).max(axis=2), -np.inf)
-                n_alive = alive.sum(axis=1)
-                keep = np.maximum(self.keep_last, n_alive // 2)
-                order = np.lexsort((self.rng.random(alive.shape), -score), axis=-1)
-                rank = np.empty_like(order)
-                np.put_along_axis(rank, order, np.arange(n_prompts)[None, :].repeat(n_contexts, 0), axis=1)
-                alive &= rank < keep[:, None]
+                keep_top(alive, est, np.maximum(self.keep_last, alive.sum(axis=1) // 2), self.rng)
         return est.best_arms(self.rng, np.repeat(alive[:, :, None], n_max, axis=2))
 
 
@@ -531,14 +536,7 @@ class AnytimePlugIn(Agent):
 
     def _trim(self, run: _PlugInRun, target: int | np.ndarray) -> None:
         """Keep the top ``target`` (one count, or one per context) live prompts of each context by max_N of the estimate."""
-        alive = run.alive
-        n_contexts, n_prompts = alive.shape
-        score = np.where(alive, run.est.mean(unseen=-np.inf).max(axis=2), -np.inf)
-        keep = np.minimum(alive.sum(axis=1), target)
-        order = np.lexsort((run.stream.rng.random(alive.shape), -score), axis=-1)
-        rank = np.empty_like(order)
-        np.put_along_axis(rank, order, np.arange(n_prompts)[None, :].repeat(n_contexts, 0), axis=1)
-        alive &= rank < keep[:, None]
+        keep_top(run.alive, run.est, target, run.stream.rng)
 
     def _halve(self, run: _PlugInRun, budget: int) -> None:
         """Successive halving of each context's live prompts on what is left of ``budget``.
