@@ -132,6 +132,12 @@ def mv_credit_rows(probs: np.ndarray, gold: np.ndarray, n_max: int) -> np.ndarra
     return out
 
 
+#: Newton steps of a response-curve fit at most, and halvings of one step at most.
+CURVE_ITERATIONS, CURVE_HALVINGS = 25, 30
+#: The largest ridge the empirical-Bayes fit sets (a spread of the curves' parameters of 0.001).
+RIDGE_MAX = 1e6
+
+
 class PlugInEstimator(Estimator):
     """Q(c, p, N) for every N from empirical outcome distributions, through the oracle's formulas.
 
@@ -148,16 +154,27 @@ class PlugInEstimator(Estimator):
       query would make the maximum of many draws look far too small).
     """
 
-    def __init__(self, env: Any, alpha: float = 4.0, curve: float = 0.0) -> None:
+    def __init__(self, env: Any, alpha: float = 4.0, curve: float = 0.0, slope: float | None = None,
+                 eb: int = 0) -> None:
         """Bind to ``env``; ``alpha`` >= 0 pseudo-votes of the prior (majority vote); ``curve`` > 0 uses the
-        prompt's response curve over query difficulty as the prior's gold share (ridge strength ``curve``)."""
+        prompt's response curve over query difficulty as the prior's gold share (ridge strength ``curve``
+        on its offset, ``slope`` on its slope; ``slope`` None: ``curve``; ``eb`` > 0: both re-estimated
+        from the data, ``eb`` EM steps per update, starting there)."""
         super().__init__(env, "blocks")
         if not float(alpha) >= 0.0:
             raise ValueError(f"alpha must be >= 0, got {alpha!r}")
         if not float(curve) >= 0.0:
             raise ValueError(f"curve must be >= 0, got {curve!r}")
+        if slope is not None and not float(slope) >= 0.0:
+            raise ValueError(f"slope must be >= 0 or None, got {slope!r}")
         self.alpha = float(alpha)
         self.curve = float(curve)
+        self.slope = self.curve if slope is None else float(slope)
+        if isinstance(eb, bool) or not isinstance(eb, (int, np.integer)) or eb < 0:
+            raise ValueError(f"eb must be an integer >= 0, got {eb!r}")
+        self.eb = int(eb)
+        self._ridge = (self.curve, self.slope)
+        self._curves = np.column_stack([np.zeros(self.n_prompts), np.ones(self.n_prompts)])  # (a_p, b_p) last fitted
         table = self.env.table
         self.atom_counts = np.zeros((self.n_prompts, table.n_queries, self.n_atoms), dtype=np.int64)
         self._cost_sum = np.zeros((self.n_prompts,))  # sum over the prompt's pulled queries of cost[p, q]
@@ -177,6 +194,8 @@ class PlugInEstimator(Estimator):
         self.atom_counts[...] = 0
         self._cost_sum[...] = 0.0
         self._seen[...] = False
+        self._ridge = (self.curve, self.slope)
+        self._curves[:, 0], self._curves[:, 1] = 0.0, 1.0
         if self.aggregator == "mv":
             for array in (self._credit, self._votes, self._gold_votes, self._pooled):
                 array[...] = 0
@@ -250,10 +269,12 @@ class PlugInEstimator(Estimator):
         seen = self._seen[prompts]
         p_idx, q_idx = np.nonzero(seen)
         cols = np.flatnonzero(seen.any(axis=0))  # the queries any of ``prompts`` has seen
-        g_all, n_all = gold_votes[:, cols].sum(axis=0), votes[:, cols].sum(axis=0)
+        seen_cols = np.flatnonzero(self._seen.any(axis=0))  # ... any prompt has seen
+        g_all, n_all = gold_votes[:, seen_cols].sum(axis=0), votes[:, seen_cols].sum(axis=0)
         z = np.zeros(votes.shape[1])
-        z[cols] = np.log((g_all + 0.5) / (n_all - g_all + 0.5))
-        theta = self._fit_curves(prompts, cols, z[cols])
+        z[seen_cols] = np.log((g_all + 0.5) / (n_all - g_all + 0.5))
+        ridge = self._fit_ridge(z) if self.eb else (self.curve, self.slope)
+        theta, _ = self._fit_curves(prompts, cols, z[cols], ridge)
         share = 1.0 / (1.0 + np.exp(-np.clip(theta[p_idx, 0] + theta[p_idx, 1] * z[q_idx], -30.0, 30.0)))
         rows = np.arange(q_idx.size)
         wrong = pooled[q_idx].copy()
@@ -269,25 +290,72 @@ class PlugInEstimator(Estimator):
         # unseen rows hold 0: sum only the columns any of them has seen
         return self._credit[prompts[:, None], cols[None, :]].sum(axis=1) / seen.sum(axis=1)[:, None]
 
-    def _fit_curves(self, prompts: np.ndarray, cols: np.ndarray, z: np.ndarray) -> np.ndarray:
-        """(len(prompts), 2) response curves (a_p, b_p): Newton steps of the ridge-penalised binomial
-        log-likelihood of each prompt's gold votes on the queries ``cols`` of difficulty ``z``."""
+    def _fit_curves(self, prompts: np.ndarray, cols: np.ndarray, z: np.ndarray,
+                    ridge: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
+        """(len(prompts), 2) response curves (a_p, b_p) and their posterior variances: the maximum of
+        the binomial log-likelihood of each prompt's gold votes on the queries ``cols`` of difficulty
+        ``z``, ridge-penalised by ``ridge`` = (on a_p towards 0, on b_p towards 1).
+
+        Newton steps from the prompt's last fit (at first the pooled curve (0, 1)), each halved
+        until the penalised likelihood does not fall: the objective is strictly concave, so this
+        converges whatever the votes; full steps alone can overshoot without end on a prompt far
+        from the pool (a prompt nearly always wrong on mostly easy queries), whose curve would
+        then call it nearly always right. The variances are the inverse Hessian's diagonal at the
+        last step's start.
+        """
         g = self._gold_votes[prompts][:, cols].astype(np.float64)
         n = self._votes[prompts][:, cols].astype(np.float64)
-        theta = np.zeros((prompts.size, 2))
-        theta[:, 1] = 1.0
-        lam = self.curve
-        for _ in range(8):
+        lam_a, lam_b = ridge
+
+        def objective(theta: np.ndarray) -> np.ndarray:
+            x = theta[:, :1] + theta[:, 1:] * z[None, :]
+            loglik = -(n * np.logaddexp(0.0, -x) + (n - g) * x).sum(axis=1)  # softplus(x) = softplus(-x) + x
+            return loglik - 0.5 * (lam_a * theta[:, 0] ** 2 + lam_b * (theta[:, 1] - 1.0) ** 2)
+
+        def newton(theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            """The Newton step and the posterior variances (diagonal of the inverse Hessian) at ``theta``."""
             mu = 1.0 / (1.0 + np.exp(-np.clip(theta[:, :1] + theta[:, 1:] * z[None, :], -30.0, 30.0)))
             r, w = g - n * mu, n * mu * (1.0 - mu)
-            grad = np.stack([r.sum(axis=1) - lam * theta[:, 0], (r * z).sum(axis=1) - lam * (theta[:, 1] - 1.0)], 1)
-            h00 = w.sum(axis=1) + lam
-            h01 = (w * z).sum(axis=1)
-            h11 = (w * z * z).sum(axis=1) + lam
+            grad_a = r.sum(axis=1) - lam_a * theta[:, 0]
+            grad_b = (r * z).sum(axis=1) - lam_b * (theta[:, 1] - 1.0)
+            h00, h01, h11 = w.sum(axis=1) + lam_a, (w * z).sum(axis=1), (w * z * z).sum(axis=1) + lam_b
             det = h00 * h11 - h01 * h01
-            theta[:, 0] += (h11 * grad[:, 0] - h01 * grad[:, 1]) / det
-            theta[:, 1] += (h00 * grad[:, 1] - h01 * grad[:, 0]) / det
-        return theta
+            step = np.column_stack([h11 * grad_a - h01 * grad_b, h00 * grad_b - h01 * grad_a]) / det[:, None]
+            return step, np.column_stack([h11 / det, h00 / det])
+
+        theta = self._curves[prompts]  # the last fit: the curves move little between updates
+        value = objective(theta)
+        variance = np.zeros_like(theta)
+        for _ in range(CURVE_ITERATIONS):
+            step, variance = newton(theta)
+            size = np.ones(prompts.size)
+            for _ in range(CURVE_HALVINGS):
+                trial = objective(theta + size[:, None] * step)
+                short = trial < value
+                if not short.any():
+                    break
+                size[short] *= 0.5
+            size[short] = 0.0  # no ascent left along the step: at the maximum to rounding
+            theta += size[:, None] * step
+            value = np.where(short, value, trial)
+            if np.abs(size[:, None] * step).max(initial=0.0) < 1e-9:
+                break
+        self._curves[prompts] = theta
+        return theta, variance
+
+    def _fit_ridge(self, z: np.ndarray) -> tuple[float, float]:
+        """The curves' ridges by empirical Bayes: EM steps for the spread of (a_p, b_p - 1) over every
+        prompt with votes, each curve's posterior variance included, started from the last ridges."""
+        prompts = np.flatnonzero(self._seen.any(axis=1))
+        cols = np.flatnonzero(self._seen.any(axis=0))
+        ridge = self._ridge
+        for _ in range(self.eb):
+            theta, variance = self._fit_curves(prompts, cols, z[cols], ridge)
+            spread_a = float(np.mean(theta[:, 0] ** 2 + variance[:, 0]))
+            spread_b = float(np.mean((theta[:, 1] - 1.0) ** 2 + variance[:, 1]))
+            ridge = (min(1.0 / max(spread_a, 1e-12), RIDGE_MAX), min(1.0 / max(spread_b, 1e-12), RIDGE_MAX))
+        self._ridge = ridge
+        return ridge
 
     def _bon_value(self, prompts: np.ndarray) -> np.ndarray:
         """(C, len(prompts), N_max) expected best-of-N task value of each prompt's pooled outcomes.
@@ -388,9 +456,10 @@ class PlugInHalving(Agent):
 class _PlugInRun:
     """The state of one anytime plug-in trajectory: estimator, query stream, live prompts, spend."""
 
-    def __init__(self, base: Any, alpha: float, rng: np.random.Generator, curve: float = 0.0) -> None:
+    def __init__(self, base: Any, alpha: float, rng: np.random.Generator, curve: float = 0.0,
+                 slope: float | None = None, eb: int = 0) -> None:
         self.base = base
-        self.est = PlugInEstimator(base, alpha, curve)
+        self.est = PlugInEstimator(base, alpha, curve, slope, eb)
         self.stream = QueryStream(base.queries(), rng)
         n_contexts, n_prompts, _ = self.est.sums.shape
         self.alive = np.ones((n_contexts, n_prompts), dtype=bool)
@@ -430,7 +499,8 @@ class AnytimePlugIn(Agent):
 
     def __init__(self, seed: int | None = None, n_min: int = 2, q0: int = 8, growth: float = 1.0,
                  rate: float = 0.5, alpha: float = 32.0, keep_last: int = 1, kappa: float = 2.0,
-                 curve: float = 3.0, tail: str = "halving", votes: int = 0) -> None:
+                 curve: float = 3.0, tail: str = "halving", votes: int = 0, slope: float | None = None,
+                 eb: int = 0) -> None:
         """``n_min``, ``kappa``, ``votes``: completions per (prompt, query); ``q0``, ``growth``, ``rate``: the pace;
         ``alpha``, ``curve``: the estimator's prior; ``tail``: how a budget spends what the whole
         steps leave ("step" or "halving") (defaults: chosen on tuning seeds, docs/agents.md)."""
@@ -452,6 +522,12 @@ class AnytimePlugIn(Agent):
         if not float(curve) >= 0.0:
             raise ValueError(f"curve must be >= 0, got {curve!r}")
         self.curve = float(curve)
+        if slope is not None and not float(slope) >= 0.0:
+            raise ValueError(f"slope must be >= 0 or None, got {slope!r}")
+        self.slope = None if slope is None else float(slope)
+        if isinstance(eb, bool) or not isinstance(eb, (int, np.integer)) or eb < 0:
+            raise ValueError(f"eb must be an integer >= 0, got {eb!r}")
+        self.eb = int(eb)
         if tail not in ("step", "halving"):
             raise ValueError(f"tail must be 'step' or 'halving', got {tail!r}")
         self.tail = tail
@@ -464,12 +540,13 @@ class AnytimePlugIn(Agent):
         """Hyper-parameters recorded with results."""
         return {"n_min": self.n_min, "q0": self.q0, "growth": self.growth, "rate": self.rate,
                 "alpha": self.alpha, "keep_last": self.keep_last, "kappa": self.kappa,
-                "curve": self.curve, "tail": self.tail, "votes": self.votes}
+                "curve": self.curve, "tail": self.tail, "votes": self.votes, "slope": self.slope,
+                "eb": self.eb}
 
     def train(self, env: Any, budget: int) -> Policy:
         """Spend at most ``budget`` completions of ``env``; the best live arm per context."""
         budget = self.check_budget(budget)
-        run = _PlugInRun(self.base_env(env), self.alpha, self.rng, self.curve)
+        run = _PlugInRun(self.base_env(env), self.alpha, self.rng, self.curve, self.slope, self.eb)
         self._advance(run, budget)
         return self._finish(run.branch(), budget)
 
@@ -483,7 +560,7 @@ class AnytimePlugIn(Agent):
         """
         checked = sorted({self.check_budget(b) for b in budgets})
         base = self.base_env(env)
-        run = _PlugInRun(base, self.alpha, self.rng, self.curve)
+        run = _PlugInRun(base, self.alpha, self.rng, self.curve, self.slope, self.eb)
         for i, budget in enumerate(checked):
             self._advance(run, budget)
             last = i == len(checked) - 1

@@ -158,8 +158,8 @@ def test_plugin_halving_rejects_bad_parameters() -> None:
 # ---- the anytime plug-in agent (plugin_anytime) ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tail", ["step", "halving"])
-def test_anytime_train_budgets_is_bit_identical_to_separate_runs(math_release: Path, tail: str) -> None:
+@pytest.mark.parametrize(("tail", "eb"), [("step", 0), ("halving", 0), ("halving", 2)])
+def test_anytime_train_budgets_is_bit_identical_to_separate_runs(math_release: Path, tail: str, eb: int) -> None:
     from iapo_gym.data.release import read_release
 
     budgets = [0, 7, 900, 3_000, 5_000, 10_000]
@@ -168,9 +168,10 @@ def test_anytime_train_budgets_is_bit_identical_to_separate_runs(math_release: P
         separate = []
         for budget in budgets:
             env.reset(seed=11)
-            separate.append((agents.make("plugin_anytime", seed=5, tail=tail).train(env, budget), env.budget_used))
+            separate.append((agents.make("plugin_anytime", seed=5, tail=tail, eb=eb).train(env, budget),
+                             env.budget_used))
         env.reset(seed=11)
-        agent = agents.make("plugin_anytime", seed=5, tail=tail)
+        agent = agents.make("plugin_anytime", seed=5, tail=tail, eb=eb)
         assert agent.anytime  # type: ignore[attr-defined]
         shared = list(agent.train_budgets(env, reversed(budgets)))  # type: ignore[attr-defined]
         assert [b for b, _ in shared] == budgets
@@ -304,8 +305,93 @@ def test_response_curve_prior_separates_a_steep_prompt_from_a_flat_one() -> None
     assert gaps[3.0] > 0.1 and gaps[3.0] > 3 * gaps[0.0], gaps
 
 
+def _curve_table(a: np.ndarray, b: np.ndarray, z: np.ndarray) -> OutcomeTable:
+    """A two-answer majority-vote table whose prompt p is right on query q with sigmoid(a_p + b_p z_q)."""
+    correct = 1.0 / (1.0 + np.exp(-(a[:, None] + b[:, None] * z[None, :])))
+    return OutcomeTable(
+        task="curves", aggregator="mv", probs=np.stack([correct, 1 - correct], axis=-1), cost=np.zeros(a.size),
+        n_max=5, context_weights=np.array([[1.0, 0.0]]), context_names=("free",), context_probs=np.array([1.0]),
+        objective_names=("correct",), gold=np.zeros(z.size, np.int64),
+        split=(np.arange(z.size) >= z.size - 2).astype(np.uint8),
+    )
+
+
+def test_response_curve_fit_of_a_prompt_far_from_the_pool_stays_finite_and_low() -> None:
+    """Two prompts right 0.15 of the time among 23 right 0.95 of the time on mostly easy queries.
+
+    Their likelihood's maximum is far from the pooled curve (0, 1) where the fit starts; full
+    Newton steps from there overshoot more each time and call them nearly always right at large N
+    (an estimate of about 1). The safeguarded steps reach the maximum: a low share.
+    """
+    rng = np.random.default_rng(2)
+    n_queries, n_prompts = 240, 25
+    easy = rng.random(n_queries) < 0.95
+    correct = np.vstack([np.tile(np.where(easy, 0.95, 0.5), (23, 1)), np.full((2, n_queries), 0.15)])
+    buckets = np.stack([correct, (1 - correct) * 0.5, (1 - correct) * 0.3, (1 - correct) * 0.2], axis=-1)
+    table = OutcomeTable(
+        task="far_prompt", aggregator="mv", probs=buckets, cost=np.zeros(n_prompts), n_max=32,
+        context_weights=np.array([[1.0, 0.0]]), context_names=("free",), context_probs=np.array([1.0]),
+        objective_names=("correct",), gold=np.zeros(n_queries, np.int64),
+        split=(np.arange(n_queries) >= n_queries - 4).astype(np.uint8),
+    )
+    env = IAPOEnv(table=table)
+    env.reset(seed=2)
+    est = PlugInEstimator(env, alpha=32.0, curve=3.0)
+    queries = env.queries("train")[:30]
+    prompts = np.repeat(np.arange(n_prompts), queries.size)
+    est.update(env.pull(prompts, np.full(prompts.size, 4), queries=np.tile(queries, n_prompts)))
+    estimate = est.mean()[0, :, -1]
+    assert np.all(np.isfinite(estimate))
+    assert estimate[23:].max() < 0.5, estimate[23:]  # exact: about 0.01
+    assert estimate[:23].min() > 0.8, estimate[:23]
+
+
+def test_empirical_bayes_ridges_recover_the_spread_of_the_prompts_curves() -> None:
+    """With many votes the fitted ridges are about 1 / the variance of the offsets and of the slopes.
+
+    Offsets spread 0.6 and slopes 0.25 here, so the two ridges differ about sixfold; fixed ridges
+    (``eb`` = 0) stay where they were set.
+    """
+    rng = np.random.default_rng(4)
+    a, b = rng.normal(0.0, 0.6, 40), rng.normal(1.0, 0.25, 40)
+    a -= a.mean()
+    b += 1.0 - b.mean()
+    table = _curve_table(a, b, rng.normal(0.0, 1.5, 300))
+    ridges = {}
+    for eb in (0, 4):
+        env = IAPOEnv(table=table)
+        env.reset(seed=0)
+        est = PlugInEstimator(env, alpha=32.0, curve=3.0, eb=eb)
+        _pull_every_train_query(env, est, 40)
+        ridges[eb] = est._ridge
+    assert ridges[0] == (3.0, 3.0)
+    ridge_a, ridge_b = ridges[4]
+    assert 0.6 < ridge_a * a.var() < 1.6, (ridge_a, 1 / a.var())
+    assert 0.6 < ridge_b * b.var() < 1.6, (ridge_b, 1 / b.var())
+
+
+def test_slope_ridge_holds_every_slope_at_the_pooled_one() -> None:
+    """``slope`` penalises the slope alone: a huge one fixes every b_p at 1, the offsets still fit."""
+    rng = np.random.default_rng(5)
+    a, b = rng.normal(0.0, 0.6, 8), rng.normal(1.0, 0.4, 8)
+    env = IAPOEnv(table=_curve_table(a, b, rng.normal(0.0, 1.5, 200)))
+    env.reset(seed=0)
+    fits = {}
+    for slope in (None, 1e6):
+        est = PlugInEstimator(env, alpha=32.0, curve=3.0, slope=slope)
+        _pull_every_train_query(env, est, 20)
+        seen = np.flatnonzero(est._seen.any(axis=0))
+        g, n = est._gold_votes[:, seen].sum(axis=0), est._votes[:, seen].sum(axis=0)
+        z = np.log((g + 0.5) / (n - g + 0.5))
+        fits[slope], _ = est._fit_curves(np.arange(8), seen, z, (est.curve, est.slope))
+    assert np.abs(fits[1e6][:, 1] - 1.0).max() < 0.01
+    assert np.abs(fits[None][:, 1] - 1.0).max() > 0.2  # the free slopes do move
+    assert np.corrcoef(fits[1e6][:, 0], a)[0, 1] > 0.9
+
+
 def test_anytime_rejects_bad_parameters() -> None:
     for bad in ({"n_min": 0}, {"q0": 0}, {"keep_last": 0}, {"growth": 0.0}, {"rate": -1.0}, {"alpha": -1.0},
-                {"kappa": -1.0}, {"curve": -1.0}, {"tail": "rounds"}, {"votes": -1}, {"votes": 2.5}):
+                {"kappa": -1.0}, {"curve": -1.0}, {"tail": "rounds"}, {"votes": -1}, {"votes": 2.5},
+                {"slope": -1.0}, {"eb": -1}, {"eb": 1.5}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             agents.make("plugin_anytime", **bad)
