@@ -132,6 +132,18 @@ def mv_credit_rows(probs: np.ndarray, gold: np.ndarray, n_max: int) -> np.ndarra
     return out
 
 
+def check_curve_prior(curve: float, slope: float | None, eb: int) -> tuple[float, float | None, int]:
+    """``curve``, ``slope`` and ``eb`` of the response-curve prior as float, float or None, int; a bad one
+    raises ValueError naming it (``curve``, ``slope`` >= 0, ``eb`` an integer >= 0)."""
+    if not float(curve) >= 0.0:
+        raise ValueError(f"curve must be >= 0, got {curve!r}")
+    if slope is not None and not float(slope) >= 0.0:
+        raise ValueError(f"slope must be >= 0 or None, got {slope!r}")
+    if isinstance(eb, bool) or not isinstance(eb, (int, np.integer)) or eb < 0:
+        raise ValueError(f"eb must be an integer >= 0, got {eb!r}")
+    return float(curve), None if slope is None else float(slope), int(eb)
+
+
 #: Newton steps of a response-curve fit at most, and halvings of one step at most.
 CURVE_ITERATIONS, CURVE_HALVINGS = 25, 30
 #: The largest ridge the empirical-Bayes fit sets (a spread of the curves' parameters of 0.001).
@@ -163,16 +175,9 @@ class PlugInEstimator(Estimator):
         super().__init__(env, "blocks")
         if not float(alpha) >= 0.0:
             raise ValueError(f"alpha must be >= 0, got {alpha!r}")
-        if not float(curve) >= 0.0:
-            raise ValueError(f"curve must be >= 0, got {curve!r}")
-        if slope is not None and not float(slope) >= 0.0:
-            raise ValueError(f"slope must be >= 0 or None, got {slope!r}")
         self.alpha = float(alpha)
-        self.curve = float(curve)
-        self.slope = self.curve if slope is None else float(slope)
-        if isinstance(eb, bool) or not isinstance(eb, (int, np.integer)) or eb < 0:
-            raise ValueError(f"eb must be an integer >= 0, got {eb!r}")
-        self.eb = int(eb)
+        self.curve, slope, self.eb = check_curve_prior(curve, slope, eb)
+        self.slope = self.curve if slope is None else slope
         self._ridge = (self.curve, self.slope)
         self._curves = np.column_stack([np.zeros(self.n_prompts), np.ones(self.n_prompts)])  # (a_p, b_p) last fitted
         table = self.env.table
@@ -269,7 +274,7 @@ class PlugInEstimator(Estimator):
         seen = self._seen[prompts]
         p_idx, q_idx = np.nonzero(seen)
         cols = np.flatnonzero(seen.any(axis=0))  # the queries any of ``prompts`` has seen
-        seen_cols = np.flatnonzero(self._seen.any(axis=0))  # ... any prompt has seen
+        seen_cols = np.flatnonzero(self._seen.any(axis=0)) if self.eb else cols  # the ridges' fit reads them all
         g_all, n_all = gold_votes[:, seen_cols].sum(axis=0), votes[:, seen_cols].sum(axis=0)
         z = np.zeros(votes.shape[1])
         z[seen_cols] = np.log((g_all + 0.5) / (n_all - g_all + 0.5))
@@ -502,7 +507,7 @@ class AnytimePlugIn(Agent):
                  curve: float = 3.0, tail: str = "halving", votes: int = 0, slope: float | None = None,
                  eb: int = 0) -> None:
         """``n_min``, ``kappa``, ``votes``: completions per (prompt, query); ``q0``, ``growth``, ``rate``: the pace;
-        ``alpha``, ``curve``: the estimator's prior; ``tail``: how a budget spends what the whole
+        ``alpha``, ``curve``, ``slope``, ``eb``: the estimator's prior; ``tail``: how a budget spends what the whole
         steps leave ("step" or "halving") (defaults: chosen on tuning seeds, docs/agents.md)."""
         super().__init__(seed)
         for key, value in (("n_min", n_min), ("q0", q0), ("keep_last", keep_last)):
@@ -519,15 +524,7 @@ class AnytimePlugIn(Agent):
         if not float(kappa) >= 0.0:
             raise ValueError(f"kappa must be >= 0, got {kappa!r}")
         self.kappa = float(kappa)
-        if not float(curve) >= 0.0:
-            raise ValueError(f"curve must be >= 0, got {curve!r}")
-        self.curve = float(curve)
-        if slope is not None and not float(slope) >= 0.0:
-            raise ValueError(f"slope must be >= 0 or None, got {slope!r}")
-        self.slope = None if slope is None else float(slope)
-        if isinstance(eb, bool) or not isinstance(eb, (int, np.integer)) or eb < 0:
-            raise ValueError(f"eb must be an integer >= 0, got {eb!r}")
-        self.eb = int(eb)
+        self.curve, self.slope, self.eb = check_curve_prior(curve, slope, eb)
         if tail not in ("step", "halving"):
             raise ValueError(f"tail must be 'step' or 'halving', got {tail!r}")
         self.tail = tail
