@@ -461,10 +461,9 @@ class PlugInHalving(Agent):
 class _PlugInRun:
     """The state of one anytime plug-in trajectory: estimator, query stream, live prompts, spend."""
 
-    def __init__(self, base: Any, alpha: float, rng: np.random.Generator, curve: float = 0.0,
-                 slope: float | None = None, eb: int = 0) -> None:
+    def __init__(self, base: Any, est: PlugInEstimator, rng: np.random.Generator) -> None:
         self.base = base
-        self.est = PlugInEstimator(base, alpha, curve, slope, eb)
+        self.est = est
         self.stream = QueryStream(base.queries(), rng)
         n_contexts, n_prompts, _ = self.est.sums.shape
         self.alive = np.ones((n_contexts, n_prompts), dtype=bool)
@@ -543,7 +542,7 @@ class AnytimePlugIn(Agent):
     def train(self, env: Any, budget: int) -> Policy:
         """Spend at most ``budget`` completions of ``env``; the best live arm per context."""
         budget = self.check_budget(budget)
-        run = _PlugInRun(self.base_env(env), self.alpha, self.rng, self.curve, self.slope, self.eb)
+        run = self._new_run(self.base_env(env))
         self._advance(run, budget)
         return self._finish(run.branch(), budget)
 
@@ -557,7 +556,7 @@ class AnytimePlugIn(Agent):
         """
         checked = sorted({self.check_budget(b) for b in budgets})
         base = self.base_env(env)
-        run = _PlugInRun(base, self.alpha, self.rng, self.curve, self.slope, self.eb)
+        run = self._new_run(base)
         for i, budget in enumerate(checked):
             self._advance(run, budget)
             last = i == len(checked) - 1
@@ -566,6 +565,10 @@ class AnytimePlugIn(Agent):
             yield budget, policy
             if env_state is not None:
                 base.restore(env_state)
+
+    def _new_run(self, base: Any) -> _PlugInRun:
+        """A fresh trajectory on ``base``: an empty estimator with the agent's prior, the agent's generator."""
+        return _PlugInRun(base, PlugInEstimator(base, self.alpha, self.curve, self.slope, self.eb), self.rng)
 
     def _s0(self, run: _PlugInRun) -> int:
         return run.alive.shape[1] * self.q0 * self.n_min

@@ -23,8 +23,10 @@ from agents.challenger import PlugInEstimator
 from iapo_gym import IAPOEnv
 from iapo_gym.leaderboard.run.runner import run_setup
 from iapo_gym.leaderboard.run.specs import resolve_task
-from iapo_gym.oracle import acr_from_q, greedy_policy, q_table
+from iapo_gym.oracle import acr_from_q, greedy_policy, optimal_policy, policy_arms, q_table
+from iapo_gym.policy import Policy
 from iapo_gym.seeding import derive_seed
+from iapo_gym.tables import OutcomeTable
 
 ESTIMATORS = {
     "pooled prior (alpha 4)": {"alpha": 4.0},
@@ -34,6 +36,11 @@ ESTIMATORS = {
 }
 
 
+def test_acr(table: OutcomeTable, q_test: np.ndarray, policy: Policy) -> float:
+    """The exact test ACR of ``policy`` read off the table's test Q-table ``q_test``."""
+    return acr_from_q(q_test, policy_arms(policy, table), table.context_probs)
+
+
 def regrets(task_name: str, seed: int, runs: int, designs: list[tuple[int, int]]) -> dict[tuple[str, int, int], np.ndarray]:
     """(estimator, n, m) -> per-run regret of the greedy pick from that design's estimate."""
     task = resolve_task(task_name)
@@ -41,24 +48,21 @@ def regrets(task_name: str, seed: int, runs: int, designs: list[tuple[int, int]]
     for run in range(runs):
         table = run_setup(task, run, seed).run_table
         q_test = q_table(table, table.split_indices("test"))
-        probs = table.context_probs
-        reference = acr_from_q(q_test, np.array(greedy_policy(q_table(table, table.split_indices("train"))).arms), probs)
+        reference = test_acr(table, q_test, optimal_policy(table, table.split_indices("train")))
         env = IAPOEnv(table=table)
         train = env.queries("train")
         for n, m in designs:
             rng = np.random.default_rng(derive_seed(seed, "ranking_floor", task_name, run, n, m))
             queries = rng.choice(train, min(m, train.size), replace=False)
-            exact = q_table(table, queries)
             out.setdefault(("exact distributions", n, m), []).append(
-                reference - acr_from_q(q_test, np.array(greedy_policy(exact).arms), probs))
+                reference - test_acr(table, q_test, optimal_policy(table, queries)))
             env.reset(seed=int(rng.integers(2**32)))
             prompts = np.repeat(np.arange(env.n_prompts), queries.size)
             pulls = env.pull(prompts, np.full(prompts.size, n), queries=np.tile(queries, env.n_prompts))
             for name, params in ESTIMATORS.items():
                 est = PlugInEstimator(env, **params)
                 est.update(pulls)
-                picked = np.array(greedy_policy(est.mean()).arms)
-                out.setdefault((name, n, m), []).append(reference - acr_from_q(q_test, picked, probs))
+                out.setdefault((name, n, m), []).append(reference - test_acr(table, q_test, greedy_policy(est.mean())))
     return {key: np.array(values) for key, values in out.items()}
 
 
