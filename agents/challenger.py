@@ -132,16 +132,19 @@ def mv_credit_rows(probs: np.ndarray, gold: np.ndarray, n_max: int) -> np.ndarra
     return out
 
 
-def check_curve_prior(curve: float, slope: float | None, eb: int) -> tuple[float, float | None, int]:
-    """``curve``, ``slope`` and ``eb`` of the response-curve prior as float, float or None, int; a bad one
-    raises ValueError naming it (``curve``, ``slope`` >= 0, ``eb`` an integer >= 0)."""
+def check_curve_prior(curve: float, slope: float | None, eb: int,
+                      pretest: float = 0.0) -> tuple[float, float | None, int, float]:
+    """``curve``, ``slope``, ``eb`` and ``pretest`` of the response-curve prior as float, float or None, int,
+    float; a bad one raises ValueError naming it (``curve``, ``slope``, ``pretest`` >= 0, ``eb`` an integer >= 0)."""
     if not float(curve) >= 0.0:
         raise ValueError(f"curve must be >= 0, got {curve!r}")
     if slope is not None and not float(slope) >= 0.0:
         raise ValueError(f"slope must be >= 0 or None, got {slope!r}")
     if isinstance(eb, bool) or not isinstance(eb, (int, np.integer)) or eb < 0:
         raise ValueError(f"eb must be an integer >= 0, got {eb!r}")
-    return float(curve), None if slope is None else float(slope), int(eb)
+    if not float(pretest) >= 0.0:
+        raise ValueError(f"pretest must be >= 0, got {pretest!r}")
+    return float(curve), None if slope is None else float(slope), int(eb), float(pretest)
 
 
 #: Newton steps of a response-curve fit at most, and halvings of one step at most.
@@ -167,19 +170,21 @@ class PlugInEstimator(Estimator):
     """
 
     def __init__(self, env: Any, alpha: float = 4.0, curve: float = 0.0, slope: float | None = None,
-                 eb: int = 0) -> None:
+                 eb: int = 0, pretest: float = 0.0) -> None:
         """Bind to ``env``; ``alpha`` >= 0 pseudo-votes of the prior (majority vote); ``curve`` > 0 uses the
         prompt's response curve over query difficulty as the prior's gold share (ridge strength ``curve``
         on its offset, ``slope`` on its slope; ``slope`` None: ``curve``; ``eb`` > 0: both re-estimated
-        from the data, ``eb`` EM steps per update, starting there)."""
+        from the data, ``eb`` EM steps per update, starting there; ``pretest`` > 0: a prompt keeps its
+        own slope only where it departs from the pooled one by ``pretest`` posterior SDs or more)."""
         super().__init__(env, "blocks")
         if not float(alpha) >= 0.0:
             raise ValueError(f"alpha must be >= 0, got {alpha!r}")
         self.alpha = float(alpha)
-        self.curve, slope, self.eb = check_curve_prior(curve, slope, eb)
+        self.curve, slope, self.eb, self.pretest = check_curve_prior(curve, slope, eb, pretest)
         self.slope = self.curve if slope is None else slope
         self._ridge = (self.curve, self.slope)
         self._curves = np.column_stack([np.zeros(self.n_prompts), np.ones(self.n_prompts)])  # (a_p, b_p) last fitted
+        self._offsets = np.zeros(self.n_prompts)  # a_p last fitted with b_p held at 1 (``pretest``)
         table = self.env.table
         self.atom_counts = np.zeros((self.n_prompts, table.n_queries, self.n_atoms), dtype=np.int64)
         self._cost_sum = np.zeros((self.n_prompts,))  # sum over the prompt's pulled queries of cost[p, q]
@@ -201,6 +206,7 @@ class PlugInEstimator(Estimator):
         self._seen[...] = False
         self._ridge = (self.curve, self.slope)
         self._curves[:, 0], self._curves[:, 1] = 0.0, 1.0
+        self._offsets[...] = 0.0
         if self.aggregator == "mv":
             for array in (self._credit, self._votes, self._gold_votes, self._pooled):
                 array[...] = 0
@@ -264,8 +270,9 @@ class PlugInEstimator(Estimator):
         ``curve`` towards (0, 1), the pooled curve. The other buckets share the rest as q's pooled
         wrong answers do (one wrong bucket takes all of it while q has no wrong answer). A
         prompt's few votes on one query are thus read together with how it does on queries of
-        the same difficulty, not only with how other prompts do on that query. The curves move
-        with every pull, so every row of ``prompts`` is recomputed.
+        the same difficulty, not only with how other prompts do on that query. With ``pretest``,
+        only the slopes far from the others' stay the prompts' own (``_pretest_slopes``). The
+        curves move with every pull, so every row of ``prompts`` is recomputed.
         """
         gold = self.env.table.gold
         assert gold is not None
@@ -279,7 +286,10 @@ class PlugInEstimator(Estimator):
         z = np.zeros(votes.shape[1])
         z[seen_cols] = np.log((g_all + 0.5) / (n_all - g_all + 0.5))
         ridge = self._fit_ridge(z) if self.eb else (self.curve, self.slope)
-        theta, _ = self._fit_curves(prompts, cols, z[cols], ridge)
+        theta, variance = self._fit_curves(prompts, cols, z[cols], ridge, self._curves[prompts])
+        self._curves[prompts] = theta
+        if self.pretest > 0:
+            theta = self._pretest_slopes(prompts, cols, z[cols], ridge[0], theta, variance)
         share = 1.0 / (1.0 + np.exp(-np.clip(theta[p_idx, 0] + theta[p_idx, 1] * z[q_idx], -30.0, 30.0)))
         rows = np.arange(q_idx.size)
         wrong = pooled[q_idx].copy()
@@ -295,13 +305,13 @@ class PlugInEstimator(Estimator):
         # unseen rows hold 0: sum only the columns any of them has seen
         return self._credit[prompts[:, None], cols[None, :]].sum(axis=1) / seen.sum(axis=1)[:, None]
 
-    def _fit_curves(self, prompts: np.ndarray, cols: np.ndarray, z: np.ndarray,
-                    ridge: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
+    def _fit_curves(self, prompts: np.ndarray, cols: np.ndarray, z: np.ndarray, ridge: tuple[float, float],
+                    start: np.ndarray, slope: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """(len(prompts), 2) response curves (a_p, b_p) and their posterior variances: the maximum of
         the binomial log-likelihood of each prompt's gold votes on the queries ``cols`` of difficulty
-        ``z``, ridge-penalised by ``ridge`` = (on a_p towards 0, on b_p towards 1).
+        ``z``, ridge-penalised by ``ridge`` = (on a_p towards 0, on b_p towards ``slope``).
 
-        Newton steps from the prompt's last fit (at first the pooled curve (0, 1)), each halved
+        Newton steps from ``start`` (the prompt's last fit; at first the pooled curve (0, 1)), each halved
         until the penalised likelihood does not fall: the objective is strictly concave, so this
         converges whatever the votes; full steps alone can overshoot without end on a prompt far
         from the pool (a prompt nearly always wrong on mostly easy queries), whose curve would
@@ -315,20 +325,20 @@ class PlugInEstimator(Estimator):
         def objective(theta: np.ndarray) -> np.ndarray:
             x = theta[:, :1] + theta[:, 1:] * z[None, :]
             loglik = -(n * np.logaddexp(0.0, -x) + (n - g) * x).sum(axis=1)  # softplus(x) = softplus(-x) + x
-            return loglik - 0.5 * (lam_a * theta[:, 0] ** 2 + lam_b * (theta[:, 1] - 1.0) ** 2)
+            return loglik - 0.5 * (lam_a * theta[:, 0] ** 2 + lam_b * (theta[:, 1] - slope) ** 2)
 
         def newton(theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             """The Newton step and the posterior variances (diagonal of the inverse Hessian) at ``theta``."""
             mu = 1.0 / (1.0 + np.exp(-np.clip(theta[:, :1] + theta[:, 1:] * z[None, :], -30.0, 30.0)))
             r, w = g - n * mu, n * mu * (1.0 - mu)
             grad_a = r.sum(axis=1) - lam_a * theta[:, 0]
-            grad_b = (r * z).sum(axis=1) - lam_b * (theta[:, 1] - 1.0)
+            grad_b = (r * z).sum(axis=1) - lam_b * (theta[:, 1] - slope)
             h00, h01, h11 = w.sum(axis=1) + lam_a, (w * z).sum(axis=1), (w * z * z).sum(axis=1) + lam_b
             det = h00 * h11 - h01 * h01
             step = np.column_stack([h11 * grad_a - h01 * grad_b, h00 * grad_b - h01 * grad_a]) / det[:, None]
             return step, np.column_stack([h11 / det, h00 / det])
 
-        theta = self._curves[prompts]  # the last fit: the curves move little between updates
+        theta = start.copy()  # the last fit: the curves move little between updates
         value = objective(theta)
         variance = np.zeros_like(theta)
         for _ in range(CURVE_ITERATIONS):
@@ -345,8 +355,26 @@ class PlugInEstimator(Estimator):
             value = np.where(short, value, trial)
             if np.abs(size[:, None] * step).max(initial=0.0) < 1e-9:
                 break
-        self._curves[prompts] = theta
         return theta, variance
+
+    def _pretest_slopes(self, prompts: np.ndarray, cols: np.ndarray, z: np.ndarray, ridge_a: float,
+                        theta: np.ndarray, variance: np.ndarray) -> np.ndarray:
+        """``theta`` with the curve of every prompt whose slope is within ``pretest`` posterior SDs of the
+        median slope of ``prompts`` replaced by its fit with the slope held at that median: a sparse
+        prior on the slopes, so the prompts far from the others keep theirs while small, noisy
+        departures do not move the ranking. (The median, not the pooled curve's 1: z_q is the logit
+        of the pooled gold *rate*, so a typical prompt's slope on it is not 1; on MATH about 1.25.)"""
+        centre = float(np.median(theta[:, 1]))
+        free = np.abs(theta[:, 1] - centre) >= self.pretest * np.sqrt(variance[:, 1])
+        if free.all():
+            return theta
+        held = prompts[~free]
+        start = np.column_stack([self._offsets[held], np.full(held.size, centre)])
+        fixed, _ = self._fit_curves(held, cols, z, (ridge_a, RIDGE_MAX), start, centre)
+        self._offsets[held] = fixed[:, 0]
+        out = theta.copy()
+        out[~free] = fixed
+        return out
 
     def _fit_ridge(self, z: np.ndarray) -> tuple[float, float]:
         """The curves' ridges by empirical Bayes: EM steps for the spread of (a_p, b_p - 1) over every
@@ -355,7 +383,8 @@ class PlugInEstimator(Estimator):
         cols = np.flatnonzero(self._seen.any(axis=0))
         ridge = self._ridge
         for _ in range(self.eb):
-            theta, variance = self._fit_curves(prompts, cols, z[cols], ridge)
+            theta, variance = self._fit_curves(prompts, cols, z[cols], ridge, self._curves[prompts])
+            self._curves[prompts] = theta
             spread_a = float(np.mean(theta[:, 0] ** 2 + variance[:, 0]))
             spread_b = float(np.mean((theta[:, 1] - 1.0) ** 2 + variance[:, 1]))
             ridge = (min(1.0 / max(spread_a, 1e-12), RIDGE_MAX), min(1.0 / max(spread_b, 1e-12), RIDGE_MAX))
@@ -502,11 +531,11 @@ class AnytimePlugIn(Agent):
     anytime = True
 
     def __init__(self, seed: int | None = None, n_min: int = 2, q0: int = 8, growth: float = 1.0,
-                 rate: float = 0.5, alpha: float = 32.0, keep_last: int = 1, kappa: float = 2.0,
-                 curve: float = 3.0, tail: str = "halving", votes: int = 0, slope: float | None = None,
-                 eb: int = 0) -> None:
+                 rate: float = 0.5, alpha: float = 32.0, keep_last: int = 1, kappa: float = 8.0,
+                 curve: float = 3.0, tail: str = "halving", votes: int = 0, slope: float | None = 1.0,
+                 eb: int = 0, pretest: float = 2.0) -> None:
         """``n_min``, ``kappa``, ``votes``: completions per (prompt, query); ``q0``, ``growth``, ``rate``: the pace;
-        ``alpha``, ``curve``, ``slope``, ``eb``: the estimator's prior; ``tail``: how a budget spends what the whole
+        ``alpha``, ``curve``, ``slope``, ``eb``, ``pretest``: the estimator's prior; ``tail``: how a budget spends what the whole
         steps leave ("step" or "halving") (defaults: chosen on tuning seeds, docs/agents.md)."""
         super().__init__(seed)
         for key, value in (("n_min", n_min), ("q0", q0), ("keep_last", keep_last)):
@@ -523,7 +552,7 @@ class AnytimePlugIn(Agent):
         if not float(kappa) >= 0.0:
             raise ValueError(f"kappa must be >= 0, got {kappa!r}")
         self.kappa = float(kappa)
-        self.curve, self.slope, self.eb = check_curve_prior(curve, slope, eb)
+        self.curve, self.slope, self.eb, self.pretest = check_curve_prior(curve, slope, eb, pretest)
         if tail not in ("step", "halving"):
             raise ValueError(f"tail must be 'step' or 'halving', got {tail!r}")
         self.tail = tail
@@ -537,7 +566,7 @@ class AnytimePlugIn(Agent):
         return {"n_min": self.n_min, "q0": self.q0, "growth": self.growth, "rate": self.rate,
                 "alpha": self.alpha, "keep_last": self.keep_last, "kappa": self.kappa,
                 "curve": self.curve, "tail": self.tail, "votes": self.votes, "slope": self.slope,
-                "eb": self.eb}
+                "eb": self.eb, "pretest": self.pretest}
 
     def train(self, env: Any, budget: int) -> Policy:
         """Spend at most ``budget`` completions of ``env``; the best live arm per context."""
@@ -568,7 +597,8 @@ class AnytimePlugIn(Agent):
 
     def _new_run(self, base: Any) -> _PlugInRun:
         """A fresh trajectory on ``base``: an empty estimator with the agent's prior, the agent's generator."""
-        return _PlugInRun(base, PlugInEstimator(base, self.alpha, self.curve, self.slope, self.eb), self.rng)
+        return _PlugInRun(base, PlugInEstimator(base, self.alpha, self.curve, self.slope, self.eb,
+                                                   self.pretest), self.rng)
 
     def _s0(self, run: _PlugInRun) -> int:
         return run.alive.shape[1] * self.q0 * self.n_min

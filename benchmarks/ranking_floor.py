@@ -4,10 +4,11 @@ For each run of a task (the leaderboard's resplits and seeds), every prompt gets
 random train queries with ``n`` completions each (P * m * n completions in all); each context
 then takes the (p, N) of largest estimate, and its regret is the train-optimal policy's test ACR
 minus the pick's, as on the leaderboard. The estimators are ``PlugInEstimator`` settings
-(``alpha``, ``curve``, ``slope``, ``eb``); ``exact`` reads the true outcome distributions of the
-same m queries, so it is what the design's query sample alone costs, and the gap to it is what
-estimating each (prompt, query) distribution from n votes costs. A diagnosis of where an agent's
-regret comes from (docs/agents.md, round 4), not a speed figure:
+(``alpha``, ``curve``, ``slope``, ``eb``, ``pretest``); ``exact`` reads the true outcome
+distributions of the same m queries, so it is what the design's query sample alone costs, and
+the gap to it is what estimating each (prompt, query) distribution from n votes costs. A
+diagnosis of where an agent's regret comes from (docs/agents.md, rounds 4 and 5), not a speed
+figure:
 
     IAPO_GYM_OFFLINE=1 IAPO_GYM_DATA=../shared/iapo-release python benchmarks/ranking_floor.py \\
         --task math --seed 77 --runs 100 --designs 1x120 2x60 4x30
@@ -33,6 +34,7 @@ ESTIMATORS = {
     "response curves (auto: alpha 32, curve 3)": {"alpha": 32.0, "curve": 3.0},
     "curves, slopes fixed (slope 1e6)": {"alpha": 32.0, "curve": 3.0, "slope": 1e6},
     "curves, empirical-Bayes ridges (eb 3)": {"alpha": 32.0, "curve": 3.0, "eb": 3},
+    "curves, slopes pretested (pretest 2, slope 1)": {"alpha": 32.0, "curve": 3.0, "slope": 1.0, "pretest": 2.0},
 }
 
 

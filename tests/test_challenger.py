@@ -383,15 +383,37 @@ def test_slope_ridge_holds_every_slope_at_the_pooled_one() -> None:
         seen = np.flatnonzero(est._seen.any(axis=0))
         g, n = est._gold_votes[:, seen].sum(axis=0), est._votes[:, seen].sum(axis=0)
         z = np.log((g + 0.5) / (n - g + 0.5))
-        fits[slope], _ = est._fit_curves(np.arange(8), seen, z, (est.curve, est.slope))
+        fits[slope], _ = est._fit_curves(np.arange(8), seen, z, (est.curve, est.slope), est._curves[:8])
     assert np.abs(fits[1e6][:, 1] - 1.0).max() < 0.01
     assert np.abs(fits[None][:, 1] - 1.0).max() > 0.2  # the free slopes do move
     assert np.corrcoef(fits[1e6][:, 0], a)[0, 1] > 0.9
 
 
+def test_pretest_frees_only_the_slopes_far_from_the_pooled_one() -> None:
+    """Two prompts of slope 0.2 and 2.5 among six of slope 1: ``pretest`` = 2 keeps the two fitted
+    slopes and holds the six at one common slope, the fitted slopes' median (their offsets refitted),
+    where the free fit spreads them."""
+    rng = np.random.default_rng(6)
+    a, b = rng.normal(0.0, 0.5, 8), np.array([0.2, 2.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    env = IAPOEnv(table=_curve_table(a, b, rng.normal(0.0, 1.5, 200)))
+    env.reset(seed=0)
+    est = PlugInEstimator(env, alpha=32.0, curve=3.0, slope=0.3, pretest=2.0)
+    _pull_every_train_query(env, est, 8)
+    seen = np.flatnonzero(est._seen.any(axis=0))
+    g, n = est._gold_votes[:, seen].sum(axis=0), est._votes[:, seen].sum(axis=0)
+    z = np.log((g + 0.5) / (n - g + 0.5))
+    theta, variance = est._fit_curves(np.arange(8), seen, z, (3.0, 0.3), est._curves)
+    held = est._pretest_slopes(np.arange(8), seen, z, 3.0, theta, variance)
+    np.testing.assert_array_equal(held[:2], theta[:2])  # far from 1 by many SDs: free
+    assert abs(theta[0, 1] - 0.2) < 0.3 and abs(theta[1, 1] - 2.5) < 0.6, theta[:2]
+    assert np.abs(held[2:, 1] - np.median(theta[:, 1])).max() < 1e-4
+    assert np.ptp(theta[2:, 1]) > 0.05  # the free fit spreads them
+    assert np.corrcoef(held[2:, 0], a[2:])[0, 1] > 0.9
+
+
 def test_anytime_rejects_bad_parameters() -> None:
     for bad in ({"n_min": 0}, {"q0": 0}, {"keep_last": 0}, {"growth": 0.0}, {"rate": -1.0}, {"alpha": -1.0},
                 {"kappa": -1.0}, {"curve": -1.0}, {"tail": "rounds"}, {"votes": -1}, {"votes": 2.5},
-                {"slope": -1.0}, {"eb": -1}, {"eb": 1.5}):
+                {"slope": -1.0}, {"eb": -1}, {"eb": 1.5}, {"pretest": -1.0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             agents.make("plugin_anytime", **bad)
