@@ -311,26 +311,27 @@ class PlugInEstimator(Estimator):
         the binomial log-likelihood of each prompt's gold votes on the queries ``cols`` of difficulty
         ``z``, ridge-penalised by ``ridge`` = (on a_p towards 0, on b_p towards ``slope``).
 
-        Newton steps from ``start`` (the prompt's last fit; at first the pooled curve (0, 1)), each halved
-        until the penalised likelihood does not fall: the objective is strictly concave, so this
-        converges whatever the votes; full steps alone can overshoot without end on a prompt far
-        from the pool (a prompt nearly always wrong on mostly easy queries), whose curve would
-        then call it nearly always right. The variances are the inverse Hessian's diagonal at the
-        last step's start.
+        Newton steps from ``start`` (the prompt's last fit; at first the pooled curve (0, 1)), each
+        halved until the penalised likelihood does not fall (to rounding); a prompt's fit ends once
+        its step is below 1e-9. The objective is strictly concave, so this converges whatever the
+        votes; full steps alone can overshoot without end on a prompt far from the pool (a prompt
+        nearly always wrong on mostly easy queries), whose curve would then call it nearly always
+        right. The variances are the inverse Hessian's diagonal at each prompt's last step's start.
         """
         g = self._gold_votes[prompts][:, cols].astype(np.float64)
         n = self._votes[prompts][:, cols].astype(np.float64)
         lam_a, lam_b = ridge
 
-        def objective(theta: np.ndarray) -> np.ndarray:
+        def objective(theta: np.ndarray, rows: np.ndarray) -> np.ndarray:
+            """The penalised log-likelihood of the curves ``theta`` of the prompts ``rows``."""
             x = theta[:, :1] + theta[:, 1:] * z[None, :]
-            loglik = -(n * np.logaddexp(0.0, -x) + (n - g) * x).sum(axis=1)  # softplus(x) = softplus(-x) + x
+            loglik = -(n[rows] * np.logaddexp(0.0, -x) + (n[rows] - g[rows]) * x).sum(axis=1)  # softplus(x) = softplus(-x) + x
             return loglik - 0.5 * (lam_a * theta[:, 0] ** 2 + lam_b * (theta[:, 1] - slope) ** 2)
 
-        def newton(theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            """The Newton step and the posterior variances (diagonal of the inverse Hessian) at ``theta``."""
+        def newton(theta: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            """The Newton step and the posterior variances (diagonal of the inverse Hessian) of ``rows`` at ``theta``."""
             mu = 1.0 / (1.0 + np.exp(-np.clip(theta[:, :1] + theta[:, 1:] * z[None, :], -30.0, 30.0)))
-            r, w = g - n * mu, n * mu * (1.0 - mu)
+            r, w = g[rows] - n[rows] * mu, n[rows] * mu * (1.0 - mu)
             grad_a = r.sum(axis=1) - lam_a * theta[:, 0]
             grad_b = (r * z).sum(axis=1) - lam_b * (theta[:, 1] - slope)
             h00, h01, h11 = w.sum(axis=1) + lam_a, (w * z).sum(axis=1), (w * z * z).sum(axis=1) + lam_b
@@ -339,21 +340,27 @@ class PlugInEstimator(Estimator):
             return step, np.column_stack([h11 / det, h00 / det])
 
         theta = start.copy()  # the last fit: the curves move little between updates
-        value = objective(theta)
+        value = objective(theta, np.arange(prompts.size))
         variance = np.zeros_like(theta)
+        active = np.arange(prompts.size)  # the prompts whose fit has not converged
         for _ in range(CURVE_ITERATIONS):
-            step, variance = newton(theta)
-            size = np.ones(prompts.size)
+            step, variance[active] = newton(theta[active], active)
+            size = np.ones(active.size)
+            pending = np.arange(active.size)  # steps not yet accepted, each halved until it ascends
             for _ in range(CURVE_HALVINGS):
-                trial = objective(theta + size[:, None] * step)
-                short = trial < value
-                if not short.any():
+                rows = active[pending]
+                trial = objective(theta[rows] + size[pending, None] * step[pending], rows)
+                ascends = trial >= value[rows] - 1e-12 * np.abs(value[rows])  # to rounding
+                value[rows[ascends]] = trial[ascends]
+                pending = pending[~ascends]
+                if not pending.size:
                     break
-                size[short] *= 0.5
-            size[short] = 0.0  # no ascent left along the step: at the maximum to rounding
-            theta += size[:, None] * step
-            value = np.where(short, value, trial)
-            if np.abs(size[:, None] * step).max(initial=0.0) < 1e-9:
+                size[pending] *= 0.5
+            size[pending] = 0.0  # no ascent left along the step: at the maximum to rounding
+            moved = size[:, None] * step
+            theta[active] += moved
+            active = active[np.abs(moved).max(axis=1) >= 1e-9]
+            if not active.size:
                 break
         return theta, variance
 
