@@ -175,7 +175,8 @@ class PlugInEstimator(Estimator):
         prompt's response curve over query difficulty as the prior's gold share (ridge strength ``curve``
         on its offset, ``slope`` on its slope; ``slope`` None: ``curve``; ``eb`` > 0: both re-estimated
         from the data, ``eb`` EM steps per update, starting there; ``pretest`` > 0: a prompt keeps its
-        own slope only where it departs from the pooled one by ``pretest`` posterior SDs or more)."""
+        own slope only where it lies ``pretest`` posterior SDs or more from the updated prompts' median
+        slope, the others' slopes are held at that median)."""
         super().__init__(env, "blocks")
         if not float(alpha) >= 0.0:
             raise ValueError(f"alpha must be >= 0, got {alpha!r}")
@@ -184,7 +185,7 @@ class PlugInEstimator(Estimator):
         self.slope = self.curve if slope is None else slope
         self._ridge = (self.curve, self.slope)
         self._curves = np.column_stack([np.zeros(self.n_prompts), np.ones(self.n_prompts)])  # (a_p, b_p) last fitted
-        self._offsets = np.zeros(self.n_prompts)  # a_p last fitted with b_p held at 1 (``pretest``)
+        self._offsets = np.zeros(self.n_prompts)  # a_p last fitted with b_p held at the median slope (``pretest``)
         table = self.env.table
         self.atom_counts = np.zeros((self.n_prompts, table.n_queries, self.n_atoms), dtype=np.int64)
         self._cost_sum = np.zeros((self.n_prompts,))  # sum over the prompt's pulled queries of cost[p, q]
