@@ -30,7 +30,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--budgets", type=int, nargs="+", default=[3000, 10000, 40000])
     parser.add_argument("--agents", nargs="+",
-                        default=["auto", "plugin_anytime:n_min=2,kappa=2.0,votes=0,slope=3.0,pretest=0.0@round2", "plugin_halving"])
+                        default=["auto", "plugin_anytime:n_min=2,kappa=2.0,votes=0,slope=3.0,pretest=0.0@round2",
+                                 "plugin_halving"])
     args = parser.parse_args()
     env = IAPOEnv(table=random_mv_table(0, n_prompts=48, n_queries=1500, n_answers=5, n_max=32,
                                          cost_range=(0.004, 0.01), task="multiple_choice_shape"))
