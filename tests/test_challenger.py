@@ -370,6 +370,14 @@ def test_empirical_bayes_ridges_recover_the_spread_of_the_prompts_curves() -> No
     assert 0.6 < ridge_b * b.var() < 1.6, (ridge_b, 1 / b.var())
 
 
+def _difficulty(est: PlugInEstimator) -> tuple[np.ndarray, np.ndarray]:
+    """The queries ``est`` has seen and their difficulty z_q as the estimator computes it (the logit
+    of the gold rate pooled over every prompt)."""
+    seen = np.flatnonzero(est._seen.any(axis=0))
+    g, n = est._gold_votes[:, seen].sum(axis=0), est._votes[:, seen].sum(axis=0)
+    return seen, np.log((g + 0.5) / (n - g + 0.5))
+
+
 def test_slope_ridge_holds_every_slope_at_the_pooled_one() -> None:
     """``slope`` penalises the slope alone: a huge one fixes every b_p at 1, the offsets still fit."""
     rng = np.random.default_rng(5)
@@ -380,16 +388,14 @@ def test_slope_ridge_holds_every_slope_at_the_pooled_one() -> None:
     for slope in (None, 1e6):
         est = PlugInEstimator(env, alpha=32.0, curve=3.0, slope=slope)
         _pull_every_train_query(env, est, 20)
-        seen = np.flatnonzero(est._seen.any(axis=0))
-        g, n = est._gold_votes[:, seen].sum(axis=0), est._votes[:, seen].sum(axis=0)
-        z = np.log((g + 0.5) / (n - g + 0.5))
+        seen, z = _difficulty(est)
         fits[slope], _ = est._fit_curves(np.arange(8), seen, z, (est.curve, est.slope), est._curves[:8])
     assert np.abs(fits[1e6][:, 1] - 1.0).max() < 0.01
     assert np.abs(fits[None][:, 1] - 1.0).max() > 0.2  # the free slopes do move
     assert np.corrcoef(fits[1e6][:, 0], a)[0, 1] > 0.9
 
 
-def test_pretest_frees_only_the_slopes_far_from_the_pooled_one() -> None:
+def test_pretest_frees_only_the_slopes_far_from_the_median() -> None:
     """Two prompts of slope 0.2 and 2.5 among six of slope 1: ``pretest`` = 2 keeps the two fitted
     slopes and holds the six at one common slope, the fitted slopes' median (their offsets refitted),
     where the free fit spreads them."""
@@ -399,12 +405,10 @@ def test_pretest_frees_only_the_slopes_far_from_the_pooled_one() -> None:
     env.reset(seed=0)
     est = PlugInEstimator(env, alpha=32.0, curve=3.0, slope=0.3, pretest=2.0)
     _pull_every_train_query(env, est, 8)
-    seen = np.flatnonzero(est._seen.any(axis=0))
-    g, n = est._gold_votes[:, seen].sum(axis=0), est._votes[:, seen].sum(axis=0)
-    z = np.log((g + 0.5) / (n - g + 0.5))
+    seen, z = _difficulty(est)
     theta, variance = est._fit_curves(np.arange(8), seen, z, (3.0, 0.3), est._curves)
     held = est._pretest_slopes(np.arange(8), seen, z, 3.0, theta, variance)
-    np.testing.assert_array_equal(held[:2], theta[:2])  # far from 1 by many SDs: free
+    np.testing.assert_array_equal(held[:2], theta[:2])  # far from the median by many SDs: free
     assert abs(theta[0, 1] - 0.2) < 0.3 and abs(theta[1, 1] - 2.5) < 0.6, theta[:2]
     assert np.abs(held[2:, 1] - np.median(theta[:, 1])).max() < 1e-4
     assert np.ptp(theta[2:, 1]) > 0.05  # the free fit spreads them
