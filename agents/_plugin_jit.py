@@ -1,10 +1,11 @@
 """Optional numba kernel of the exact majority-vote credit of many plug-in rows (``PlugInEstimator``).
 
 Computes what ``iapo_gym.utility.mv_expected_credit`` computes (the tie-aware generating-function
-sum of ``vote_credit_series``, 1/(1+ties) integrated by Gauss-Legendre quadrature) one row at a
-time in compiled loops, instead of numpy passes whose count grows with N_max^2 per call. The
-sums run in another order, so values agree with the numpy path to rounding (about 1e-15), not
-bit for bit; ``tests/test_challenger.py`` compares the two. Used when ``agents._jit.enabled()``.
+sum of ``vote_credit_series``, 1/(1+ties) integrated by Gauss-Legendre quadrature) in compiled
+loops over blocks of rows with the same number of answer buckets, the rows in vector lanes,
+instead of numpy passes whose count grows with N_max^2 per call. The sums run in another order
+than numpy's, so values agree with the numpy path to rounding (about 1e-15), not bit for bit;
+``tests/test_challenger.py`` compares the two. Used when ``agents._jit.enabled()``.
 """
 
 from __future__ import annotations
@@ -19,84 +20,100 @@ from iapo_gym.utility import gauss_legendre_01
 
 
 @_njit
-def _credit_rows(p_gold: np.ndarray, others: np.ndarray, width: np.ndarray, n_max: int, nodes: np.ndarray,
-                 weights: np.ndarray, n_nodes: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
-    n_rows, n_others = others.shape
-    out = np.zeros((n_rows, n_max))
-    a_gold = np.empty(n_max + 1)
-    a_other = np.empty((n_others, n_max + 1))
-    series = np.empty(n_max + 1)
-    poly = np.empty(n_max + 1)
-    new = np.empty(n_max + 1)
-    full = np.empty(n_max + 1)
-    for r in range(n_rows):
-        w = width[r]
-        a_gold[0] = 1.0
+def _credit_block(p_gold: np.ndarray, others: np.ndarray, n_max: int, nodes: np.ndarray,
+                  weights: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """(R, n_max) credit of R rows that all have ``others.shape[1]`` other buckets of positive probability.
+
+    The rows run in lanes: every array is (degree, row), so each innermost loop is one
+    multiply-add over the block's rows, which the compiler vectorizes; each row's own sums
+    are the same operations in the same order as one row at a time.
+    """
+    n_rows, width = others.shape
+    a_gold = np.empty((n_max + 1, n_rows))  # a[s] = p^s / s!: the buckets' exponential generating functions
+    a_other = np.empty((width, n_max + 1, n_rows))
+    a_gold[0] = 1.0
+    for s in range(1, n_max + 1):
+        for r in range(n_rows):
+            a_gold[s, r] = a_gold[s - 1, r] * p_gold[r] / s
+    for j in range(width):
+        a_other[j, 0] = 1.0
         for s in range(1, n_max + 1):
-            a_gold[s] = a_gold[s - 1] * p_gold[r] / s
-        for j in range(w):
-            a_other[j, 0] = 1.0
-            for s in range(1, n_max + 1):
-                a_other[j, s] = a_other[j, s - 1] * others[r, j] / s
-        # The others' whole product up to degree n_max: for k > n_max - k no other bucket can reach
-        # k votes, so no tie is possible and the k-th term is a_gold[k] times its prefix.
-        full[0] = 1.0
-        full_size = 1
-        for j in range(w):
-            for d in range(n_max + 1):
-                new[d] = 0.0
-            for s in range(n_max + 1):
-                c = a_other[j, s]
-                if c == 0.0:
-                    continue
-                for d in range(min(full_size, n_max + 1 - s)):
-                    new[d + s] += c * full[d]
-            full_size = n_max + 1
-            for d in range(full_size):
-                full[d] = new[d]
-        series[:] = 0.0
-        for k in range(1, n_max + 1):
-            if a_gold[k] == 0.0:
-                break
-            degree = n_max - k
-            if k > degree:
-                for d in range(min(full_size, degree + 1)):
-                    series[k + d] += a_gold[k] * full[d]
-                continue
-            top = k
-            for g in range(n_nodes[w]):
-                u = nodes[w, g]
-                poly[0] = 1.0
-                size = 1  # coefficients 0..size-1 of the running product
-                for j in range(w):
-                    new_size = min(degree, size - 1 + top) + 1
-                    for d in range(new_size):
-                        new[d] = 0.0
-                    for s in range(top + 1):
-                        c = a_other[j, s] * u if s == k else a_other[j, s]
-                        if c == 0.0:
-                            continue
-                        for d in range(min(size, new_size - s)):
-                            new[d + s] += c * poly[d]
-                    for d in range(new_size):
-                        poly[d] = new[d]
-                    size = new_size
-                scale = a_gold[k] * weights[w, g]
-                for d in range(size):
-                    series[k + d] += scale * poly[d]
-        fact = 1.0
-        for n in range(1, n_max + 1):
-            fact *= n
-            out[r, n - 1] = min(1.0, max(0.0, series[n] * fact))
+            for r in range(n_rows):
+                a_other[j, s, r] = a_other[j, s - 1, r] * others[r, j] / s
+    full = np.zeros((n_max + 1, n_rows))
+    new = np.empty((n_max + 1, n_rows))
+    poly = np.empty((n_max + 1, n_rows))
+    series = np.zeros((n_max + 1, n_rows))
+    coef = np.empty(n_rows)
+    # The others' whole product up to degree n_max: for k > n_max - k no other bucket can reach
+    # k votes, so no tie is possible and the k-th term is a_gold[k] times its prefix.
+    full[0] = 1.0
+    for j in range(width):
+        new[:] = 0.0
+        for s in range(n_max + 1):
+            for d in range(n_max + 1 - s if j else 1):
+                for r in range(n_rows):
+                    new[d + s, r] += a_other[j, s, r] * full[d, r]
+        full[:] = new
+    for k in range(1, n_max + 1):
+        degree = n_max - k
+        if k > degree:
+            for d in range(degree + 1 if width else 1):
+                for r in range(n_rows):
+                    series[k + d, r] += a_gold[k, r] * full[d, r]
+            continue
+        # Other buckets below k votes, each one at exactly k weighted by u: integrating over u
+        # in [0, 1] gives a tie of t others the share 1 / (1 + t).
+        for g in range(nodes.size):
+            poly[0] = 1.0
+            size = 1  # coefficients 0..size-1 of the running product
+            for j in range(width):
+                new_size = min(degree, size - 1 + k) + 1
+                new[:new_size] = 0.0
+                for s in range(k):
+                    for d in range(min(size, new_size - s)):
+                        for r in range(n_rows):
+                            new[d + s, r] += a_other[j, s, r] * poly[d, r]
+                for r in range(n_rows):
+                    coef[r] = a_other[j, k, r] * nodes[g]
+                for d in range(min(size, new_size - k)):
+                    for r in range(n_rows):
+                        new[d + k, r] += coef[r] * poly[d, r]
+                poly[:new_size] = new[:new_size]
+                size = new_size
+            for d in range(size):
+                for r in range(n_rows):
+                    series[k + d, r] += a_gold[k, r] * weights[g] * poly[d, r]
+    out = np.empty((n_rows, n_max))
+    fact = 1.0
+    for n in range(1, n_max + 1):
+        fact *= n
+        for r in range(n_rows):
+            out[r, n - 1] = min(1.0, max(0.0, series[n, r] * fact))
     return out
 
 
-def credit_rows(p_gold: np.ndarray, others: np.ndarray, width: np.ndarray, n_max: int) -> np.ndarray:
+#: Rows per block of ``_credit_block``: large enough to fill the vector lanes, small enough that a
+#: block's arrays stay in cache (``benchmarks/bench_plugin_shapes.py --kernel`` times the choices).
+BLOCK_ROWS = 128
+
+
+def credit_rows(p_gold: np.ndarray, others: np.ndarray, width: np.ndarray, n_max: int,
+                block_rows: int = BLOCK_ROWS) -> np.ndarray:
     """(R, n_max) majority-vote credit of rows with gold probability ``p_gold`` (R,) and the other
-    buckets' probabilities ``others`` (R, B-1), of which the first ``width`` (R,) are used."""
+    buckets' probabilities ``others`` (R, B-1), of which the first ``width`` (R,) are used; the
+    rows go through the kernel ``block_rows`` at a time (the values do not depend on it)."""
     nodes, weights, n_nodes = _quadrature(others.shape[1])
-    return _credit_rows(np.ascontiguousarray(p_gold, dtype=np.float64), np.ascontiguousarray(others, dtype=np.float64),
-                        np.ascontiguousarray(width, dtype=np.int64), int(n_max), nodes, weights, n_nodes)
+    p_gold = np.asarray(p_gold, dtype=np.float64)
+    out = np.empty((p_gold.size, int(n_max)))
+    for w in np.unique(width):
+        rows = np.flatnonzero(width == w)
+        x, v = nodes[w, :n_nodes[w]].copy(), weights[w, :n_nodes[w]].copy()
+        for start in range(0, rows.size, block_rows):
+            block = rows[start:start + block_rows]
+            out[block] = _credit_block(p_gold[block], np.ascontiguousarray(others[block, :w], dtype=np.float64),
+                                       int(n_max), x, v)
+    return out
 
 
 @cache

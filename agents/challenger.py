@@ -577,11 +577,15 @@ class AnytimePlugIn(Agent):
                 "eb": self.eb, "pretest": self.pretest}
 
     def train(self, env: Any, budget: int) -> Policy:
-        """Spend at most ``budget`` completions of ``env``; the best live arm per context."""
+        """Spend at most ``budget`` completions of ``env``; the best live arm per context.
+
+        The tail runs on the trajectory itself (no branch to copy: nothing follows it), so the
+        policy is ``train_budgets``' for this budget.
+        """
         budget = self.check_budget(budget)
         run = self._new_run(self.base_env(env))
         self._advance(run, budget)
-        return self._finish(run.branch(), budget)
+        return self._finish(run, budget)
 
     def train_budgets(self, env: Any, budgets: Any) -> Iterator[tuple[int, Policy]]:
         """(budget, policy) for each budget in increasing order, from one trajectory.

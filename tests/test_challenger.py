@@ -271,6 +271,9 @@ def test_mv_credit_rows_matches_the_exact_oracle() -> None:
         width = (others > 0).sum(axis=1)
         compiled = _plugin_jit.credit_rows(probs[np.arange(300), gold], others, width, 16)
         assert np.abs(compiled - exact).max() < 1e-12
+        for block_rows in (1, 7):  # a row's lane never reads another row's: any block gives the same bits
+            assert np.array_equal(_plugin_jit.credit_rows(probs[np.arange(300), gold], others, width, 16, block_rows),
+                                  compiled)
 
 
 def test_response_curve_prior_separates_a_steep_prompt_from_a_flat_one() -> None:
