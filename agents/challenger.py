@@ -531,7 +531,9 @@ class AnytimePlugIn(Agent):
     A budget T stops the steps where the next one no longer fits; what is left (the budget's
     tail, on a branch of the trajectory) goes into one last step by the same rule
     (``tail="step"``) or into successive halving of the live prompts (``tail="halving"``: the
-    rounds of ``PlugInHalving`` on what is left, each context halving its own live set), and
+    rounds of ``PlugInHalving`` on what is left, each context halving its own live set;
+    ``tail="halving_trim"``: the same trims without the last round on the survivors, so what
+    that round would spend goes to the rounds that still choose between prompts), and
     the policy is, per context, the best (p, N) of its live prompts. So ``train_budgets`` reads
     every budget off one trajectory.
     """
@@ -561,8 +563,8 @@ class AnytimePlugIn(Agent):
             raise ValueError(f"kappa must be >= 0, got {kappa!r}")
         self.kappa = float(kappa)
         self.curve, self.slope, self.eb, self.pretest = check_curve_prior(curve, slope, eb, pretest)
-        if tail not in ("step", "halving"):
-            raise ValueError(f"tail must be 'step' or 'halving', got {tail!r}")
+        if tail not in ("step", "halving", "halving_trim"):
+            raise ValueError(f"tail must be 'step', 'halving' or 'halving_trim', got {tail!r}")
         self.tail = tail
         if isinstance(votes, bool) or not isinstance(votes, (int, np.integer)) or votes < 0:
             raise ValueError(f"votes must be an integer >= 0, got {votes!r}")
@@ -660,23 +662,25 @@ class AnytimePlugIn(Agent):
     def _halve(self, run: _PlugInRun, budget: int) -> None:
         """Successive halving of each context's live prompts on what is left of ``budget``.
 
-        floor(log2(largest live set / keep_last)) + 1 rounds; round r spends floor(left / rounds
-        left) by the step rule; after each round but the last every context keeps the top
-        max(keep_last, floor(|L_c| / 2)) of its live prompts. Stops early if a round cannot give
-        one completion to every live prompt.
+        K = floor(log2(largest live set / keep_last)) trims; K + 1 rounds (``tail="halving"``: the
+        last on the survivors) or max(1, K) (``"halving_trim"``: the last ends with the last trim);
+        round r spends floor(left / rounds left) by the step rule; after each of the first K rounds
+        every context keeps the top max(keep_last, floor(|L_c| / 2)) of its live prompts. Stops
+        early if a round cannot give one completion to every live prompt.
         """
-        rounds = rounds_to_one(max(1, int(run.alive.sum(axis=1).max()) // self.keep_last)) + 1
+        trims = rounds_to_one(max(1, int(run.alive.sum(axis=1).max()) // self.keep_last))
+        rounds = max(1, trims) if self.tail == "halving_trim" else trims + 1
         for r in range(rounds):
             b = (budget - run.spent) // (rounds - r)
             if b < int(run.alive.any(axis=0).sum()):
                 break
             self._pull(run, b)
-            if r < rounds - 1:
+            if r < trims:
                 self._trim(run, np.maximum(self.keep_last, run.alive.sum(axis=1) // 2))
 
     def _finish(self, run: _PlugInRun, budget: int) -> Policy:
         """The budget's tail (one last step, or halving) with what is left of ``budget``, then the read-out."""
-        if self.tail == "halving":
+        if self.tail in ("halving", "halving_trim"):
             self._halve(run, budget)
         else:
             self._pull(run, budget - run.spent)

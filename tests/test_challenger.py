@@ -158,7 +158,7 @@ def test_plugin_halving_rejects_bad_parameters() -> None:
 # ---- the anytime plug-in agent (plugin_anytime) ------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("tail", "eb"), [("step", 0), ("halving", 0), ("halving", 2)])
+@pytest.mark.parametrize(("tail", "eb"), [("step", 0), ("halving", 0), ("halving", 2), ("halving_trim", 0)])
 def test_anytime_train_budgets_is_bit_identical_to_separate_runs(math_release: Path, tail: str, eb: int) -> None:
     from iapo_gym.data.release import read_release
 
@@ -213,10 +213,11 @@ def test_anytime_live_prompts_shrink_at_the_documented_pace() -> None:
 
 def test_anytime_halving_tail_halves_each_context_on_what_is_left() -> None:
     """tail="halving": the same whole steps as tail="step", then rounds whose live prompts never grow,
-    ending with one per context, within the budget and spending nearly all of it."""
+    ending with one per context, within the budget and spending nearly all of it; "halving_trim":
+    the same but for the round on the survivors, whose completions go to the earlier rounds."""
     table = tiny_mv_table(n_prompts=16, n_queries=400, n_max=8)
     runs = {}
-    for tail in ("step", "halving"):
+    for tail in ("step", "halving", "halving_trim"):
         env = RecordingEnv(table)
         env.reset(seed=0)
         agents.make("plugin_anytime", seed=0, tail=tail).train(env, 5_000)
@@ -230,6 +231,12 @@ def test_anytime_halving_tail_halves_each_context_on_what_is_left() -> None:
     assert live[-1] <= table.n_contexts < live[0], live
     spent = sum(pulls.completions for pulls in halving)
     assert 4_500 <= spent <= 5_000, spent
+    trimmed = runs["halving_trim"]
+    assert all(np.array_equal(a.atoms, b.atoms) for a, b in zip(halving[:whole], trimmed[:whole]))
+    trim_live = [np.unique(pulls.prompts).size for pulls in trimmed[whole:]]
+    assert len(trim_live) == len(live) - 1 and trim_live[0] == live[0], (trim_live, live)
+    assert trimmed[whole].completions > halving[whole].completions  # the survivors' round spread over the others
+    assert 4_500 <= sum(pulls.completions for pulls in trimmed) <= 5_000
 
 
 @pytest.mark.parametrize("votes", [0, 16, 48])
