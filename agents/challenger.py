@@ -541,8 +541,8 @@ class AnytimePlugIn(Agent):
     anytime = True
 
     def __init__(self, seed: int | None = None, n_min: int = 2, q0: int = 8, growth: float = 1.0,
-                 rate: float = 0.5, alpha: float = 32.0, keep_last: int = 1, kappa: float = 8.0,
-                 curve: float = 3.0, tail: str = "halving", votes: int = 0, slope: float | None = 1.0,
+                 rate: float = 0.5, alpha: float = 32.0, keep_last: int = 1, kappa: float = 12.0,
+                 curve: float = 3.0, tail: str = "halving_trim", votes: int = 0, slope: float | None = 1.0,
                  eb: int = 0, pretest: float = 2.0) -> None:
         """``n_min``, ``kappa``, ``votes``: completions per (prompt, query); ``q0``, ``growth``, ``rate``: the pace;
         ``alpha``, ``curve``, ``slope``, ``eb``, ``pretest``: the estimator's prior; ``tail``: how a budget spends what the whole

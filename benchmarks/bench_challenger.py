@@ -12,10 +12,11 @@ against the budget (one panel per task).
 The tuning protocol (docs/agents.md, "How auto is chosen and measured"):
 
 1. tune: sweep the candidate specs with ``--seed TUNE_SEED`` into a tuning store;
-2. ``--select-from TUNE_STORE --candidates SPEC...`` picks, from the tuning store only, the
+2. ``--select-from TUNE_STORE... --candidates SPEC...`` picks, from the tuning stores only, the
    candidate with the largest mean share of the better agent's regret removed over the
-   ``--select-budgets`` cells of the selection tasks: all tasks for the fresh-seed table,
-   the two other tasks for each task of the leave-one-task-out (``--loto``) table;
+   ``--select-budgets`` cells of the selection tasks (averaged over the stores, each a tuning
+   seed: more of them, less of the pick is one seed's noise): all tasks for the fresh-seed
+   table, the two other tasks for each task of the leave-one-task-out (``--loto``) table;
 3. report: the picked spec(s) run with a fresh ``--seed`` never used in tuning.
 
     IAPO_GYM_OFFLINE=1 IAPO_GYM_DATA=../shared/iapo-release nice -n 10 python benchmarks/bench_challenger.py \\
@@ -132,31 +133,35 @@ def share_removed(cell: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], la
     return gain / regret if regret > 0 else float("nan")
 
 
-def select(store: str, candidates: list[str], tasks: list[str], budgets: list[int],
+def select(stores: list[str], candidates: list[str], tasks: list[str], budgets: list[int],
            penalty_budgets: list[int] | None = None) -> tuple[str, dict[str, float]]:
     """The candidate label of largest score; and every score.
 
-    The score is the mean share removed over the (task, budget) cells of ``budgets``, minus,
-    per task, the shortfall below 0 of the mean share removed over its ``penalty_budgets``
-    cells, averaged over the tasks: a candidate that loses to the better agent at the
-    penalty budgets pays for it, one that wins there gains nothing. Reads only ``store`` (the
-    tuning store), so the choice never sees the report seeds; each candidate is paired with
-    PSST and PSST+K4 on the runs all three completed.
+    A store's score is the mean share removed over the (task, budget) cells of ``budgets``,
+    minus, per task, the shortfall below 0 of the mean share removed over its
+    ``penalty_budgets`` cells, averaged over the tasks: a candidate that loses to the better
+    agent at the penalty budgets pays for it, one that wins there gains nothing. The score is
+    the mean of the stores' scores. Reads only ``stores`` (the tuning stores), so the choice
+    never sees the report seeds; each candidate is paired with PSST and PSST+K4 on the runs
+    all three completed.
     """
     penalty_budgets = penalty_budgets or []
+    wanted = set(budgets) | set(penalty_budgets)
     scores = {}
     for label in candidates:
-        cells = load_cells(store, [PSST, TOPK, label])
-        wanted = set(budgets) | set(penalty_budgets)
-        keys = [k for k in cells if k[0] in tasks and k[1] in wanted]
-        if len(keys) < len(tasks) * len(wanted):
-            raise SystemExit(f"candidate {label!r} lacks tuning runs in {store} for tasks {tasks} x budgets "
-                             f"{sorted(wanted)}")
-        score = float(np.mean([share_removed(cells[k], label) for k in keys if k[1] in budgets]))
-        if penalty_budgets:
-            score += float(np.mean([min(0.0, float(np.mean([share_removed(cells[(t, b)], label)
-                                                            for b in penalty_budgets]))) for t in tasks]))
-        scores[label] = score
+        per_store = []
+        for store in stores:
+            cells = load_cells(store, [PSST, TOPK, label])
+            keys = [k for k in cells if k[0] in tasks and k[1] in wanted]
+            if len(keys) < len(tasks) * len(wanted):
+                raise SystemExit(f"candidate {label!r} lacks tuning runs in {store} for tasks {tasks} x budgets "
+                                 f"{sorted(wanted)}")
+            score = float(np.mean([share_removed(cells[k], label) for k in keys if k[1] in budgets]))
+            if penalty_budgets:
+                score += float(np.mean([min(0.0, float(np.mean([share_removed(cells[(t, b)], label)
+                                                                for b in penalty_budgets]))) for t in tasks]))
+            per_store.append(score)
+        scores[label] = float(np.mean(per_store))
     best = max(candidates, key=lambda label: scores[label])
     return best, scores
 
@@ -297,8 +302,9 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path, help="also write the table into this Markdown file")
     parser.add_argument("--plot", type=Path, help="also draw the regret against the budget into this PNG")
     parser.add_argument("--analyse-only", action="store_true", help="only read the results already in --out")
-    parser.add_argument("--select-from", metavar="TUNE_STORE",
-                        help="choose the challenger among --candidates on this tuning store's runs (never --out's)")
+    parser.add_argument("--select-from", nargs="+", metavar="TUNE_STORE",
+                        help="choose the challenger among --candidates on these tuning stores' runs (never --out's), "
+                             "the score averaged over the stores")
     parser.add_argument("--candidates", nargs="+", default=[], metavar="SPEC",
                         help="the candidate specs of the tuning store (with --select-from); the sweep of --out "
                              "runs --challengers (auto should be the chosen one: it is checked), --loto the folds' choices")
@@ -322,7 +328,8 @@ def main() -> None:
             raise SystemExit("--select-from needs --candidates")
         chosen, scores = select(args.select_from, list(by_label), args.tasks, args.select_budgets,
                                 args.penalty_budgets)
-        print(f"chosen on {', '.join(args.tasks)} (tuning store {args.select_from}): {chosen}; mean share removed: "
+        print(f"chosen on {', '.join(args.tasks)} (tuning stores {', '.join(args.select_from)}): {chosen}; "
+              "mean share removed: "
               + ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(scores.items(), key=lambda kv: -kv[1])))
         check_auto(by_label[chosen])
         if args.loto:
