@@ -102,7 +102,9 @@ def credit_rows(p_gold: np.ndarray, others: np.ndarray, width: np.ndarray, n_max
                 block_rows: int = BLOCK_ROWS) -> np.ndarray:
     """(R, n_max) majority-vote credit of rows with gold probability ``p_gold`` (R,) and the other
     buckets' probabilities ``others`` (R, B-1), of which the first ``width`` (R,) are used; the
-    rows go through the kernel ``block_rows`` at a time (the values do not depend on it)."""
+    rows go through the kernel ``block_rows`` (>= 1) at a time (the values do not depend on it)."""
+    if isinstance(block_rows, bool) or not isinstance(block_rows, (int, np.integer)) or block_rows < 1:
+        raise ValueError(f"block_rows must be an integer >= 1, got {block_rows!r}")
     nodes, weights, n_nodes = _quadrature(others.shape[1])
     p_gold = np.asarray(p_gold, dtype=np.float64)
     out = np.empty((p_gold.size, int(n_max)))

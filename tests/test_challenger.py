@@ -281,6 +281,8 @@ def test_mv_credit_rows_matches_the_exact_oracle() -> None:
         for block_rows in (1, 7):  # a row's lane never reads another row's: any block gives the same bits
             assert np.array_equal(_plugin_jit.credit_rows(probs[np.arange(300), gold], others, width, 16, block_rows),
                                   compiled)
+        with pytest.raises(ValueError, match="block_rows"):
+            _plugin_jit.credit_rows(probs[np.arange(300), gold], others, width, 16, 0)
 
 
 def test_response_curve_prior_separates_a_steep_prompt_from_a_flat_one() -> None:
