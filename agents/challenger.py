@@ -543,10 +543,12 @@ class AnytimePlugIn(Agent):
     def __init__(self, seed: int | None = None, n_min: int = 2, q0: int = 8, growth: float = 1.0,
                  rate: float = 0.5, alpha: float = 32.0, keep_last: int = 1, kappa: float = 12.0,
                  curve: float = 3.0, tail: str = "halving_trim", votes: int = 0, slope: float | None = 1.0,
-                 eb: int = 0, pretest: float = 2.0) -> None:
+                 eb: int = 0, pretest: float = 2.0, reserve: float = 0.0, tail_growth: float = 1.0) -> None:
         """``n_min``, ``kappa``, ``votes``: completions per (prompt, query); ``q0``, ``growth``, ``rate``: the pace;
         ``alpha``, ``curve``, ``slope``, ``eb``, ``pretest``: the estimator's prior; ``tail``: how a budget spends what the whole
-        steps leave ("step" or "halving") (defaults: chosen on tuning seeds, docs/agents.md)."""
+        steps leave ("step" or "halving"); ``reserve``: the least share of a budget its tail gets;
+        ``tail_growth``: each halving round's share over the one before (defaults: chosen on tuning
+        seeds, docs/agents.md)."""
         super().__init__(seed)
         for key, value in (("n_min", n_min), ("q0", q0), ("keep_last", keep_last)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -569,6 +571,11 @@ class AnytimePlugIn(Agent):
         if isinstance(votes, bool) or not isinstance(votes, (int, np.integer)) or votes < 0:
             raise ValueError(f"votes must be an integer >= 0, got {votes!r}")
         self.votes = int(votes)
+        if not 0.0 <= float(reserve) < 1.0:
+            raise ValueError(f"reserve must be in [0, 1), got {reserve!r}")
+        if not float(tail_growth) > 0.0:
+            raise ValueError(f"tail_growth must be > 0, got {tail_growth!r}")
+        self.reserve, self.tail_growth = float(reserve), float(tail_growth)
         _plugin_jit.warm_up()
 
     def params(self) -> dict[str, Any]:
@@ -576,7 +583,8 @@ class AnytimePlugIn(Agent):
         return {"n_min": self.n_min, "q0": self.q0, "growth": self.growth, "rate": self.rate,
                 "alpha": self.alpha, "keep_last": self.keep_last, "kappa": self.kappa,
                 "curve": self.curve, "tail": self.tail, "votes": self.votes, "slope": self.slope,
-                "eb": self.eb, "pretest": self.pretest}
+                "eb": self.eb, "pretest": self.pretest, "reserve": self.reserve,
+                "tail_growth": self.tail_growth}
 
     def train(self, env: Any, budget: int) -> Policy:
         """Spend at most ``budget`` completions of ``env``; the best live arm per context.
@@ -625,10 +633,11 @@ class AnytimePlugIn(Agent):
         return max(self.n_min * live, math.ceil(self.growth * run.spent))
 
     def _advance(self, run: _PlugInRun, budget: int) -> None:
-        """Take whole steps while the next one fits in ``budget``."""
+        """Take whole steps while the next one fits in ``budget`` less its tail's reserve."""
         n_prompts = run.alive.shape[1]
         s0 = self._s0(run)
-        while (step := self._next_step(run)) <= budget - run.spent:
+        steps_end = math.floor((1.0 - self.reserve) * budget)
+        while (step := self._next_step(run)) <= steps_end - run.spent:
             self._pull(run, step)
             if run.spent > s0:
                 target = max(self.keep_last, math.ceil(n_prompts * (s0 / run.spent) ** self.rate))
@@ -664,14 +673,16 @@ class AnytimePlugIn(Agent):
 
         K = floor(log2(largest live set / keep_last)) trims; K + 1 rounds (``tail="halving"``: the
         last on the survivors) or max(1, K) (``"halving_trim"``: the last ends with the last trim);
-        round r spends floor(left / rounds left) by the step rule; after each of the first K rounds
+        round r spends floor(left * g^r / sum of g^j over the rounds left), g = ``tail_growth`` (1:
+        equal shares), by the step rule; after each of the first K rounds
         every context keeps the top max(keep_last, floor(|L_c| / 2)) of its live prompts. Stops
         early if a round cannot give one completion to every live prompt.
         """
         trims = rounds_to_one(max(1, int(run.alive.sum(axis=1).max()) // self.keep_last))
         rounds = max(1, trims) if self.tail == "halving_trim" else trims + 1
+        weights = self.tail_growth ** np.arange(rounds)
         for r in range(rounds):
-            b = (budget - run.spent) // (rounds - r)
+            b = math.floor((budget - run.spent) * weights[r] / weights[r:].sum())
             if b < int(run.alive.any(axis=0).sum()):
                 break
             self._pull(run, b)

@@ -158,8 +158,9 @@ def test_plugin_halving_rejects_bad_parameters() -> None:
 # ---- the anytime plug-in agent (plugin_anytime) ------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("tail", "eb"), [("step", 0), ("halving", 0), ("halving", 2), ("halving_trim", 0)])
-def test_anytime_train_budgets_is_bit_identical_to_separate_runs(math_release: Path, tail: str, eb: int) -> None:
+@pytest.mark.parametrize("params", [{"tail": "step"}, {"tail": "halving"}, {"tail": "halving", "eb": 2},
+                                    {"tail": "halving_trim"}, {"reserve": 0.5, "tail_growth": 1.5}])
+def test_anytime_train_budgets_is_bit_identical_to_separate_runs(math_release: Path, params: dict[str, Any]) -> None:
     from iapo_gym.data.release import read_release
 
     budgets = [0, 7, 900, 3_000, 5_000, 10_000]
@@ -168,10 +169,10 @@ def test_anytime_train_budgets_is_bit_identical_to_separate_runs(math_release: P
         separate = []
         for budget in budgets:
             env.reset(seed=11)
-            separate.append((agents.make("plugin_anytime", seed=5, tail=tail, eb=eb).train(env, budget),
+            separate.append((agents.make("plugin_anytime", seed=5, **params).train(env, budget),
                              env.budget_used))
         env.reset(seed=11)
-        agent = agents.make("plugin_anytime", seed=5, tail=tail, eb=eb)
+        agent = agents.make("plugin_anytime", seed=5, **params)
         assert agent.anytime  # type: ignore[attr-defined]
         shared = list(agent.train_budgets(env, reversed(budgets)))  # type: ignore[attr-defined]
         assert [b for b, _ in shared] == budgets
@@ -237,6 +238,43 @@ def test_anytime_halving_tail_halves_each_context_on_what_is_left() -> None:
     assert len(trim_live) == len(live) - 1 and trim_live[0] == live[0], (trim_live, live)
     assert trimmed[whole].completions > halving[whole].completions  # the survivors' round spread over the others
     assert 4_500 <= sum(pulls.completions for pulls in trimmed) <= 5_000
+
+
+def test_anytime_reserve_and_tail_growth_shape_the_tail() -> None:
+    """``reserve`` stops the whole steps where they would leave the tail less than that share of T
+    (the steps before are the default's); ``tail_growth`` makes each halving round spend that many
+    times the one before; the budget is kept and nearly all spent either way."""
+    table = tiny_mv_table(n_prompts=16, n_queries=400, n_max=8)
+    budget = 5_000
+
+    def batches(**params: Any) -> list[Pulls]:
+        env = RecordingEnv(table)
+        env.reset(seed=0)
+        agents.make("plugin_anytime", seed=0, **params).train(env, budget)
+        return env.batches
+
+    def whole_steps(pulls: list[Pulls], s0: int) -> int:
+        """How many leading batches are doubling steps (each spends what was spent before)."""
+        spent, count = 0, 0
+        for p in pulls:
+            if spent and p.completions < spent * 0.9 or (not spent and p.completions != s0):
+                break
+            spent, count = spent + p.completions, count + 1
+        return count
+
+    s0 = 16 * 8 * 2
+    default, reserved = batches(), batches(reserve=0.5)
+    k_default, k_reserved = whole_steps(default, s0), whole_steps(reserved, s0)
+    assert k_reserved < k_default
+    assert all(np.array_equal(a.atoms, b.atoms) for a, b in zip(default[:k_reserved], reserved[:k_reserved]))
+    steps_spent = sum(p.completions for p in reserved[:k_reserved])
+    assert steps_spent <= 0.5 * budget < sum(p.completions for p in default[:k_default])
+    for pulls in (default, reserved):
+        assert 0.9 * budget <= sum(p.completions for p in pulls) <= budget
+    grown = batches(tail_growth=2.0)
+    tail = [p.completions for p in grown[k_default:]]
+    assert len(tail) >= 2 and all(1.6 <= b / a <= 2.5 for a, b in zip(tail, tail[1:])), tail
+    assert 0.9 * budget <= sum(p.completions for p in grown) <= budget
 
 
 @pytest.mark.parametrize("votes", [0, 16, 48])
@@ -430,6 +468,7 @@ def test_pretest_frees_only_the_slopes_far_from_the_median() -> None:
 def test_anytime_rejects_bad_parameters() -> None:
     for bad in ({"n_min": 0}, {"q0": 0}, {"keep_last": 0}, {"growth": 0.0}, {"rate": -1.0}, {"alpha": -1.0},
                 {"kappa": -1.0}, {"curve": -1.0}, {"tail": "rounds"}, {"votes": -1}, {"votes": 2.5},
-                {"slope": -1.0}, {"eb": -1}, {"eb": 1.5}, {"pretest": -1.0}):
+                {"slope": -1.0}, {"eb": -1}, {"eb": 1.5}, {"pretest": -1.0}, {"reserve": -0.1},
+                {"reserve": 1.0}, {"tail_growth": 0.0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             agents.make("plugin_anytime", **bad)
