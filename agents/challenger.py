@@ -170,14 +170,20 @@ class PlugInEstimator(Estimator):
     """
 
     def __init__(self, env: Any, alpha: float = 4.0, curve: float = 0.0, slope: float | None = None,
-                 eb: int = 0, pretest: float = 0.0) -> None:
+                 eb: int = 0, pretest: float = 0.0, zprior: float = 0.0) -> None:
         """Bind to ``env``; ``alpha`` >= 0 pseudo-votes of the prior (majority vote); ``curve`` > 0 uses the
         prompt's response curve over query difficulty as the prior's gold share (ridge strength ``curve``
         on its offset, ``slope`` on its slope; ``slope`` None: ``curve``; ``eb`` > 0: both re-estimated
         from the data, ``eb`` EM steps per update, starting there; ``pretest`` > 0: a prompt keeps its
         own slope only where it lies ``pretest`` posterior SDs or more from the updated prompts' median
-        slope, the others' slopes are held at that median)."""
+        slope, the others' slopes are held at that median; ``zprior`` > 0: a query's difficulty z_q is
+        read from its pooled votes plus ``zprior`` pseudo-votes at the gold rate of every query, so a
+        query few prompts have answered sits near the typical difficulty instead of at the logit of a
+        handful of votes)."""
         super().__init__(env, "blocks")
+        if not float(zprior) >= 0.0:
+            raise ValueError(f"zprior must be >= 0, got {zprior!r}")
+        self.zprior = float(zprior)
         if not float(alpha) >= 0.0:
             raise ValueError(f"alpha must be >= 0, got {alpha!r}")
         self.alpha = float(alpha)
@@ -245,6 +251,14 @@ class PlugInEstimator(Estimator):
         self.counts[:, prompts, :] = n_queries[None, :, None]
         self.sums[:, prompts, :] = (task + cost) * n_queries[None, :, None]
 
+    def close_calls(self, prompts: np.ndarray, queries: np.ndarray, scales: np.ndarray) -> np.ndarray:
+        """(len(queries),) how undecided the majority votes of ``prompts`` on each query are: the sum
+        over the prompts and ``scales`` of c (1 - c), c the cached expected credit at that N (the
+        response-curve prior's, majority vote only). A query every prompt surely wins or surely
+        loses at those N scores near 0; more votes there would not move any estimate that ranks."""
+        credit = self._credit[prompts[:, None], queries[None, :]][:, :, scales - 1]  # (p, q, scales)
+        return (credit * (1.0 - credit)).sum(axis=(0, 2))
+
     def _mv_credit(self, queries: np.ndarray, prompts: np.ndarray) -> np.ndarray:
         """(len(prompts), N_max) mean credit over each prompt's queries, refreshing its rows of ``queries``.
 
@@ -285,7 +299,8 @@ class PlugInEstimator(Estimator):
         seen_cols = np.flatnonzero(self._seen.any(axis=0)) if self.eb else cols  # the ridges' fit reads them all
         g_all, n_all = gold_votes[:, seen_cols].sum(axis=0), votes[:, seen_cols].sum(axis=0)
         z = np.zeros(votes.shape[1])
-        z[seen_cols] = np.log((g_all + 0.5) / (n_all - g_all + 0.5))
+        rate = g_all.sum() / max(n_all.sum(), 1)
+        z[seen_cols] = np.log((g_all + self.zprior * rate + 0.5) / (n_all - g_all + self.zprior * (1.0 - rate) + 0.5))
         ridge = self._fit_ridge(z) if self.eb else (self.curve, self.slope)
         theta, variance = self._fit_curves(prompts, cols, z[cols], ridge, self._curves[prompts])
         self._curves[prompts] = theta
@@ -543,12 +558,15 @@ class AnytimePlugIn(Agent):
     def __init__(self, seed: int | None = None, n_min: int = 2, q0: int = 8, growth: float = 1.0,
                  rate: float = 0.5, alpha: float = 32.0, keep_last: int = 1, kappa: float = 12.0,
                  curve: float = 3.0, tail: str = "halving_trim", votes: int = 0, slope: float | None = 1.0,
-                 eb: int = 0, pretest: float = 2.0, reserve: float = 0.0, tail_growth: float = 1.0) -> None:
+                 eb: int = 0, pretest: float = 2.0, reserve: float = 0.0, tail_growth: float = 1.0,
+                 zprior: float = 0.0, revisit: float = 0.0, revisit_in: str = "all") -> None:
         """``n_min``, ``kappa``, ``votes``: completions per (prompt, query); ``q0``, ``growth``, ``rate``: the pace;
-        ``alpha``, ``curve``, ``slope``, ``eb``, ``pretest``: the estimator's prior; ``tail``: how a budget spends what the whole
-        steps leave ("step" or "halving"); ``reserve``: the least share of a budget its tail gets;
-        ``tail_growth``: each halving round's share over the one before (defaults: chosen on tuning
-        seeds, docs/agents.md)."""
+        ``alpha``, ``curve``, ``slope``, ``eb``, ``pretest``, ``zprior``: the estimator's prior; ``tail``: how a
+        budget spends what the whole steps leave ("step" or "halving"); ``reserve``: the least share of a budget its tail gets;
+        ``tail_growth``: each halving round's share over the one before; ``revisit``: the share of a
+        step's common queries taken from those already seen where the live prompts' votes are
+        closest to undecided (majority vote), in every step (``revisit_in="all"``) or only in a
+        budget's tail (``"tail"``) (defaults: chosen on tuning seeds, docs/agents.md)."""
         super().__init__(seed)
         for key, value in (("n_min", n_min), ("q0", q0), ("keep_last", keep_last)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -576,6 +594,15 @@ class AnytimePlugIn(Agent):
         if not float(tail_growth) > 0.0:
             raise ValueError(f"tail_growth must be > 0, got {tail_growth!r}")
         self.reserve, self.tail_growth = float(reserve), float(tail_growth)
+        if not float(zprior) >= 0.0:
+            raise ValueError(f"zprior must be >= 0, got {zprior!r}")
+        self.zprior = float(zprior)
+        if not 0.0 <= float(revisit) < 1.0:
+            raise ValueError(f"revisit must be in [0, 1), got {revisit!r}")
+        self.revisit = float(revisit)
+        if revisit_in not in ("all", "tail"):
+            raise ValueError(f"revisit_in must be 'all' or 'tail', got {revisit_in!r}")
+        self.revisit_in = revisit_in
         _plugin_jit.warm_up()
 
     def params(self) -> dict[str, Any]:
@@ -584,7 +611,8 @@ class AnytimePlugIn(Agent):
                 "alpha": self.alpha, "keep_last": self.keep_last, "kappa": self.kappa,
                 "curve": self.curve, "tail": self.tail, "votes": self.votes, "slope": self.slope,
                 "eb": self.eb, "pretest": self.pretest, "reserve": self.reserve,
-                "tail_growth": self.tail_growth}
+                "tail_growth": self.tail_growth, "zprior": self.zprior, "revisit": self.revisit,
+                "revisit_in": self.revisit_in}
 
     def train(self, env: Any, budget: int) -> Policy:
         """Spend at most ``budget`` completions of ``env``; the best live arm per context.
@@ -620,7 +648,7 @@ class AnytimePlugIn(Agent):
     def _new_run(self, base: Any) -> _PlugInRun:
         """A fresh trajectory on ``base``: an empty estimator with the agent's prior, the agent's generator."""
         return _PlugInRun(base, PlugInEstimator(base, self.alpha, self.curve, self.slope, self.eb,
-                                                   self.pretest), self.rng)
+                                                   self.pretest, self.zprior), self.rng)
 
     def _s0(self, run: _PlugInRun) -> int:
         return run.alive.shape[1] * self.q0 * self.n_min
@@ -645,8 +673,9 @@ class AnytimePlugIn(Agent):
             elif run.spent == s0 and self.rate > 0:
                 self._trim(run, n_prompts)
 
-    def _pull(self, run: _PlugInRun, b: int) -> None:
-        """One step of at most ``b`` completions on common queries (nothing if not one per live prompt)."""
+    def _pull(self, run: _PlugInRun, b: int, tail: bool = False) -> None:
+        """One step of at most ``b`` completions on common queries (nothing if not one per live prompt);
+        ``tail``: a step of a budget's tail (where ``revisit_in="tail"`` takes queries again)."""
         live = np.flatnonzero(run.alive.any(axis=0))
         if not live.size or b < live.size:
             return
@@ -659,10 +688,29 @@ class AnytimePlugIn(Agent):
         m = b // (live.size * n)
         if m == 0:
             n, m = b // live.size, 1
-        queries = np.tile(run.stream.take(m), live.size)
+        again = self._revisits(run, live, m) if tail or self.revisit_in == "all" else np.zeros(0, np.int64)
+        common = np.concatenate([again, run.stream.take(m - again.size)])
+        queries = np.tile(common, live.size)
         pulls = run.base.pull(np.repeat(live, m), np.full(live.size * m, n), queries=queries)
         run.spent += pulls.completions
         run.est.update(pulls)
+
+    def _revisits(self, run: _PlugInRun, live: np.ndarray, m: int) -> np.ndarray:
+        """The ``revisit`` share of ``m`` common queries taken again: of the queries every live prompt
+        has seen, those whose votes are closest to undecided at each context's best N (majority vote
+        with the response-curve prior only; none otherwise)."""
+        est = run.est
+        count = math.floor(self.revisit * m)
+        if count == 0 or est.aggregator != "mv" or est.curve <= 0:
+            return np.zeros(0, dtype=np.int64)
+        pool = run.stream.pool
+        seen = pool[est._seen[np.ix_(live, pool)].all(axis=0)]
+        if not seen.size:
+            return np.zeros(0, dtype=np.int64)
+        means = np.where(run.alive[:, :, None], est.mean(unseen=-np.inf), -np.inf)
+        scales = np.unique(means.reshape(means.shape[0], -1).argmax(axis=1) % means.shape[2]) + 1
+        score = est.close_calls(live, seen, scales)
+        return seen[np.argsort(-score, kind="stable")[:count]]
 
     def _trim(self, run: _PlugInRun, target: int | np.ndarray) -> None:
         """Keep the top ``target`` (one count, or one per context) live prompts of each context by max_N of the estimate."""
@@ -685,7 +733,7 @@ class AnytimePlugIn(Agent):
             b = math.floor((budget - run.spent) * weights[r] / weights[r:].sum())
             if b < int(run.alive.any(axis=0).sum()):
                 break
-            self._pull(run, b)
+            self._pull(run, b, tail=True)
             if r < trims:
                 self._trim(run, np.maximum(self.keep_last, run.alive.sum(axis=1) // 2))
 
@@ -694,6 +742,6 @@ class AnytimePlugIn(Agent):
         if self.tail in ("halving", "halving_trim"):
             self._halve(run, budget)
         else:
-            self._pull(run, budget - run.spent)
+            self._pull(run, budget - run.spent, tail=True)
         n_max = run.est.sums.shape[2]
         return run.est.best_arms(run.stream.rng, np.repeat(run.alive[:, :, None], n_max, axis=2))

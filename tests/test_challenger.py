@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +160,8 @@ def test_plugin_halving_rejects_bad_parameters() -> None:
 
 
 @pytest.mark.parametrize("params", [{"tail": "step"}, {"tail": "halving"}, {"tail": "halving", "eb": 2},
-                                    {"tail": "halving_trim"}, {"reserve": 0.5, "tail_growth": 1.5}])
+                                    {"tail": "halving_trim"}, {"reserve": 0.5, "tail_growth": 1.5},
+                                    {"revisit": 0.25}, {"revisit": 0.5, "revisit_in": "tail"}])
 def test_anytime_train_budgets_is_bit_identical_to_separate_runs(math_release: Path, params: dict[str, Any]) -> None:
     from iapo_gym.data.release import read_release
 
@@ -277,6 +279,57 @@ def test_anytime_reserve_and_tail_growth_shape_the_tail() -> None:
     assert 0.9 * budget <= sum(p.completions for p in grown) <= budget
 
 
+@pytest.mark.parametrize("revisit", [0.25, 0.5])
+def test_anytime_revisit_takes_the_closest_calls_among_the_seen_queries_again(revisit: float) -> None:
+    """After the first step, floor(revisit m) of each step's m common queries are queries every live
+    prompt has seen, those with the highest ``close_calls`` score just before the step; the rest
+    are fresh; a Best-of-N table (no per-query credit) takes only fresh queries."""
+    table = tiny_mv_table(n_prompts=12, n_queries=400, n_buckets=3, n_max=8)
+    env = RecordingEnv(table)
+    env.reset(seed=0)
+    agent = agents.make("plugin_anytime", seed=0, revisit=revisit)
+    run = agent._new_run(agent.base_env(env))  # type: ignore[attr-defined]
+    revisited = 0
+    while run.spent < 5_000:
+        live = np.flatnonzero(run.alive.any(axis=0))
+        before = run.est._seen[np.ix_(live, run.stream.pool)].all(axis=0)
+        pool_seen = run.stream.pool[before]
+        means = np.where(run.alive[:, :, None], run.est.mean(unseen=-np.inf), -np.inf)
+        scales = np.unique(means.reshape(means.shape[0], -1).argmax(axis=1) % table.n_max) + 1
+        score = run.est.close_calls(live, pool_seen, scales) if pool_seen.size else np.zeros(0)
+        agent._pull(run, agent._next_step(run))  # type: ignore[attr-defined]
+        common = np.unique(env.batches[-1].queries)
+        again = np.intersect1d(common, pool_seen)
+        m = common.size
+        assert again.size == (math.floor(revisit * m) if pool_seen.size else 0), (again.size, m)
+        if again.size:
+            cutoff = np.sort(score)[::-1][again.size - 1]
+            assert score[np.isin(pool_seen, again)].min() >= cutoff  # the top scores were taken
+            revisited += again.size
+        agent._trim(run, max(1, run.alive.sum(axis=1).max() - 2))  # type: ignore[attr-defined]
+    assert revisited > 0
+    tail_only = RecordingEnv(table)
+    tail_only.reset(seed=0)
+    agents.make("plugin_anytime", seed=0, revisit=revisit, revisit_in="tail").train(tail_only, 5_000)
+    default = RecordingEnv(table)
+    default.reset(seed=0)
+    agents.make("plugin_anytime", seed=0).train(default, 5_000)
+    taken: set[int] = set()
+    again_per_batch = []
+    for pulls in tail_only.batches:
+        common = set(np.unique(pulls.queries).tolist())
+        again_per_batch.append(len(common & taken))
+        taken |= common
+    whole = next(i for i, (a, b) in enumerate(zip(tail_only.batches, default.batches))
+                 if not np.array_equal(a.atoms, b.atoms))  # the first tail round: the steps are the default's
+    assert whole >= 2 and not any(again_per_batch[:whole]) and all(again_per_batch[whole:]), again_per_batch
+    bon = RecordingEnv(tiny_bon_table(seed=1, n_prompts=6, n_queries=300))
+    bon.reset(seed=0)
+    agents.make("plugin_anytime", seed=0, revisit=revisit).train(bon, 3_000)
+    pulled = np.concatenate([np.unique(b.queries) for b in bon.batches])
+    assert np.unique(pulled).size == pulled.size  # 240 train queries: no query taken twice
+
+
 @pytest.mark.parametrize("votes", [0, 16, 48])
 def test_anytime_votes_give_every_common_query_enough_completions(votes: int) -> None:
     """Every step gives each (prompt, query) at least ceil(votes / live) completions (at most N_max), so
@@ -353,6 +406,31 @@ def test_response_curve_prior_separates_a_steep_prompt_from_a_flat_one() -> None
         gaps[curve] = est.mean()[0, 1, -1] - est.mean()[0, 0, -1]  # truth: about 0.36
     assert errors[3.0] < 0.8 * errors[0.0], errors
     assert gaps[3.0] > 0.1 and gaps[3.0] > 3 * gaps[0.0], gaps
+
+
+def test_zprior_pulls_a_thinly_answered_query_towards_the_typical_difficulty() -> None:
+    """Query 0 is answered by every prompt (half right), query 1 by prompt 0 alone, twice right.
+
+    Without ``zprior`` query 1 looks as easy as two votes make it, so prompt 0's prior share of
+    gold there is far above its share on query 0; with a strong ``zprior`` query 1's difficulty is
+    the pool's, and the two rows' priors nearly meet; ``zprior=0`` is the unshrunk estimator.
+    """
+    table = _curve_table(np.zeros(6), np.ones(6), np.zeros(8))
+    env = IAPOEnv(table=table)
+    votes = np.array([1, 0] * 6 + [1, 1])  # gold is answer 0: six prompts half right on query 0
+    gaps = {}
+    for zprior in (0.0, 4.0, 1e6):
+        env.reset(seed=0)
+        est = PlugInEstimator(env, alpha=32.0, curve=3.0, zprior=zprior)
+        prompts = np.concatenate([np.repeat(np.arange(6), 2), [0, 0]])
+        queries = np.concatenate([np.zeros(12, np.int64), [1, 1]])
+        est.update(Pulls(prompts=prompts, ns=np.ones(14, np.int64), queries=queries,
+                         atoms=(1 - votes).astype(np.int64), offsets=np.arange(15, dtype=np.int64)))
+        gaps[zprior] = est._credit[0, 1, 0] - est._credit[0, 0, 0]  # N = 1: the row's gold probability
+    assert gaps[0.0] > gaps[4.0] > gaps[1e6] >= 0.0, gaps
+    assert gaps[1e6] < 0.1 * gaps[0.0], gaps
+    with pytest.raises(ValueError, match="zprior"):
+        PlugInEstimator(env, curve=3.0, zprior=-1.0)
 
 
 def _curve_table(a: np.ndarray, b: np.ndarray, z: np.ndarray) -> OutcomeTable:
@@ -469,6 +547,7 @@ def test_anytime_rejects_bad_parameters() -> None:
     for bad in ({"n_min": 0}, {"q0": 0}, {"keep_last": 0}, {"growth": 0.0}, {"rate": -1.0}, {"alpha": -1.0},
                 {"kappa": -1.0}, {"curve": -1.0}, {"tail": "rounds"}, {"votes": -1}, {"votes": 2.5},
                 {"slope": -1.0}, {"eb": -1}, {"eb": 1.5}, {"pretest": -1.0}, {"reserve": -0.1},
-                {"reserve": 1.0}, {"tail_growth": 0.0}):
+                {"reserve": 1.0}, {"tail_growth": 0.0}, {"zprior": -1.0},
+                {"revisit": 1.0}, {"revisit": -0.5}, {"revisit_in": "steps"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             agents.make("plugin_anytime", **bad)
