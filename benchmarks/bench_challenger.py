@@ -15,7 +15,8 @@ The tuning protocol (docs/agents.md, "How auto is chosen and measured"):
 2. ``--select-from TUNE_STORE... --candidates SPEC...`` picks, from the tuning stores only, the
    candidate with the largest mean share of the better agent's regret removed over the
    ``--select-budgets`` cells of the selection tasks (averaged over the stores, each a tuning
-   seed: more of them, less of the pick is one seed's noise): all tasks for the fresh-seed
+   seed: more of them, less of the pick is one seed's noise; ``--select-rule floor``: the smallest
+   such cell instead of the mean): all tasks for the fresh-seed
    table, the two other tasks for each task of the leave-one-task-out (``--loto``) table;
 3. report: the picked spec(s) run with a fresh ``--seed`` never used in tuning.
 
@@ -134,34 +135,39 @@ def share_removed(cell: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], la
 
 
 def select(stores: list[str], candidates: list[str], tasks: list[str], budgets: list[int],
-           penalty_budgets: list[int] | None = None) -> tuple[str, dict[str, float]]:
+           penalty_budgets: list[int] | None = None, rule: str = "mean") -> tuple[str, dict[str, float]]:
     """The candidate label of largest score; and every score.
 
-    A store's score is the mean share removed over the (task, budget) cells of ``budgets``,
-    minus, per task, the shortfall below 0 of the mean share removed over its
-    ``penalty_budgets`` cells, averaged over the tasks: a candidate that loses to the better
-    agent at the penalty budgets pays for it, one that wins there gains nothing. The score is
-    the mean of the stores' scores. Reads only ``stores`` (the tuning stores), so the choice
-    never sees the report seeds; each candidate is paired with PSST and PSST+K4 on the runs
-    all three completed.
+    Each (task, budget) cell of ``budgets`` gets the share removed averaged over the stores; the
+    score is the mean of these cells (``rule="mean"``) or the smallest (``"floor"``: a bar on
+    every cell is as good as its worst one), minus, per task, the shortfall below 0 of the mean
+    share removed over its ``penalty_budgets`` cells (averaged over the stores and the tasks): a
+    candidate that loses to the better agent at the penalty budgets pays for it, one that wins
+    there gains nothing. Reads only ``stores`` (the tuning stores), so the choice never sees
+    the report seeds; each candidate is paired with PSST and PSST+K4 on the runs all three
+    completed.
     """
+    if rule not in ("mean", "floor"):
+        raise ValueError(f"rule must be 'mean' or 'floor', got {rule!r}")
     penalty_budgets = penalty_budgets or []
     wanted = set(budgets) | set(penalty_budgets)
     scores = {}
     for label in candidates:
-        per_store = []
+        per_store, cell_shares = [], []
         for store in stores:
             cells = load_cells(store, [PSST, TOPK, label])
             keys = [k for k in cells if k[0] in tasks and k[1] in wanted]
             if len(keys) < len(tasks) * len(wanted):
                 raise SystemExit(f"candidate {label!r} lacks tuning runs in {store} for tasks {tasks} x budgets "
                                  f"{sorted(wanted)}")
-            score = float(np.mean([share_removed(cells[k], label) for k in keys if k[1] in budgets]))
+            cell_shares.append([share_removed(cells[(t, b)], label) for t in tasks for b in budgets])
+            penalty = 0.0
             if penalty_budgets:
-                score += float(np.mean([min(0.0, float(np.mean([share_removed(cells[(t, b)], label)
-                                                                for b in penalty_budgets]))) for t in tasks]))
-            per_store.append(score)
-        scores[label] = float(np.mean(per_store))
+                penalty = float(np.mean([min(0.0, float(np.mean([share_removed(cells[(t, b)], label)
+                                                                  for b in penalty_budgets]))) for t in tasks]))
+            per_store.append(penalty)
+        shares = np.mean(cell_shares, axis=0)
+        scores[label] = float(np.mean(shares) if rule == "mean" else np.min(shares)) + float(np.mean(per_store))
     best = max(candidates, key=lambda label: scores[label])
     return best, scores
 
@@ -309,6 +315,9 @@ def main() -> None:
                         help="the candidate specs of the tuning store (with --select-from); the sweep of --out "
                              "runs --challengers (auto should be the chosen one: it is checked), --loto the folds' choices")
     parser.add_argument("--select-budgets", nargs="+", type=int, default=[3000, 5000, 10000])
+    parser.add_argument("--select-rule", choices=["mean", "floor"], default="mean",
+                        help="with --select-from: score a candidate by the mean of its cells' shares removed "
+                             "(each averaged over the stores) or by the smallest (floor)")
     parser.add_argument("--penalty-budgets", nargs="*", type=int, default=[],
                         help="with --select-from: subtract each task's shortfall below 0 of the mean share removed "
                              "over these budgets (e.g. 20000 30000 40000)")
@@ -327,9 +336,9 @@ def main() -> None:
         if not by_label:
             raise SystemExit("--select-from needs --candidates")
         chosen, scores = select(args.select_from, list(by_label), args.tasks, args.select_budgets,
-                                args.penalty_budgets)
+                                args.penalty_budgets, args.select_rule)
         print(f"chosen on {', '.join(args.tasks)} (tuning stores {', '.join(args.select_from)}): {chosen}; "
-              "mean share removed: "
+              f"score ({args.select_rule} share removed): "
               + ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(scores.items(), key=lambda kv: -kv[1])))
         check_auto(by_label[chosen])
         if args.loto:
@@ -337,7 +346,7 @@ def main() -> None:
             for task in args.tasks:
                 others = [t for t in args.tasks if t != task]
                 fold[task], _ = select(args.select_from, list(by_label), others, args.select_budgets,
-                                       args.penalty_budgets)
+                                       args.penalty_budgets, args.select_rule)
                 print(f"held out {task}: chosen on {', '.join(others)}: {fold[task]}")
             if not args.analyse_only:
                 for task in args.tasks:

@@ -45,3 +45,25 @@ def test_select_refuses_a_candidate_missing_from_a_store(tmp_path: Path) -> None
     second = _store(tmp_path / "s2", {"A": 0.52})
     with pytest.raises(SystemExit, match="'B' lacks tuning runs in .*s2"):
         select([first, second], ["A", "B"], ["t"], [3000])
+
+
+def test_floor_rule_scores_a_candidate_by_its_worst_cell(tmp_path: Path) -> None:
+    """Two tasks in two stores: A removes 90 % on task u and 30 % on task t, B 55 % on both (each the
+    same in both stores): the mean rule picks A (60 % against 55 %), the floor rule B (30 % against 55 %)."""
+    stores = []
+    for name in ("s1", "s2"):
+        path = tmp_path / name
+        _store(path, {"A": 0.53, "B": 0.555})  # task "t"
+        with ResultStore(path) as store:
+            rows = store.results()
+        store_rows = [RunResult(**{**row.__dict__, "task": "u",
+                                   "acr": {"A": 0.59, "B": 0.555}.get(row.label, row.acr)}) for row in rows]
+        with ResultStore(path) as store:
+            store.add(store_rows)
+        stores.append(str(path))
+    best, scores = select(stores, ["A", "B"], ["t", "u"], [3000])
+    assert best == "A" and scores == pytest.approx({"A": 0.6, "B": 0.55})
+    best, scores = select(stores, ["A", "B"], ["t", "u"], [3000], rule="floor")
+    assert best == "B" and scores == pytest.approx({"A": 0.3, "B": 0.55})
+    with pytest.raises(ValueError, match="rule must be 'mean' or 'floor', got 'median'"):
+        select(stores, ["A", "B"], ["t", "u"], [3000], rule="median")
