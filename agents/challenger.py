@@ -543,7 +543,8 @@ class AnytimePlugIn(Agent):
     query difficulty, ``curve``, as the prior of ``alpha`` pseudo-votes). After each step, with
     s completions spent in all, each context keeps the top max(keep_last, ceil(P (s0 / s)^rate))
     of its live prompts by max_N of the estimate.
-    A budget T stops the steps where the next one no longer fits; what is left (the budget's
+    A budget T stops the steps where the next one no longer fits in (1 - ``reserve``) T (default:
+    all of T); what is left (the budget's
     tail; in ``train_budgets`` on a branch of the trajectory) goes into one last step by the same rule
     (``tail="step"``) or into successive halving of the live prompts (``tail="halving"``: the
     rounds of ``PlugInHalving`` on what is left, each context halving its own live set;
