@@ -132,10 +132,11 @@ def mv_credit_rows(probs: np.ndarray, gold: np.ndarray, n_max: int) -> np.ndarra
     return out
 
 
-def check_curve_prior(curve: float, slope: float | None, eb: int,
-                      pretest: float = 0.0) -> tuple[float, float | None, int, float]:
-    """``curve``, ``slope``, ``eb`` and ``pretest`` of the response-curve prior as float, float or None, int,
-    float; a bad one raises ValueError naming it (``curve``, ``slope``, ``pretest`` >= 0, ``eb`` an integer >= 0)."""
+def check_curve_prior(curve: float, slope: float | None, eb: int, pretest: float = 0.0,
+                      zprior: float = 0.0) -> tuple[float, float | None, int, float, float]:
+    """``curve``, ``slope``, ``eb``, ``pretest`` and ``zprior`` of the response-curve prior as float, float or
+    None, int, float, float; a bad one raises ValueError naming it (``curve``, ``slope``, ``pretest``,
+    ``zprior`` >= 0, ``eb`` an integer >= 0)."""
     if not float(curve) >= 0.0:
         raise ValueError(f"curve must be >= 0, got {curve!r}")
     if slope is not None and not float(slope) >= 0.0:
@@ -144,7 +145,9 @@ def check_curve_prior(curve: float, slope: float | None, eb: int,
         raise ValueError(f"eb must be an integer >= 0, got {eb!r}")
     if not float(pretest) >= 0.0:
         raise ValueError(f"pretest must be >= 0, got {pretest!r}")
-    return float(curve), None if slope is None else float(slope), int(eb), float(pretest)
+    if not float(zprior) >= 0.0:
+        raise ValueError(f"zprior must be >= 0, got {zprior!r}")
+    return float(curve), None if slope is None else float(slope), int(eb), float(pretest), float(zprior)
 
 
 #: Newton steps of a response-curve fit at most, and halvings of one step at most.
@@ -181,13 +184,10 @@ class PlugInEstimator(Estimator):
         query few prompts have answered sits near the typical difficulty instead of at the logit of a
         handful of votes)."""
         super().__init__(env, "blocks")
-        if not float(zprior) >= 0.0:
-            raise ValueError(f"zprior must be >= 0, got {zprior!r}")
-        self.zprior = float(zprior)
         if not float(alpha) >= 0.0:
             raise ValueError(f"alpha must be >= 0, got {alpha!r}")
         self.alpha = float(alpha)
-        self.curve, slope, self.eb, self.pretest = check_curve_prior(curve, slope, eb, pretest)
+        self.curve, slope, self.eb, self.pretest, self.zprior = check_curve_prior(curve, slope, eb, pretest, zprior)
         self.slope = self.curve if slope is None else slope
         self._ridge = (self.curve, self.slope)
         self._curves = np.column_stack([np.zeros(self.n_prompts), np.ones(self.n_prompts)])  # (a_p, b_p) last fitted
@@ -583,7 +583,8 @@ class AnytimePlugIn(Agent):
         if not float(kappa) >= 0.0:
             raise ValueError(f"kappa must be >= 0, got {kappa!r}")
         self.kappa = float(kappa)
-        self.curve, self.slope, self.eb, self.pretest = check_curve_prior(curve, slope, eb, pretest)
+        self.curve, self.slope, self.eb, self.pretest, self.zprior = check_curve_prior(curve, slope, eb, pretest,
+                                                                                     zprior)
         if tail not in ("step", "halving", "halving_trim"):
             raise ValueError(f"tail must be 'step', 'halving' or 'halving_trim', got {tail!r}")
         self.tail = tail
@@ -595,9 +596,6 @@ class AnytimePlugIn(Agent):
         if not float(tail_growth) > 0.0:
             raise ValueError(f"tail_growth must be > 0, got {tail_growth!r}")
         self.reserve, self.tail_growth = float(reserve), float(tail_growth)
-        if not float(zprior) >= 0.0:
-            raise ValueError(f"zprior must be >= 0, got {zprior!r}")
-        self.zprior = float(zprior)
         if not 0.0 <= float(revisit) < 1.0:
             raise ValueError(f"revisit must be in [0, 1), got {revisit!r}")
         self.revisit = float(revisit)
