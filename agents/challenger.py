@@ -259,6 +259,14 @@ class PlugInEstimator(Estimator):
         credit = self._credit[prompts[:, None], queries[None, :]][:, :, scales - 1]  # (p, q, scales)
         return (credit * (1.0 - credit)).sum(axis=(0, 2))
 
+    def disagreements(self, prompts: np.ndarray, queries: np.ndarray, scales: np.ndarray) -> np.ndarray:
+        """(len(queries),) how much more votes on each query could reorder ``prompts``: the sum over
+        ``scales`` of the variance of the prompts' cached expected credits on the query times their
+        mean c (1 - c) (majority vote only). A query every prompt finds equally undecided scores 0
+        (its votes move every prompt alike), and so does one the prompts surely split on."""
+        credit = self._credit[prompts[:, None], queries[None, :]][:, :, scales - 1]  # (p, q, scales)
+        return (credit.var(axis=0) * (credit * (1.0 - credit)).mean(axis=0)).sum(axis=1)
+
     def _mv_credit(self, queries: np.ndarray, prompts: np.ndarray) -> np.ndarray:
         """(len(prompts), N_max) mean credit over each prompt's queries, refreshing its rows of ``queries``.
 
@@ -560,14 +568,17 @@ class AnytimePlugIn(Agent):
                  rate: float = 0.5, alpha: float = 32.0, keep_last: int = 1, kappa: float = 12.0,
                  curve: float = 3.0, tail: str = "halving_trim", votes: int = 0, slope: float | None = 1.0,
                  eb: int = 0, pretest: float = 2.0, reserve: float = 0.0, tail_growth: float = 1.0,
-                 zprior: float = 0.0, revisit: float = 0.0, revisit_in: str = "all") -> None:
+                 zprior: float = 0.0, revisit: float = 0.0, revisit_in: str = "all",
+                 revisit_by: str = "close") -> None:
         """``n_min``, ``kappa``, ``votes``: completions per (prompt, query); ``q0``, ``growth``, ``rate``: the pace;
         ``alpha``, ``curve``, ``slope``, ``eb``, ``pretest``, ``zprior``: the estimator's prior; ``tail``: how a
         budget spends what the whole steps leave ("step" or "halving"); ``reserve``: the least share of a budget its tail gets;
         ``tail_growth``: each halving round's share over the one before; ``revisit``: the share of a
         step's common queries taken from those already seen where the live prompts' votes are
         closest to undecided (majority vote), in every step (``revisit_in="all"``) or only in a
-        budget's tail (``"tail"``) (defaults: chosen on tuning seeds, docs/agents.md)."""
+        budget's tail (``"tail"``), ranked by ``revisit_by``: "close" (the sum of the live prompts'
+        c (1 - c)) or "disagree" (``PlugInEstimator.disagreements``) (defaults: chosen on tuning
+        seeds, docs/agents.md)."""
         super().__init__(seed)
         for key, value in (("n_min", n_min), ("q0", q0), ("keep_last", keep_last)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -602,6 +613,9 @@ class AnytimePlugIn(Agent):
         if revisit_in not in ("all", "tail"):
             raise ValueError(f"revisit_in must be 'all' or 'tail', got {revisit_in!r}")
         self.revisit_in = revisit_in
+        if revisit_by not in ("close", "disagree"):
+            raise ValueError(f"revisit_by must be 'close' or 'disagree', got {revisit_by!r}")
+        self.revisit_by = revisit_by
         _plugin_jit.warm_up()
 
     def params(self) -> dict[str, Any]:
@@ -611,7 +625,7 @@ class AnytimePlugIn(Agent):
                 "curve": self.curve, "tail": self.tail, "votes": self.votes, "slope": self.slope,
                 "eb": self.eb, "pretest": self.pretest, "reserve": self.reserve,
                 "tail_growth": self.tail_growth, "zprior": self.zprior, "revisit": self.revisit,
-                "revisit_in": self.revisit_in}
+                "revisit_in": self.revisit_in, "revisit_by": self.revisit_by}
 
     def train(self, env: Any, budget: int) -> Policy:
         """Spend at most ``budget`` completions of ``env``; the best live arm per context.
@@ -708,7 +722,7 @@ class AnytimePlugIn(Agent):
             return np.zeros(0, dtype=np.int64)
         means = np.where(run.alive[:, :, None], est.mean(unseen=-np.inf), -np.inf)
         scales = np.unique(means.reshape(means.shape[0], -1).argmax(axis=1) % means.shape[2]) + 1
-        score = est.close_calls(live, seen, scales)
+        score = (est.close_calls if self.revisit_by == "close" else est.disagreements)(live, seen, scales)
         return seen[np.argsort(-score, kind="stable")[:count]]
 
     def _trim(self, run: _PlugInRun, target: int | np.ndarray) -> None:

@@ -161,7 +161,8 @@ def test_plugin_halving_rejects_bad_parameters() -> None:
 
 @pytest.mark.parametrize("params", [{"tail": "step"}, {"tail": "halving"}, {"tail": "halving", "eb": 2},
                                     {"tail": "halving_trim"}, {"reserve": 0.5, "tail_growth": 1.5},
-                                    {"revisit": 0.25}, {"revisit": 0.5, "revisit_in": "tail"}])
+                                    {"revisit": 0.25}, {"revisit": 0.5, "revisit_in": "tail"},
+                                    {"revisit": 0.25, "revisit_in": "tail", "revisit_by": "disagree"}])
 def test_anytime_train_budgets_is_bit_identical_to_separate_runs(math_release: Path, params: dict[str, Any]) -> None:
     from iapo_gym.data.release import read_release
 
@@ -279,16 +280,17 @@ def test_anytime_reserve_and_tail_growth_shape_the_tail() -> None:
     assert 0.9 * budget <= sum(p.completions for p in grown) <= budget
 
 
-@pytest.mark.parametrize("revisit", [0.25, 0.5])
-def test_anytime_revisit_takes_the_closest_calls_among_the_seen_queries_again(revisit: float) -> None:
+@pytest.mark.parametrize(("revisit", "revisit_by"), [(0.25, "close"), (0.5, "close"), (0.25, "disagree")])
+def test_anytime_revisit_takes_the_top_scored_seen_queries_again(revisit: float, revisit_by: str) -> None:
     """After the first step, floor(revisit m) of each step's m common queries are queries every live
-    prompt has seen, those with the highest ``close_calls`` score just before the step; the rest
-    are fresh; a Best-of-N table (no per-query credit) takes only fresh queries."""
+    prompt has seen, those with the highest ``close_calls`` (or ``disagreements``) score just before
+    the step; the rest are fresh; a Best-of-N table (no per-query credit) takes only fresh queries."""
     table = tiny_mv_table(n_prompts=12, n_queries=400, n_buckets=3, n_max=8)
     env = RecordingEnv(table)
     env.reset(seed=0)
-    agent = agents.make("plugin_anytime", seed=0, revisit=revisit)
+    agent = agents.make("plugin_anytime", seed=0, revisit=revisit, revisit_by=revisit_by)
     run = agent._new_run(agent.base_env(env))  # type: ignore[attr-defined]
+    scorer = run.est.close_calls if revisit_by == "close" else run.est.disagreements
     revisited = 0
     while run.spent < 5_000:
         live = np.flatnonzero(run.alive.any(axis=0))
@@ -296,7 +298,7 @@ def test_anytime_revisit_takes_the_closest_calls_among_the_seen_queries_again(re
         pool_seen = run.stream.pool[before]
         means = np.where(run.alive[:, :, None], run.est.mean(unseen=-np.inf), -np.inf)
         scales = np.unique(means.reshape(means.shape[0], -1).argmax(axis=1) % table.n_max) + 1
-        score = run.est.close_calls(live, pool_seen, scales) if pool_seen.size else np.zeros(0)
+        score = scorer(live, pool_seen, scales) if pool_seen.size else np.zeros(0)
         agent._pull(run, agent._next_step(run))  # type: ignore[attr-defined]
         common = np.unique(env.batches[-1].queries)
         again = np.intersect1d(common, pool_seen)
@@ -310,7 +312,8 @@ def test_anytime_revisit_takes_the_closest_calls_among_the_seen_queries_again(re
     assert revisited > 0
     tail_only = RecordingEnv(table)
     tail_only.reset(seed=0)
-    agents.make("plugin_anytime", seed=0, revisit=revisit, revisit_in="tail").train(tail_only, 5_000)
+    agents.make("plugin_anytime", seed=0, revisit=revisit, revisit_in="tail", revisit_by=revisit_by).train(
+        tail_only, 5_000)
     default = RecordingEnv(table)
     default.reset(seed=0)
     agents.make("plugin_anytime", seed=0).train(default, 5_000)
@@ -325,9 +328,31 @@ def test_anytime_revisit_takes_the_closest_calls_among_the_seen_queries_again(re
     assert whole >= 2 and not any(again_per_batch[:whole]) and all(again_per_batch[whole:]), again_per_batch
     bon = RecordingEnv(tiny_bon_table(seed=1, n_prompts=6, n_queries=300))
     bon.reset(seed=0)
-    agents.make("plugin_anytime", seed=0, revisit=revisit).train(bon, 3_000)
+    agents.make("plugin_anytime", seed=0, revisit=revisit, revisit_by=revisit_by).train(bon, 3_000)
     pulled = np.concatenate([np.unique(b.queries) for b in bon.batches])
     assert np.unique(pulled).size == pulled.size  # 240 train queries: no query taken twice
+
+
+def test_disagreements_score_queries_where_prompts_differ_and_are_unsure() -> None:
+    """``disagreements``: per query, the sum over scales of the variance of the prompts' credits times their
+    mean c (1 - c); zero where every prompt has the same credit or every credit is 0 or 1."""
+    table = tiny_mv_table(n_prompts=3, n_queries=40, n_buckets=2, n_max=4)
+    env = IAPOEnv(table=table)
+    env.reset(seed=0)
+    agent = agents.make("plugin_anytime", seed=0)
+    est = agent._new_run(agent.base_env(env)).est  # type: ignore[attr-defined]
+    prompts, queries, scales = np.array([0, 1, 2]), np.array([0, 1, 2, 3]), np.array([1, 3])
+    est._credit[:, :4, :] = 0.0
+    est._credit[:, 0, :] = 0.5  # every prompt equally unsure: 0
+    est._credit[:, 1, :] = np.array([0.0, 1.0, 1.0])[:, None]  # split but sure: 0
+    est._credit[:, 2, :] = np.array([0.2, 0.8, 0.5])[:, None]
+    est._credit[:, 3, :] = np.array([0.4, 0.6, 0.5])[:, None]
+    wide, narrow = np.array([0.2, 0.8, 0.5]), np.array([0.4, 0.6, 0.5])
+    expected = [2 * c.var() * (c * (1 - c)).mean() for c in (wide, narrow)]  # two scales
+    score = est.disagreements(prompts, queries, scales)
+    np.testing.assert_allclose(score, [0.0, 0.0, *expected], atol=1e-15)
+    assert 0.0 < score[3] < score[2]  # a smaller split between about as unsure prompts scores less
+    np.testing.assert_allclose(est.close_calls(prompts, queries, scales)[:2], [1.5, 0.0])
 
 
 @pytest.mark.parametrize("votes", [0, 16, 48])
@@ -548,6 +573,6 @@ def test_anytime_rejects_bad_parameters() -> None:
                 {"kappa": -1.0}, {"curve": -1.0}, {"tail": "rounds"}, {"votes": -1}, {"votes": 2.5},
                 {"slope": -1.0}, {"eb": -1}, {"eb": 1.5}, {"pretest": -1.0}, {"reserve": -0.1},
                 {"reserve": 1.0}, {"tail_growth": 0.0}, {"zprior": -1.0},
-                {"revisit": 1.0}, {"revisit": -0.5}, {"revisit_in": "steps"}):
+                {"revisit": 1.0}, {"revisit": -0.5}, {"revisit_in": "steps"}, {"revisit_by": "spread"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             agents.make("plugin_anytime", **bad)
