@@ -559,7 +559,9 @@ class AnytimePlugIn(Agent):
     ``tail="halving_trim"``: the same trims without the last round on the survivors, so what
     that round would spend goes to the rounds that still choose between prompts), and
     the policy is, per context, the best (p, N) of its live prompts. So ``train_budgets`` reads
-    every budget off one trajectory.
+    every budget off one trajectory. By default (majority vote) a quarter of each tail round's
+    common queries are seen queries taken again, those where the live prompts' expected credits
+    differ most while they are unsure (``revisit_by="disagree"``).
     """
 
     anytime = True
@@ -568,17 +570,16 @@ class AnytimePlugIn(Agent):
                  rate: float = 0.5, alpha: float = 32.0, keep_last: int = 1, kappa: float = 12.0,
                  curve: float = 3.0, tail: str = "halving_trim", votes: int = 0, slope: float | None = 1.0,
                  eb: int = 0, pretest: float = 2.0, reserve: float = 0.0, tail_growth: float = 1.0,
-                 zprior: float = 0.0, revisit: float = 0.0, revisit_in: str = "all",
-                 revisit_by: str = "close") -> None:
+                 zprior: float = 0.0, revisit: float = 0.25, revisit_in: str = "tail",
+                 revisit_by: str = "disagree") -> None:
         """``n_min``, ``kappa``, ``votes``: completions per (prompt, query); ``q0``, ``growth``, ``rate``: the pace;
         ``alpha``, ``curve``, ``slope``, ``eb``, ``pretest``, ``zprior``: the estimator's prior; ``tail``: how a
         budget spends what the whole steps leave ("step" or "halving"); ``reserve``: the least share of a budget its tail gets;
         ``tail_growth``: each halving round's share over the one before; ``revisit``: the share of a
-        step's common queries taken from those already seen where the live prompts' votes are
-        closest to undecided (majority vote), in every step (``revisit_in="all"``) or only in a
-        budget's tail (``"tail"``), ranked by ``revisit_by``: "close" (the sum of the live prompts'
-        c (1 - c)) or "disagree" (``PlugInEstimator.disagreements``) (defaults: chosen on tuning
-        seeds, docs/agents.md)."""
+        step's common queries taken again from those every live prompt has seen (majority vote),
+        in every step (``revisit_in="all"``) or only in a budget's tail (``"tail"``), ranked by
+        ``revisit_by``: "close" (the sum of the live prompts' c (1 - c)) or "disagree"
+        (``PlugInEstimator.disagreements``) (defaults: chosen on tuning seeds, docs/agents.md)."""
         super().__init__(seed)
         for key, value in (("n_min", n_min), ("q0", q0), ("keep_last", keep_last)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -710,8 +711,8 @@ class AnytimePlugIn(Agent):
 
     def _revisits(self, run: _PlugInRun, live: np.ndarray, m: int) -> np.ndarray:
         """The ``revisit`` share of ``m`` common queries taken again: of the queries every live prompt
-        has seen, those whose votes are closest to undecided at each context's best N (majority vote
-        with the response-curve prior only; none otherwise)."""
+        has seen, the top by ``revisit_by``'s score at the contexts' best N (majority vote with the
+        response-curve prior only; none otherwise)."""
         est = run.est
         count = math.floor(self.revisit * m)
         if count == 0 or est.aggregator != "mv" or est.curve <= 0:

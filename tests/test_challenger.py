@@ -288,7 +288,7 @@ def test_anytime_revisit_takes_the_top_scored_seen_queries_again(revisit: float,
     table = tiny_mv_table(n_prompts=12, n_queries=400, n_buckets=3, n_max=8)
     env = RecordingEnv(table)
     env.reset(seed=0)
-    agent = agents.make("plugin_anytime", seed=0, revisit=revisit, revisit_by=revisit_by)
+    agent = agents.make("plugin_anytime", seed=0, revisit=revisit, revisit_in="all", revisit_by=revisit_by)
     run = agent._new_run(agent.base_env(env))  # type: ignore[attr-defined]
     scorer = run.est.close_calls if revisit_by == "close" else run.est.disagreements
     revisited = 0
@@ -316,7 +316,7 @@ def test_anytime_revisit_takes_the_top_scored_seen_queries_again(revisit: float,
         tail_only, 5_000)
     default = RecordingEnv(table)
     default.reset(seed=0)
-    agents.make("plugin_anytime", seed=0).train(default, 5_000)
+    agents.make("plugin_anytime", seed=0, revisit=0.0).train(default, 5_000)
     taken: set[int] = set()
     again_per_batch = []
     for pulls in tail_only.batches:
