@@ -34,8 +34,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--budgets", type=int, nargs="+", default=[3000, 10000, 40000])
     parser.add_argument("--agents", nargs="+",
-                        default=["auto", "plugin_anytime:kappa=8.0,tail=halving@round5",
-                                 "plugin_anytime:n_min=2,kappa=2.0,votes=0,slope=3.0,pretest=0.0,tail=halving@round2",
+                        default=["auto", "plugin_anytime:revisit=0.0@round6",
+                                 "plugin_anytime:kappa=8.0,tail=halving,revisit=0.0@round5",
+                                 "plugin_anytime:n_min=2,kappa=2.0,votes=0,slope=3.0,pretest=0.0,tail=halving,"
+                                 "revisit=0.0@round2",
                                  "plugin_halving"])
     parser.add_argument("--kernel", action="store_true", help="time the credit kernel's block sizes instead")
     args = parser.parse_args()
