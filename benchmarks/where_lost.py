@@ -55,6 +55,8 @@ def _record_trims(agent: AnytimePlugIn) -> tuple[list[np.ndarray], list[int]]:
 def where_lost(task: str, seed: int, budget: int, runs: int, spec: str) -> str:
     """Each context's loss (train-optimal minus chosen, test Q) booked to the phase that trimmed its train-optimal prompt."""
     parsed = parse_agent_spec(spec)
+    if not isinstance(agents.make(parsed.name, **parsed.params), AnytimePlugIn):
+        raise ValueError(f"--spec must be a plugin_anytime spec, got {spec!r}")
     loss: dict[str, float] = defaultdict(float)
     for run in range(runs):
         setup = run_setup(resolve_task(task), run, seed)
@@ -64,8 +66,7 @@ def where_lost(task: str, seed: int, budget: int, runs: int, spec: str) -> str:
         env = IAPOEnv(table=table)
         env.reset(seed=setup.env_seed)
         agent = agents.make(parsed.name, seed=agent_seed_for(seed, task, run, parsed), **parsed.params)
-        if not isinstance(agent, AnytimePlugIn):
-            raise ValueError(f"--spec must be a plugin_anytime spec, got {spec!r}")
+        assert isinstance(agent, AnytimePlugIn)
         alive_after, steps_end = _record_trims(agent)
         arms = np.array(agent.train(env, budget).arms)
         for c in range(q_test.shape[0]):
@@ -75,7 +76,8 @@ def where_lost(task: str, seed: int, budget: int, runs: int, spec: str) -> str:
                      else f"tail round {trim - steps_end[0] + 1}")
             loss[phase] += lost / runs
     total = sum(loss.values())
-    cells = " | ".join(f"{phase} {value:.4f} ({100 * value / total:.0f} %)" for phase, value in sorted(loss.items()))
+    cells = " | ".join(f"{phase} {value:.4f}" + (f" ({100 * value / total:.0f} %)" if total > 0 else "")
+                       for phase, value in sorted(loss.items()))
     return f"| {task} | {budget} | {runs} | {total:.4f} | {cells} |"
 
 
@@ -94,7 +96,7 @@ def vote_variance(task: str, seed: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, required=True, help="the root seed the store (or the runs) used")
+    parser.add_argument("--seed", type=int, required=True, help="the leaderboard root seed whose runs to retrain")
     parser.add_argument("--tasks", nargs="+", default=["math", "synthetic_bernoulli"])
     parser.add_argument("--spec", default="auto", help="a plugin_anytime leaderboard spec")
     parser.add_argument("--budget", type=int, default=3000)
