@@ -168,13 +168,19 @@ class PlugInEstimator(Estimator):
       answers pooled over every prompt (answers are query-specific); the credit of each
       (prompt, query) is averaged over the prompt's queries (one sample per query).
     * Best-of-N: per prompt, its outcomes pooled over its queries (``alpha`` is not used: a
-      query shifts a prompt's outcome distribution only a little, and a few completions per
-      query would make the maximum of many draws look far too small).
+      few completions per query would make the maximum of many draws look far too small).
+      Q is a mean over queries of each query's expected maximum, so the spread *between*
+      queries must not enter the pooled distribution; with ``center`` each outcome's score is
+      read relative to its query's offset, fitted to every prompt's scores on that query as
+      score ~ prompt level + query offset (``query_offsets``). Pooled raw, the shared query
+      difficulty widens every prompt's distribution alike in absolute terms, which inflates a
+      narrow prompt's large-N maximum far more than a wide one's.
     """
 
     def __init__(self, env: Any, alpha: float = 4.0, curve: float = 0.0, slope: float | None = None,
-                 eb: int = 0, pretest: float = 0.0, zprior: float = 0.0) -> None:
-        """Bind to ``env``; ``alpha`` >= 0 pseudo-votes of the prior (majority vote); ``curve`` > 0 uses the
+                 eb: int = 0, pretest: float = 0.0, zprior: float = 0.0, center: bool = False) -> None:
+        """Bind to ``env``; ``alpha`` >= 0 pseudo-votes of the prior (majority vote); ``center``: Best-of-N
+        scores pooled relative to their query's offset (above); ``curve`` > 0 uses the
         prompt's response curve over query difficulty as the prior's gold share (ridge strength ``curve``
         on its offset, ``slope`` on its slope; ``slope`` None: ``curve``; ``eb`` > 0: both re-estimated
         from the data, ``eb`` EM steps per update, starting there; ``pretest`` > 0: a prompt keeps its
@@ -187,6 +193,9 @@ class PlugInEstimator(Estimator):
         if not float(alpha) >= 0.0:
             raise ValueError(f"alpha must be >= 0, got {alpha!r}")
         self.alpha = float(alpha)
+        if not isinstance(center, (bool, np.bool_)):
+            raise ValueError(f"center must be True or False, got {center!r}")
+        self.center = bool(center)
         self.curve, slope, self.eb, self.pretest, self.zprior = check_curve_prior(curve, slope, eb, pretest, zprior)
         self.slope = self.curve if slope is None else slope
         self._ridge = (self.curve, self.slope)
@@ -239,6 +248,8 @@ class PlugInEstimator(Estimator):
         self._cost_sum += np.bincount(pairs[:, 0], weights=self._cost[pairs[:, 0], pairs[:, 1]],
                                       minlength=self.n_prompts)
         prompts = np.unique(pulls.prompts)
+        if self.center and self.aggregator == "bon":
+            prompts = np.flatnonzero(self._seen.any(axis=1))  # the offsets moved for every prompt seen
         n_queries = self._seen[prompts].sum(axis=1).astype(np.float64)
         if self.aggregator == "mv" and self.curve > 0:
             task = self._weights[:, :1, None] * self._mv_credit_curve(prompts)[None]
@@ -439,15 +450,47 @@ class PlugInEstimator(Estimator):
         probs[row, slot] = weight
         probs /= probs.sum(axis=1, keepdims=True)
         vectors = atoms[prompts[row], q, a]  # (entries, K)
+        offsets = self.query_offsets() if self.center else None
         out = np.empty((self._objectives.shape[0], prompts.size, self.n_max))
         for i, w in enumerate(self._objectives):
-            value = vectors @ w
+            value = vectors @ w if offsets is None else vectors @ w - offsets[i, q]
             scores = np.full((prompts.size, width), np.inf)
             scores[row, slot] = value
             scores = np.where(np.isinf(scores), scores.min(axis=1, keepdims=True), scores)  # padding: weight 0
             out[i] = bon_expected_max(scores, probs, self.n_max)
         result: np.ndarray = out[self._objective_row]
         return result
+
+
+    def query_offsets(self) -> np.ndarray:
+        """(objective rows, Q) each query's offset in the Best-of-N score, 0 where unseen: the
+        least-squares fit of every seen (prompt, query) mean score to prompt level + query offset,
+        weighted by the completions behind it (``OFFSET_SWEEPS`` alternating sweeps from zero
+        offsets; exact in one sweep when every prompt saw the same queries equally often), the
+        offsets centred to mean 0 over the seen queries."""
+        atoms = self.env.table.atoms
+        assert atoms is not None
+        p, q, a = np.nonzero(self.atom_counts)
+        count = self.atom_counts[p, q, a].astype(np.float64)
+        reward_sum = np.zeros((self.n_prompts, self.atom_counts.shape[1], atoms.shape[-1]))
+        np.add.at(reward_sum, (p, q), count[:, None] * atoms[p, q, a])
+        n = self.atom_counts.sum(axis=2).astype(np.float64)  # (P, Q)
+        score_sum = np.einsum("pqk,wk->wpq", reward_sum, self._objectives)  # (W, P, Q) summed scores
+        seen_q = n.sum(axis=0) > 0
+        per_prompt = np.maximum(n.sum(axis=1), 1.0)  # (P,)
+        per_query = np.maximum(n.sum(axis=0), 1.0)  # (Q,)
+        offsets = np.zeros((self._objectives.shape[0], n.shape[1]))
+        for _ in range(OFFSET_SWEEPS):
+            level = (score_sum - n * offsets[:, None, :]).sum(axis=2) / per_prompt  # (W, P)
+            offsets = (score_sum - n * level[:, :, None]).sum(axis=1) / per_query
+            offsets[:, ~seen_q] = 0.0
+            if seen_q.any():
+                offsets[:, seen_q] -= offsets[:, seen_q].mean(axis=1, keepdims=True)
+        return offsets
+
+
+#: Alternating least-squares sweeps of ``PlugInEstimator.query_offsets``.
+OFFSET_SWEEPS = 8
 
 
 def keep_top(alive: np.ndarray, est: Estimator, target: int | np.ndarray, rng: np.random.Generator) -> None:
@@ -571,9 +614,10 @@ class AnytimePlugIn(Agent):
                  curve: float = 3.0, tail: str = "halving_trim", votes: int = 0, slope: float | None = 1.0,
                  eb: int = 0, pretest: float = 2.0, reserve: float = 0.0, tail_growth: float = 1.0,
                  zprior: float = 0.0, revisit: float = 0.25, revisit_in: str = "tail",
-                 revisit_by: str = "disagree") -> None:
+                 revisit_by: str = "disagree", center: bool = False) -> None:
         """``n_min``, ``kappa``, ``votes``: completions per (prompt, query); ``q0``, ``growth``, ``rate``: the pace;
-        ``alpha``, ``curve``, ``slope``, ``eb``, ``pretest``, ``zprior``: the estimator's prior; ``tail``: how a
+        ``alpha``, ``curve``, ``slope``, ``eb``, ``pretest``, ``zprior``: the estimator's prior; ``center``: its
+        Best-of-N scores read relative to their query's offset (``PlugInEstimator``); ``tail``: how a
         budget spends what the whole steps leave ("step" or "halving"); ``reserve``: the least share of a budget its tail gets;
         ``tail_growth``: each halving round's share over the one before; ``revisit``: the share of a
         step's common queries taken again from those every live prompt has seen (majority vote),
@@ -617,6 +661,9 @@ class AnytimePlugIn(Agent):
         if revisit_by not in ("close", "disagree"):
             raise ValueError(f"revisit_by must be 'close' or 'disagree', got {revisit_by!r}")
         self.revisit_by = revisit_by
+        if not isinstance(center, (bool, np.bool_)):
+            raise ValueError(f"center must be True or False, got {center!r}")
+        self.center = bool(center)
         _plugin_jit.warm_up()
 
     def params(self) -> dict[str, Any]:
@@ -626,7 +673,7 @@ class AnytimePlugIn(Agent):
                 "curve": self.curve, "tail": self.tail, "votes": self.votes, "slope": self.slope,
                 "eb": self.eb, "pretest": self.pretest, "reserve": self.reserve,
                 "tail_growth": self.tail_growth, "zprior": self.zprior, "revisit": self.revisit,
-                "revisit_in": self.revisit_in, "revisit_by": self.revisit_by}
+                "revisit_in": self.revisit_in, "revisit_by": self.revisit_by, "center": self.center}
 
     def train(self, env: Any, budget: int) -> Policy:
         """Spend at most ``budget`` completions of ``env``; the best live arm per context.
@@ -662,7 +709,7 @@ class AnytimePlugIn(Agent):
     def _new_run(self, base: Any) -> _PlugInRun:
         """A fresh trajectory on ``base``: an empty estimator with the agent's prior, the agent's generator."""
         return _PlugInRun(base, PlugInEstimator(base, self.alpha, self.curve, self.slope, self.eb,
-                                                   self.pretest, self.zprior), self.rng)
+                                                   self.pretest, self.zprior, self.center), self.rng)
 
     def _s0(self, run: _PlugInRun) -> int:
         return run.alive.shape[1] * self.q0 * self.n_min

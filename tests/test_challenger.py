@@ -128,6 +128,45 @@ def test_plug_in_best_of_n_is_exact_when_queries_share_one_distribution() -> Non
     assert np.abs(est.mean() - env.q_table("train")).max() < 0.03
 
 
+def _query_shifted_bon_table(shift_sd: float = 1.5) -> tuple[OutcomeTable, np.ndarray]:
+    """A Best-of-N table where every query adds one offset to both objectives of every prompt's
+    outcomes (a prompt's distribution is otherwise the same on every query), and the offsets."""
+    base = tiny_bon_table(seed=4, n_prompts=3, n_queries=20, n_atoms=4, n_max=6)
+    shift = np.random.default_rng(9).normal(0.0, shift_sd, base.n_queries)
+    atoms = np.repeat(base.atoms[:, :1], base.n_queries, axis=1) + shift[None, :, None, None]
+    return dataclasses.replace(base, probs=np.repeat(base.probs[:, :1], base.n_queries, axis=1), atoms=atoms), shift
+
+
+def test_query_offsets_recover_an_additive_query_shift() -> None:
+    table, shift = _query_shifted_bon_table()
+    env = IAPOEnv(table=table)
+    env.reset(seed=0)
+    est = PlugInEstimator(env, center=True)
+    _pull_every_train_query(env, est, 500)
+    train = env.queries("train")
+    offsets = est.query_offsets()
+    for row, w in enumerate(est._objectives):
+        expected = shift[train] * w.sum()
+        assert np.allclose(offsets[row, train], expected - expected.mean(), atol=0.05)
+        assert np.all(offsets[row, env.queries("test")] == 0.0)  # never seen
+
+
+def test_centred_best_of_n_reads_each_query_s_maximum_not_the_pooled_one() -> None:
+    table, _ = _query_shifted_bon_table()
+    env = IAPOEnv(table=table)
+    env.reset(seed=0)
+    centred, pooled = PlugInEstimator(env, center=True), PlugInEstimator(env)
+    train = env.queries("train")
+    prompts = np.repeat(np.arange(env.n_prompts), train.size * 500)
+    queries = np.tile(np.repeat(train, 500), env.n_prompts)
+    pulls = env.pull(prompts, np.full(prompts.size, env.n_max), queries=queries)
+    centred.update(pulls)
+    pooled.update(pulls)
+    exact = env.q_table("train")  # centred offsets: each residual keeps the train queries' mean offset
+    assert np.abs(centred.mean() - exact).max() < 0.03
+    assert np.abs(pooled.mean() - exact)[:, :, -1].max() > 0.3  # pooled, the queries' spread inflates max-of-6
+
+
 def test_plugin_halving_finds_the_best_prompt_with_enough_budget() -> None:
     """Prompt 1 is right on every query with probability 0.8 (others 0.4 / 0.45 / 0.3)."""
     n_prompts, n_queries = 4, 50
@@ -162,7 +201,8 @@ def test_plugin_halving_rejects_bad_parameters() -> None:
 @pytest.mark.parametrize("params", [{"tail": "step"}, {"tail": "halving"}, {"tail": "halving", "eb": 2},
                                     {"tail": "halving_trim"}, {"reserve": 0.5, "tail_growth": 1.5},
                                     {"revisit": 0.25}, {"revisit": 0.5, "revisit_in": "tail"},
-                                    {"revisit": 0.25, "revisit_in": "tail", "revisit_by": "disagree"}])
+                                    {"revisit": 0.25, "revisit_in": "tail", "revisit_by": "disagree"},
+                                    {"center": True}])
 def test_anytime_train_budgets_is_bit_identical_to_separate_runs(math_release: Path, params: dict[str, Any]) -> None:
     from iapo_gym.data.release import read_release
 
@@ -573,6 +613,7 @@ def test_anytime_rejects_bad_parameters() -> None:
                 {"kappa": -1.0}, {"curve": -1.0}, {"tail": "rounds"}, {"votes": -1}, {"votes": 2.5},
                 {"slope": -1.0}, {"eb": -1}, {"eb": 1.5}, {"pretest": -1.0}, {"reserve": -0.1},
                 {"reserve": 1.0}, {"tail_growth": 0.0}, {"zprior": -1.0},
-                {"revisit": 1.0}, {"revisit": -0.5}, {"revisit_in": "steps"}, {"revisit_by": "spread"}):
+                {"revisit": 1.0}, {"revisit": -0.5}, {"revisit_in": "steps"}, {"revisit_by": "spread"},
+                {"center": "yes"}, {"center": 1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             agents.make("plugin_anytime", **bad)
