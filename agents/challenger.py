@@ -174,7 +174,9 @@ class PlugInEstimator(Estimator):
       read relative to its query's offset, fitted to every prompt's scores on that query as
       score ~ prompt level + query offset (``query_offsets``). Pooled raw, the shared query
       difficulty widens every prompt's distribution alike in absolute terms, which inflates a
-      narrow prompt's large-N maximum far more than a wide one's.
+      narrow prompt's large-N maximum far more than a wide one's. The offsets move with every
+      update but only the pulled prompts are recomputed, so read the prompts pulled last (the
+      common-query agents pull every live prompt in every step).
     """
 
     def __init__(self, env: Any, alpha: float = 4.0, curve: float = 0.0, slope: float | None = None,
@@ -248,8 +250,6 @@ class PlugInEstimator(Estimator):
         self._cost_sum += np.bincount(pairs[:, 0], weights=self._cost[pairs[:, 0], pairs[:, 1]],
                                       minlength=self.n_prompts)
         prompts = np.unique(pulls.prompts)
-        if self.center and self.aggregator == "bon":
-            prompts = np.flatnonzero(self._seen.any(axis=1))  # the offsets moved for every prompt seen
         n_queries = self._seen[prompts].sum(axis=1).astype(np.float64)
         if self.aggregator == "mv" and self.curve > 0:
             task = self._weights[:, :1, None] * self._mv_credit_curve(prompts)[None]
@@ -604,7 +604,9 @@ class AnytimePlugIn(Agent):
     the policy is, per context, the best (p, N) of its live prompts. So ``train_budgets`` reads
     every budget off one trajectory. By default (majority vote) a quarter of each tail round's
     common queries are seen queries taken again, those where the live prompts' expected credits
-    differ most while they are unsure (``revisit_by="disagree"``).
+    differ most while they are unsure (``revisit_by="disagree"``); on Best-of-N each outcome's
+    score is read relative to its query's fitted offset (``center``), so the pooled distribution
+    keeps the spread within queries that a per-query maximum sees and not the spread between them.
     """
 
     anytime = True
@@ -614,7 +616,7 @@ class AnytimePlugIn(Agent):
                  curve: float = 3.0, tail: str = "halving_trim", votes: int = 0, slope: float | None = 1.0,
                  eb: int = 0, pretest: float = 2.0, reserve: float = 0.0, tail_growth: float = 1.0,
                  zprior: float = 0.0, revisit: float = 0.25, revisit_in: str = "tail",
-                 revisit_by: str = "disagree", center: bool = False) -> None:
+                 revisit_by: str = "disagree", center: bool = True) -> None:
         """``n_min``, ``kappa``, ``votes``: completions per (prompt, query); ``q0``, ``growth``, ``rate``: the pace;
         ``alpha``, ``curve``, ``slope``, ``eb``, ``pretest``, ``zprior``: the estimator's prior; ``center``: its
         Best-of-N scores read relative to their query's offset (``PlugInEstimator``); ``tail``: how a
