@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -62,3 +63,12 @@ def tiny_bon_table(seed: int = 0, n_prompts: int = 3, n_queries: int = 10, n_ato
         context_names=("a", "b", "c", "d"), context_probs=np.array([0.1, 0.2, 0.3, 0.4]),
         objective_names=("helpful", "harmless"), split=split,
     )
+
+
+def query_shifted_bon_table(shift_sd: float = 1.5) -> tuple[OutcomeTable, np.ndarray]:
+    """A Best-of-N table where every query adds one offset to both objectives of every prompt's
+    outcomes (a prompt's distribution is otherwise the same on every query), and the offsets."""
+    base = tiny_bon_table(seed=4, n_prompts=3, n_queries=20, n_atoms=4, n_max=6)
+    shift = np.random.default_rng(9).normal(0.0, shift_sd, base.n_queries)
+    atoms = np.repeat(base.atoms[:, :1], base.n_queries, axis=1) + shift[None, :, None, None]
+    return dataclasses.replace(base, probs=np.repeat(base.probs[:, :1], base.n_queries, axis=1), atoms=atoms), shift

@@ -13,7 +13,7 @@ import pytest
 import agents
 from agents.challenger import PlugInEstimator, QueryStream
 from iapo_gym import IAPOEnv, OutcomeTable, Pulls
-from tests.conftest import tiny_bon_table, tiny_mv_table
+from tests.conftest import query_shifted_bon_table, tiny_bon_table, tiny_mv_table
 
 NEW = ["plugin_halving", "psst_cq", "plugin_anytime", "auto"]
 
@@ -128,17 +128,8 @@ def test_plug_in_best_of_n_is_exact_when_queries_share_one_distribution() -> Non
     assert np.abs(est.mean() - env.q_table("train")).max() < 0.03
 
 
-def _query_shifted_bon_table(shift_sd: float = 1.5) -> tuple[OutcomeTable, np.ndarray]:
-    """A Best-of-N table where every query adds one offset to both objectives of every prompt's
-    outcomes (a prompt's distribution is otherwise the same on every query), and the offsets."""
-    base = tiny_bon_table(seed=4, n_prompts=3, n_queries=20, n_atoms=4, n_max=6)
-    shift = np.random.default_rng(9).normal(0.0, shift_sd, base.n_queries)
-    atoms = np.repeat(base.atoms[:, :1], base.n_queries, axis=1) + shift[None, :, None, None]
-    return dataclasses.replace(base, probs=np.repeat(base.probs[:, :1], base.n_queries, axis=1), atoms=atoms), shift
-
-
 def test_query_offsets_recover_an_additive_query_shift() -> None:
-    table, shift = _query_shifted_bon_table()
+    table, shift = query_shifted_bon_table()
     env = IAPOEnv(table=table)
     env.reset(seed=0)
     est = PlugInEstimator(env, center=True)
@@ -152,7 +143,7 @@ def test_query_offsets_recover_an_additive_query_shift() -> None:
 
 
 def test_centred_best_of_n_reads_each_query_s_maximum_not_the_pooled_one() -> None:
-    table, _ = _query_shifted_bon_table()
+    table, _ = query_shifted_bon_table()
     env = IAPOEnv(table=table)
     env.reset(seed=0)
     centred, pooled = PlugInEstimator(env, center=True), PlugInEstimator(env)
