@@ -215,6 +215,9 @@ class PlugInEstimator(Estimator):
         else:
             self._objectives, row = np.unique(self._weights[:, :-1], axis=0, return_inverse=True)
             self._objective_row = row.reshape(-1)
+            assert table.atoms is not None
+            self._reward_sum = np.zeros((self.n_prompts, table.n_queries, table.atoms.shape[-1]))  # per (p, q)
+            self._completions = np.zeros((self.n_prompts, table.n_queries))  # atom_counts summed over atoms
 
     def reset(self) -> None:
         """Forget every sample."""
@@ -228,6 +231,9 @@ class PlugInEstimator(Estimator):
         if self.aggregator == "mv":
             for array in (self._credit, self._votes, self._gold_votes, self._pooled):
                 array[...] = 0
+        else:
+            self._reward_sum[...] = 0.0
+            self._completions[...] = 0.0
 
     def update(self, pulls: Pulls, *, scales: str | np.ndarray | None = None, arm_mask: np.ndarray | None = None,
                contexts: np.ndarray | None = None) -> None:
@@ -244,6 +250,15 @@ class PlugInEstimator(Estimator):
             np.add.at(self._gold_votes, (pulls.prompts[rep], pulls.queries[rep]),
                       pulls.atoms == gold[pulls.queries[rep]])
             np.add.at(self._pooled, (pulls.queries[rep], pulls.atoms), 1)
+        else:
+            atoms = self.env.table.atoms
+            assert atoms is not None
+            cell = pulls.prompts[rep] * self._completions.shape[1] + pulls.queries[rep]  # flat (p, q)
+            vectors = atoms[pulls.prompts[rep], pulls.queries[rep], pulls.atoms]  # (completions, K)
+            flat = self._reward_sum.reshape(-1, vectors.shape[1])
+            for k in range(vectors.shape[1]):
+                flat[:, k] += np.bincount(cell, weights=vectors[:, k], minlength=flat.shape[0])
+            self._completions += np.bincount(cell, minlength=flat.shape[0]).reshape(self._completions.shape)
         fresh = ~self._seen[pulls.prompts, pulls.queries]
         pairs = np.unique(np.column_stack([pulls.prompts[fresh], pulls.queries[fresh]]), axis=0)
         self._seen[pairs[:, 0], pairs[:, 1]] = True
@@ -441,8 +456,9 @@ class PlugInEstimator(Estimator):
         """
         atoms = self.env.table.atoms
         assert atoms is not None
-        row, q, a = np.nonzero(self.atom_counts[prompts])
-        weight = self.atom_counts[prompts][row, q, a].astype(np.float64)
+        counts = self.atom_counts[prompts]
+        row, q, a = np.nonzero(counts)
+        weight = counts[row, q, a].astype(np.float64)
         sizes = np.bincount(row, minlength=prompts.size)
         width = int(sizes.max())
         slot = np.arange(row.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
@@ -461,21 +477,14 @@ class PlugInEstimator(Estimator):
         result: np.ndarray = out[self._objective_row]
         return result
 
-
     def query_offsets(self) -> np.ndarray:
         """(objective rows, Q) each query's offset in the Best-of-N score, 0 where unseen: the
         least-squares fit of every seen (prompt, query) mean score to prompt level + query offset,
         weighted by the completions behind it (``OFFSET_SWEEPS`` alternating sweeps from zero
         offsets; exact in one sweep when every prompt saw the same queries equally often), the
         offsets centred to mean 0 over the seen queries."""
-        atoms = self.env.table.atoms
-        assert atoms is not None
-        p, q, a = np.nonzero(self.atom_counts)
-        count = self.atom_counts[p, q, a].astype(np.float64)
-        reward_sum = np.zeros((self.n_prompts, self.atom_counts.shape[1], atoms.shape[-1]))
-        np.add.at(reward_sum, (p, q), count[:, None] * atoms[p, q, a])
-        n = self.atom_counts.sum(axis=2).astype(np.float64)  # (P, Q)
-        score_sum = np.einsum("pqk,wk->wpq", reward_sum, self._objectives)  # (W, P, Q) summed scores
+        n = self._completions  # (P, Q)
+        score_sum = np.einsum("pqk,wk->wpq", self._reward_sum, self._objectives)  # (W, P, Q) summed scores
         seen_q = n.sum(axis=0) > 0
         per_prompt = np.maximum(n.sum(axis=1), 1.0)  # (P,)
         per_query = np.maximum(n.sum(axis=0), 1.0)  # (Q,)

@@ -38,7 +38,11 @@ def limit_q(env: IAPOEnv, center: bool) -> np.ndarray:
     table = env.table
     train = table.split_indices("train")
     est = PlugInEstimator(env, center=center)
-    est.atom_counts[:, train] = np.rint(table.probs[:, train] * SCALE).astype(np.int64)
+    counts = np.rint(table.probs[:, train] * SCALE).astype(np.int64)
+    # the tallies update() keeps as completions arrive, set at once
+    est.atom_counts[:, train] = counts
+    est._completions[:, train] = counts.sum(axis=2)
+    est._reward_sum[:, train] = np.einsum("pqa,pqak->pqk", counts, table.atoms[:, train])
     prompts = np.arange(table.n_prompts)
     task = est._bon_value(prompts)
     n = np.arange(1, table.n_max + 1)
