@@ -150,6 +150,14 @@ def check_curve_prior(curve: float, slope: float | None, eb: int, pretest: float
     return float(curve), None if slope is None else float(slope), int(eb), float(pretest), float(zprior)
 
 
+def check_center(center: Any) -> bool:
+    """``center`` as a bool (the estimator's and the agent's one check); anything but True or False raises
+    ValueError naming it."""
+    if not isinstance(center, (bool, np.bool_)):
+        raise ValueError(f"center must be True or False, got {center!r}")
+    return bool(center)
+
+
 #: Newton steps of a response-curve fit at most, and halvings of one step at most.
 CURVE_ITERATIONS, CURVE_HALVINGS = 25, 30
 #: The largest ridge the empirical-Bayes fit sets (a spread of the curves' parameters of 0.001).
@@ -195,9 +203,7 @@ class PlugInEstimator(Estimator):
         if not float(alpha) >= 0.0:
             raise ValueError(f"alpha must be >= 0, got {alpha!r}")
         self.alpha = float(alpha)
-        if not isinstance(center, (bool, np.bool_)):
-            raise ValueError(f"center must be True or False, got {center!r}")
-        self.center = bool(center)
+        self.center = check_center(center)
         self.curve, slope, self.eb, self.pretest, self.zprior = check_curve_prior(curve, slope, eb, pretest, zprior)
         self.slope = self.curve if slope is None else slope
         self._ridge = (self.curve, self.slope)
@@ -672,9 +678,7 @@ class AnytimePlugIn(Agent):
         if revisit_by not in ("close", "disagree"):
             raise ValueError(f"revisit_by must be 'close' or 'disagree', got {revisit_by!r}")
         self.revisit_by = revisit_by
-        if not isinstance(center, (bool, np.bool_)):
-            raise ValueError(f"center must be True or False, got {center!r}")
-        self.center = bool(center)
+        self.center = check_center(center)
         _plugin_jit.warm_up()
 
     def params(self) -> dict[str, Any]:
