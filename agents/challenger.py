@@ -256,7 +256,7 @@ class PlugInEstimator(Estimator):
             np.add.at(self._gold_votes, (pulls.prompts[rep], pulls.queries[rep]),
                       pulls.atoms == gold[pulls.queries[rep]])
             np.add.at(self._pooled, (pulls.queries[rep], pulls.atoms), 1)
-        else:
+        elif self.center:  # the sums behind query_offsets
             atoms = self.env.table.atoms
             assert atoms is not None
             cell = pulls.prompts[rep] * self._completions.shape[1] + pulls.queries[rep]  # flat (p, q)
@@ -484,11 +484,11 @@ class PlugInEstimator(Estimator):
         return result
 
     def query_offsets(self) -> np.ndarray:
-        """(objective rows, Q) each query's offset in the Best-of-N score, 0 where unseen: the
-        least-squares fit of every seen (prompt, query) mean score to prompt level + query offset,
-        weighted by the completions behind it (``OFFSET_SWEEPS`` alternating sweeps from zero
-        offsets; exact in one sweep when every prompt saw the same queries equally often), the
-        offsets centred to mean 0 over the seen queries."""
+        """(objective rows, Q) each query's offset in the Best-of-N score, 0 where unseen (and everywhere
+        without ``center``, whose updates alone keep the sums it reads): the least-squares fit of every
+        seen (prompt, query) mean score to prompt level + query offset, weighted by the completions behind it
+        (``OFFSET_SWEEPS`` alternating sweeps from zero offsets; exact in one sweep when every prompt saw the
+        same queries equally often), the offsets centred to mean 0 over the seen queries."""
         n = self._completions  # (P, Q)
         score_sum = np.einsum("pqk,wk->wpq", self._reward_sum, self._objectives)  # (W, P, Q) summed scores
         seen_q = n.sum(axis=0) > 0
