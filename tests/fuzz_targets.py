@@ -673,17 +673,18 @@ def _release_attrs(kind: str, rnd: np.random.Generator) -> dict[str, Any]:
         return {"cat_probs": rnd.dirichlet(np.ones(3), size=(4, 6)), "answers": rnd.integers(0, 3, 6),
                 "cat_probs_te": rnd.dirichlet(np.ones(3), size=(4, 2)), "answers_te": rnd.integers(0, 3, 2),
                 "cost_per_prompt": rnd.uniform(0.005, 0.01, 4), "N_max": 6,
-                "cost_coeffs": {"low": 0.0, "mid": 0.2, "high": 1.0}, "prompts": list(range(4)),
-                "rng": np.random.default_rng(3)}
+                "cost_coeffs": {"low": 0.0, "mid": 0.2, "high": 1.0}, "context_distribution": np.full(3, 1 / 3),
+                "prompts": list(range(4)), "rng": np.random.default_rng(3)}
     if kind == "CategoricalBoNEnv":
         return {"outcome_vectors_train": rnd.choice(np.arange(-1, 1.01, 0.5), size=(3, 5, 4, 2)),
                 "outcome_probs_train": rnd.dirichlet(np.ones(4), size=(3, 5)),
                 "outcome_vectors_test": rnd.choice(np.arange(-1, 1.01, 0.5), size=(3, 2, 3, 2)),
                 "outcome_probs_test": rnd.dirichlet(np.ones(3), size=(3, 2)),
-                "cost_per_prompt": rnd.uniform(0.01, 0.05, 3), "N_max": 8}
+                "cost_per_prompt": rnd.uniform(0.01, 0.05, 3), "N_max": 8,
+                "_contexts": [(0.3, 0.7, -0.1), (0.6, 0.4, -1.0)], "context_distribution": np.array([0.25, 0.75])}
     return {"success_probs": {"easy": rnd.uniform(0, 1, (3, 4)), "hard": rnd.uniform(0, 1, (3, 2))},
             "success_probs_test": {"easy": rnd.uniform(0, 1, (3, 2))}, "cost_per_prompt": rnd.uniform(0.01, 0.02, 3),
-            "N_max": 4}
+            "N_max": 4, "cost_coeffs": {"low": 0.0, "mid": 0.2, "high": 1.0}, "context_distribution": np.full(3, 1 / 3)}
 
 
 ARRAY_VALUES: list[Any] = [np.zeros((0,)), np.full((2, 2), np.nan), -np.ones((4, 6, 3)), np.ones((4, 6, 3, 1)),
@@ -710,10 +711,10 @@ def release_mutator(data: bytes, rnd: random.Random) -> bytes:
     doc = [(k, _release_attrs(k, gen)) for k in rnd.sample(kinds, rnd.randint(1, 2))]
     for _ in range(rnd.randint(1, 3)):
         kind, attrs = rnd.choice(doc)
-        key = rnd.choice(sorted(attrs) + ["N_max", "prompts", "objective_names", "cost_coeffs"])
+        key = rnd.choice(sorted(attrs) + ["N_max", "prompts", "objective_names", "cost_coeffs", "_contexts"])
         op = rnd.randrange(6)
         if op == 5:  # a change the converter ignores or tolerates: the input stays valid
-            attrs[rnd.choice(["rng", "notes", "_contexts"])] = copy.deepcopy(rnd.choice(ARRAY_VALUES))
+            attrs[rnd.choice(["rng", "notes"])] = copy.deepcopy(rnd.choice(ARRAY_VALUES))
         elif op == 0:
             attrs.pop(key, None)
         elif op == 1:

@@ -198,6 +198,7 @@ def test_synthetic_bernoulli_release_becomes_two_bucket_mv(tmp_path: Path, monke
     env.success_probs_test = {t: rng.uniform(0.1, 0.9, (4, 1)) for t in ("easy", "medium", "hard")}
     env.cost_per_prompt = rng.uniform(0.01, 0.03, 4)
     env.cost_coeffs = {"low": 0.0, "mid": 0.2, "high": 1.0}
+    env.context_distribution = np.full(3, 1 / 3)  # the authors' class always stores both
     env.N_max = 32
     path = tmp_path / "SB_final.pkl"
     path.write_bytes(pickle.dumps([env, env]))

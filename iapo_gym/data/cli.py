@@ -91,11 +91,13 @@ def cmd_import(args: argparse.Namespace) -> int:
     path = Path(args.file)
     if not path.is_file():
         return _fail(f"no such release file: {path}")
-    out = import_release(path, task=args.task, dest=args.dest)
+    out = import_release(path, task=args.task, dest=args.dest, paper_contexts=args.paper_contexts)
     meta = read_metadata(out[0])
     entry = entry_for_file(path)
     for p in out:
         print(p)
+        # stdout stays one path per line for scripts; which contexts each table has goes to stderr
+        print(f"{p}: contexts: {read_metadata(p).get('contexts_source', 'not recorded')}", file=sys.stderr)
     if entry is not None and not meta.get("verified"):
         print(f"warning: {path} does not match the registry's hashes for the official {entry.file}; "
               "imported anyway, marked unverified", file=sys.stderr)
@@ -181,6 +183,9 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("file", help="release file, e.g. MATH_final.pkl")
     p.add_argument("--task", help="table name (default: from the official file name)")
     p.add_argument("--dest", help="output folder (default: the user cache)")
+    p.add_argument("--paper-contexts", action="store_true",
+                   help="where a record's stored contexts are absent or unreadable, give its table the paper's "
+                        "context set (said in the output) instead of refusing it")
     p.set_defaults(func=_guarded(cmd_import))
 
     p = sub.add_parser("show", help="a table's shape, contexts and exact optimal policy per split")

@@ -251,15 +251,116 @@ def _split(n_train: int, n_test: int) -> np.ndarray:
     return np.concatenate([np.full(n_train, TRAIN, dtype=np.uint8), np.full(n_test, TEST, dtype=np.uint8)])
 
 
-def _check_mv_contexts(obj: ReleaseRecord, where: str) -> None:
-    """The file's cost coefficients, when stored, must be the paper's (the table uses the paper's set)."""
+class _PaperContexts:
+    """What to do when a record's stored contexts are absent or unreadable: refuse, or (when asked) use the paper's."""
+
+    def __init__(self, allowed: bool) -> None:
+        self.allowed = allowed
+
+    def fallback(self, where: str, problem: str, paper: str) -> str:
+        """The contexts-source note for a table given the paper's set, or ``ReleaseError`` when not asked to."""
+        if not self.allowed:
+            raise ReleaseError(f"{where}: {problem}, so the table's contexts are unknown; nothing was written. "
+                               f"Fix the record, or pass --paper-contexts (Python: paper_contexts=True) "
+                               f"to give the table {paper} instead")
+        return f"{paper}, used because --paper-contexts was given ({problem})"
+
+
+def _finite_vector(value: Any, what: str, where: str) -> np.ndarray:
+    try:
+        arr = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError, OverflowError):
+        raise ReleaseError(f"{where}: {what} is not a vector of numbers: {str(value)[:120]!r}") from None
+    if arr.ndim != 1 or arr.size == 0 or not np.all(np.isfinite(arr)):
+        raise ReleaseError(f"{where}: {what} must be a non-empty vector of finite numbers, got {str(value)[:120]!r}")
+    return arr
+
+
+def _distribution(obj: ReleaseRecord, n_contexts: int, where: str) -> np.ndarray:
+    """The record's ``context_distribution``: ``n_contexts`` non-negative numbers summing to 1."""
+    if "context_distribution" not in obj.__dict__:
+        raise ReleaseError(f"{where}: the record stores no 'context_distribution'")
+    probs = _finite_vector(obj.__dict__["context_distribution"], "'context_distribution'", where)
+    if probs.size != n_contexts or np.any(probs < 0) or abs(float(probs.sum()) - 1.0) > 1e-6:
+        raise ReleaseError(f"{where}: 'context_distribution' must be {n_contexts} non-negative numbers summing "
+                           f"to 1 (one per stored context), got {probs.tolist()}")
+    return probs
+
+
+def _context_weights(ctx: Any) -> Any:
+    """The weight vector of one stored context: a ``Context``/``CostContext`` record's ``weights``, or the vector itself."""
+    if isinstance(ctx, ReleaseRecord):
+        if "weights" in ctx.__dict__:
+            return ctx.__dict__["weights"]
+        args = ctx.__dict__.get("_args", ())
+        return args[-1] if args else None
+    return ctx
+
+
+def stored_bon_contexts(obj: ReleaseRecord, n_objectives: int,
+                        where: str) -> tuple[np.ndarray, tuple[str, ...], np.ndarray]:
+    """A Best-of-N record's own contexts: ``_contexts`` weight vectors (w_1..w_K, w_cost <= 0) and their
+    ``context_distribution``; ``ReleaseError`` saying what is absent or unreadable."""
+    stored = obj.__dict__.get("_contexts")
+    if not isinstance(stored, (list, tuple)) or not stored:
+        what = "no '_contexts'" if stored is None else f"'_contexts' of type {type(stored).__name__}, not a list of contexts"
+        raise ReleaseError(f"{where}: the record stores {what}")
+    rows = []
+    for i, ctx in enumerate(stored):
+        w = _finite_vector(_context_weights(ctx), f"the weights of stored context {i}", where)
+        if w.size != n_objectives + 1:
+            raise ReleaseError(f"{where}: stored context {i} has {w.size} weights; its {n_objectives} objectives "
+                               f"plus the cost need {n_objectives + 1}")
+        if w[-1] > 0:
+            raise ReleaseError(f"{where}: stored context {i} weighs the cost by {w[-1]:g}; a cost weight must be <= 0")
+        rows.append(w)
+    weights = np.stack(rows)
+    probs = _distribution(obj, len(rows), where)
+    names = tuple(_context_name(ctx, w) for ctx, w in zip(stored, weights, strict=True))
+    return weights, names, probs
+
+
+def _context_name(ctx: Any, weights: np.ndarray) -> str:
+    """A stored context's own name (``name`` or ``level``), else its weights: ``w=(0.3,0.7),cost=0.5``."""
+    if isinstance(ctx, ReleaseRecord):
+        for key in ("name", "level"):
+            if isinstance(ctx.__dict__.get(key), str) and ctx.__dict__[key]:
+                return str(ctx.__dict__[key])
+    return f"w=({','.join(f'{x:g}' for x in weights[:-1])}),cost={-weights[-1]:g}"
+
+
+def describe_contexts(weights: np.ndarray, probs: np.ndarray) -> str:
+    """``C contexts, K objectives, cost weights {...}, uniform|not uniform``: a one-line account of a context set."""
+    k = weights.shape[1] - 1
+    uniform = "uniform" if np.allclose(probs, probs[0], rtol=0, atol=1e-12) else "not uniform"
+    costs = ", ".join(f"{-c:g}" for c in sorted(set(weights[:, -1].tolist()), reverse=True))
+    return f"{weights.shape[0]} contexts over {k} objective{'s' if k != 1 else ''}, cost weights {costs}, {uniform}"
+
+
+def _mv_contexts(obj: ReleaseRecord, where: str,
+                 paper: _PaperContexts) -> tuple[np.ndarray, tuple[str, ...], np.ndarray, str]:
+    """The paper's low/mid/high contexts, which a majority-vote record's ``cost_coeffs`` and
+    ``context_distribution`` must repeat; absent or unreadable, they are used only when asked."""
+    weights, names, cprobs = mv_cost_contexts()
+    expected = {n: -float(w) for n, w in zip(names, weights[:, -1], strict=True)}
+    paper_set = f"the paper's low/mid/high contexts (cost weights {', '.join(f'{v:g}' for v in expected.values())}, uniform)"
     coeffs = obj.__dict__.get("cost_coeffs")
-    if isinstance(coeffs, dict):
-        weights, names, _ = mv_cost_contexts()
-        expected = {n: -float(w) for n, w in zip(names, weights[:, -1], strict=True)}
+    try:
+        if not isinstance(coeffs, dict):
+            raise ReleaseError(f"{where}: the record stores no 'cost_coeffs' dict (got {type(coeffs).__name__})")
         got = {str(k): float(v) for k, v in coeffs.items()}
-        if got != expected:
-            raise ReleaseError(f"{where}: cost_coeffs {got} differ from the paper's {expected}")
+        stored_probs = _distribution(obj, len(got), where)
+    except (TypeError, ValueError, OverflowError) as exc:
+        problem = (str(exc).removeprefix(f"{where}: ") if isinstance(exc, ReleaseError)
+                   else f"its 'cost_coeffs' are unreadable ({exc})")
+        return weights, names, cprobs, paper.fallback(where, problem, paper_set)
+    if got != expected:
+        raise ReleaseError(f"{where}: cost_coeffs {got} differ from the paper's {expected}; a majority-vote record "
+                           "is imported with the paper's contexts only")
+    if not np.allclose(stored_probs, cprobs, rtol=0, atol=1e-9):
+        raise ReleaseError(f"{where}: context_distribution {stored_probs.tolist()} differs from the paper's uniform "
+                           f"{cprobs.tolist()}; a majority-vote record is imported with the paper's contexts only")
+    return weights, names, cprobs, f"the record's own, which are {paper_set}"
 
 
 def _provenance(path: Path, index: int, kind: str) -> dict[str, Any]:
@@ -273,7 +374,7 @@ def _provenance(path: Path, index: int, kind: str) -> dict[str, Any]:
     }
 
 
-def _mv_table(obj: ReleaseRecord, task: str, attrs: dict[str, Any], where: str) -> OutcomeTable:
+def _mv_table(obj: ReleaseRecord, task: str, attrs: dict[str, Any], where: str, paper: _PaperContexts) -> OutcomeTable:
     train = _array(obj, "cat_probs", 3, where)
     test = _array(obj, "cat_probs_te", 3, where)
     gold_tr = _array(obj, "answers", 1, where, np.int64)
@@ -284,8 +385,8 @@ def _mv_table(obj: ReleaseRecord, task: str, attrs: dict[str, Any], where: str) 
         raise ReleaseError(f"{where}: answers {gold_tr.shape} / answers_te {gold_te.shape} do not match the "
                            f"queries of cat_probs {train.shape} / cat_probs_te {test.shape}")
     cost = _array(obj, "cost_per_prompt", 1, where)
-    _check_mv_contexts(obj, where)
-    weights, names, cprobs = mv_cost_contexts()
+    weights, names, cprobs, source = _mv_contexts(obj, where, paper)
+    attrs = {**attrs, "contexts_source": f"{describe_contexts(weights, cprobs)}: {source}"}
     n_p, n_tr, n_te = train.shape[0], train.shape[1], test.shape[1]
     return OutcomeTable(
         task=task, aggregator="mv", probs=np.concatenate([train, test], axis=1), cost=cost,
@@ -296,7 +397,7 @@ def _mv_table(obj: ReleaseRecord, task: str, attrs: dict[str, Any], where: str) 
     )
 
 
-def _bon_table(obj: ReleaseRecord, task: str, attrs: dict[str, Any], where: str) -> OutcomeTable:
+def _bon_table(obj: ReleaseRecord, task: str, attrs: dict[str, Any], where: str, paper: _PaperContexts) -> OutcomeTable:
     vec_tr = _array(obj, "outcome_vectors_train", 4, where)
     vec_te = _array(obj, "outcome_vectors_test", 4, where)
     pr_tr = _array(obj, "outcome_probs_train", 3, where)
@@ -310,10 +411,18 @@ def _bon_table(obj: ReleaseRecord, task: str, attrs: dict[str, Any], where: str)
     n_m = max(vec_tr.shape[2], vec_te.shape[2])  # pad the smaller atom axis with zero-probability atoms
     vec_tr, pr_tr = _pad_atoms(vec_tr, pr_tr, n_m)
     vec_te, pr_te = _pad_atoms(vec_te, pr_te, n_m)
-    weights, names, cprobs = bon_grid_contexts()
     k = vec_tr.shape[3]
-    if k != weights.shape[1] - 1:
-        raise ReleaseError(f"{where}: outcome vectors have {k} objectives; the paper's BoN contexts weigh {weights.shape[1] - 1}")
+    try:
+        weights, names, cprobs = stored_bon_contexts(obj, k, where)
+        source = "the record's own"
+    except ReleaseError as exc:
+        weights, names, cprobs = bon_grid_contexts()
+        paper_set = "the paper's 27 Best-of-N contexts (w1 in 0.1..0.9, w2 = 1 - w1, cost weight 0.1/0.5/1.0, uniform)"
+        if k != weights.shape[1] - 1:
+            raise ReleaseError(f"{exc}; the paper's Best-of-N contexts weigh 2 objectives, not this record's {k}, "
+                               "so they cannot stand in for them") from None
+        source = paper.fallback(where, str(exc).removeprefix(f"{where}: "), paper_set)
+    attrs = {**attrs, "contexts_source": f"{describe_contexts(weights, cprobs)}: {source}"}
     cost = _array(obj, "cost_per_prompt", 1, where)
     n_p, n_tr, n_te = vec_tr.shape[0], vec_tr.shape[1], vec_te.shape[1]
     objective_names = obj.__dict__.get("objective_names")
@@ -337,7 +446,7 @@ def _pad_atoms(vectors: np.ndarray, probs: np.ndarray, n_m: int) -> tuple[np.nda
     return vectors, probs
 
 
-def _sb_table(obj: ReleaseRecord, task: str, attrs: dict[str, Any], where: str) -> OutcomeTable:
+def _sb_table(obj: ReleaseRecord, task: str, attrs: dict[str, Any], where: str, paper: _PaperContexts) -> OutcomeTable:
     parts: dict[str, list[np.ndarray]] = {"train": [], "test": []}
     labels: dict[str, list[str]] = {"train": [], "test": []}
     for split_name, attr in (("train", "success_probs"), ("test", "success_probs_test")):
@@ -358,8 +467,8 @@ def _sb_table(obj: ReleaseRecord, task: str, attrs: dict[str, Any], where: str) 
         raise ReleaseError(f"{where}: success probabilities must lie in [0, 1]")
     n_tr = sum(a.shape[1] for a in parts["train"])
     n_te = sum(a.shape[1] for a in parts["test"])
-    _check_mv_contexts(obj, where)
-    weights, names, cprobs = mv_cost_contexts()
+    weights, names, cprobs, source = _mv_contexts(obj, where, paper)
+    attrs = {**attrs, "contexts_source": f"{describe_contexts(weights, cprobs)}: {source}"}
     cost = _array(obj, "cost_per_prompt", 1, where)
     return OutcomeTable(
         task=task, aggregator="mv", probs=np.stack([1.0 - success, success], axis=2), cost=cost,
@@ -388,10 +497,15 @@ def table_name_for_file(path: str | os.PathLike[str]) -> str | None:
     return entry.name if entry is not None else None
 
 
-def read_release(path: str | os.PathLike[str], task: str | None = None) -> list[OutcomeTable]:
+def read_release(path: str | os.PathLike[str], task: str | None = None, *,
+                 paper_contexts: bool = False) -> list[OutcomeTable]:
     """One validated OutcomeTable per environment object in the release file at ``path``.
 
-    ``task`` names the tables (default: from the official file name, else the file stem).
+    ``task`` names the tables (default: from the official file name, else the file stem). Each
+    table has its record's own contexts (weights and distribution); a record whose contexts are
+    absent or unreadable is refused, unless ``paper_contexts`` asks for the paper's set instead
+    (recorded in the table's ``contexts`` attribute). A majority-vote record's contexts must be the
+    paper's low/mid/high.
     """
     path = Path(path)
     envs = load_release_objects(path)
@@ -403,7 +517,7 @@ def read_release(path: str | os.PathLike[str], task: str | None = None) -> list[
         attrs = _provenance(path, i, kind or "?")
         build = {"mv": _mv_table, "bon": _bon_table, "sb": _sb_table}[kind or "mv"]
         try:
-            tables.append(build(obj, name, attrs, where))
+            tables.append(build(obj, name, attrs, where, _PaperContexts(paper_contexts)))
         except ReleaseError:
             raise
         except TableError as exc:
@@ -419,12 +533,14 @@ def table_file_names(task: str, count: int) -> list[str]:
 
 
 def import_release(path: str | os.PathLike[str], task: str | None = None,
-                   dest: str | os.PathLike[str] | None = None, *, entry: ReleaseEntry | None = None) -> list[Path]:
+                   dest: str | os.PathLike[str] | None = None, *, entry: ReleaseEntry | None = None,
+                   paper_contexts: bool = False) -> list[Path]:
     """Convert a release file to HDF5 tables in ``dest`` (default: the user cache); returns the paths.
 
     The file's git blob id and sha256 are recorded in the tables' provenance, with whether they
     match ``entry`` (default: the registry's entry for the file name). Writes are atomic and
     serialized by a file lock, so concurrent imports of the same task leave one valid table.
+    ``paper_contexts`` as in ``read_release``.
     """
     from iapo_gym import paths
     from iapo_gym.data.download import file_hashes, folder_lock
@@ -444,7 +560,7 @@ def import_release(path: str | os.PathLike[str], task: str | None = None,
     verified = bool(entry is not None and blob == entry.git_blob and (entry.sha256 in (None, sha)))
     if registered is not None and not verified:
         raise ReleaseError(_unofficial_message(path, name, entry))
-    tables = read_release(path, name)
+    tables = read_release(path, name, paper_contexts=paper_contexts)
     extra = {"source_git_blob": blob, "source_sha256": sha, "verified": verified}
     folder = Path(dest) if dest is not None else paths.cache_dir()
     out: list[Path] = []

@@ -66,7 +66,7 @@ def format_summary(table: OutcomeTable, oracle: dict[str, Any]) -> str:
         f"objectives  {', '.join(s['objective_names'])} (+ cost)",
         f"N_max       {s['n_max']}",
         f"cost        {s['cost_min']:.6g} .. {s['cost_max']:.6g} per completion",
-        f"contexts    {s['n_contexts']}:",
+        f"contexts    {s['n_contexts']}: {s.get('contexts_source', 'where from is not recorded in this table')}",
     ]
     shown = s["contexts"] if len(s["contexts"]) <= 9 else s["contexts"][:4] + [None] + s["contexts"][-4:]
     for c in shown:
