@@ -1,9 +1,13 @@
-"""Build an outcome table from your own LLM logs: one JSON object per completion (``docs/log-format.md``).
+"""Build an outcome table from samples: your own completion logs (``docs/log-format.md``), lm-evaluation-harness
+logs (``iapo_gym.data.lmeval``) and columnar sample sets (``iapo_gym.data.columns``).
 
-Majority vote keeps, per query, the most frequent answers over all prompts plus an "other"
-bucket (the paper: top 4 + other), always keeping the gold answer. Best-of-N keeps the
-empirical distribution of objective vectors, or bins them on a grid (the paper: 0.5). The
-per-prompt cost is the mean token count, scaled so the most expensive prompt costs ``cost_scale``.
+Every reader hands ``SampleAccumulator`` batches of samples (one entry per completion); the accumulator
+keeps only counts per (prompt, query, outcome), so a build holds one batch plus the distinct outcomes
+and the finished table, whatever the number of rows (``docs/data.md`` states the bound). Majority vote
+keeps, per query, the most frequent answers over all prompts plus an "other" bucket (the paper: top 4 +
+other), always keeping the gold answer. Best-of-N keeps the distribution of objective vectors: exact, on
+a grid (the paper: 0.5) or in quantile bins. The per-prompt cost is the mean token count, scaled so the
+most expensive prompt costs ``cost_scale``.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,16 +23,21 @@ from typing import Any
 import numpy as np
 
 from iapo_gym.seeding import derive_rng
-from iapo_gym.tables import TEST, TRAIN, OutcomeTable, TableError
+from iapo_gym.tables import MAX_TABLE_BYTES, TEST, TRAIN, OutcomeTable, TableError
 from iapo_gym.tasks.contexts import COST_WEIGHTS_BON, bon_grid_contexts, mv_cost_contexts
 
-#: Seed key of the stored split drawn when the log names none.
+#: Seed key of the stored split drawn when the samples name none.
 SPLIT_KEY = "iapo_gym.data.build.split"
 DEFAULT_COST_SCALE = 0.01
+#: Rows per batch the readers hand the accumulator (the part of a build's memory that grows with it).
+DEFAULT_BATCH_ROWS = 65_536
+#: Cells of the histogram that places quantile-bin edges (edges are cell boundaries).
+QUANTILE_CELLS = 4096
+_NO_ANSWER = -1
 
 
 class LogFormatError(ValueError):
-    """A completion log is malformed; the message names the file and line."""
+    """Samples are malformed; the message names the file and the line or row."""
 
 
 def jsonl_objects(lines: Iterable[str], name: str | os.PathLike[str],
@@ -60,20 +69,531 @@ def jsonl_objects(lines: Iterable[str], name: str | os.PathLike[str],
         yield lineno, where, rec
 
 
-@dataclass
-class _Log:
-    """Parsed columns of a completion log (one entry per completion)."""
+# ---- one batch of samples, as every reader hands it over ------------------------------------------------
 
-    path: Path
-    prompts: list[str] = field(default_factory=list)
-    queries: list[str] = field(default_factory=list)
-    tokens: list[float] = field(default_factory=list)
-    lines: list[int] = field(default_factory=list)
-    answers: list[str | None] = field(default_factory=list)
-    golds: list[str] = field(default_factory=list)
-    scores: list[list[float]] = field(default_factory=list)
-    objective_names: tuple[str, ...] = ()
-    splits: dict[str, tuple[str, int]] = field(default_factory=dict)  # query -> (split, first line)
+
+Codes = tuple[Sequence[str], np.ndarray]
+"""Batch-local categorical values: the distinct values and each row's index into them (-1: none)."""
+
+
+@dataclass
+class SampleBatch:
+    """Samples of one batch, one entry per completion, already checked by the reader.
+
+    ``rows`` gives each entry's place for error messages (a line or row number in ``origin``).
+    """
+
+    origin: str
+    rows: np.ndarray  # (n,) int64 line or row numbers
+    prompts: Codes
+    queries: Codes
+    tokens: np.ndarray | None = None  # (n,) float64 >= 0; None: no token counts
+    answers: Codes | None = None  # mv: index -1 = no answer
+    golds: Codes | None = None  # mv
+    scores: np.ndarray | None = None  # bon: (n, K) float64, finite
+    splits: Codes | None = None  # values "train" / "test"
+    samples: np.ndarray | None = None  # (n,) int64 sample index within its (prompt, query)
+
+    def __len__(self) -> int:
+        """Number of completions."""
+        return int(self.rows.size)
+
+    def where(self, i: int) -> str:
+        """``origin:line`` of entry ``i``."""
+        return f"{self.origin}:{int(self.rows[i])}"
+
+
+def codes_of(values: Sequence[Any]) -> Codes:
+    """Distinct values in order of first appearance and each entry's index (None: -1)."""
+    order: dict[Any, int] = {}
+    idx = np.fromiter((-1 if v is None else order.setdefault(v, len(order)) for v in values), dtype=np.int64,
+                      count=len(values))
+    return list(order), idx
+
+
+class _Interner:
+    """Global codes of categorical values (prompts, queries, answers) in order of first appearance."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+        self.first_row: list[int] = []  # global row of first appearance (answers: as an answer)
+
+    def map(self, codes: Codes, row0: int | None = None) -> np.ndarray:
+        """Global codes of a batch's entries; ``row0`` (the batch's first global row) records first appearances."""
+        values, idx = codes
+        local = np.empty(len(values), dtype=np.int64)
+        for j, v in enumerate(values):
+            code = self.index.setdefault(v, len(self.index))
+            local[j] = code
+            if code == len(self.first_row):
+                self.first_row.append(-1)
+        glob = np.where(idx >= 0, local[np.maximum(idx, 0)] if len(values) else -1, -1)
+        if row0 is not None and len(values):
+            seen = np.flatnonzero(idx >= 0)
+            firsts, at = np.unique(idx[seen], return_index=True)
+            for j, pos in zip(firsts.tolist(), seen[at].tolist(), strict=True):
+                if self.first_row[local[j]] < 0:
+                    self.first_row[local[j]] = row0 + pos
+        return glob
+
+    @property
+    def values(self) -> tuple[str, ...]:
+        """The distinct values, by code."""
+        return tuple(self.index)
+
+    def __len__(self) -> int:
+        """Number of distinct values."""
+        return len(self.index)
+
+
+class _KeyedCounts:
+    """Counts (and optional integer sums) per integer key row, merged lazily: distinct keys, not rows, are kept."""
+
+    def __init__(self, n_cols: int, n_vals: int) -> None:
+        self.keys = np.empty((0, n_cols), dtype=np.int64)
+        self.vals = np.empty((0, n_vals), dtype=np.int64)
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self._pending_rows = 0
+
+    def add(self, keys: np.ndarray, vals: np.ndarray) -> None:
+        """Add rows of keys with their values; merged when the pending rows outgrow the merged ones."""
+        self._pending.append(_reduce(keys, vals))
+        self._pending_rows += self._pending[-1][0].shape[0]
+        if self._pending_rows >= max(self.keys.shape[0], DEFAULT_BATCH_ROWS):
+            self.merge()
+
+    def merge(self) -> None:
+        """Fold the pending rows into the merged, sorted, distinct keys."""
+        if self._pending:
+            self.keys, self.vals = _reduce(np.concatenate([self.keys, *(k for k, _ in self._pending)]),
+                                           np.concatenate([self.vals, *(v for _, v in self._pending)]))
+            self._pending, self._pending_rows = [], 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (merged and pending)."""
+        return int(self.keys.nbytes + self.vals.nbytes + sum(k.nbytes + v.nbytes for k, v in self._pending))
+
+
+def _reduce(keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct key rows, sorted (first column first), with the values of equal rows summed."""
+    if keys.shape[0] == 0:
+        return keys, vals
+    order = np.lexsort(keys.T[::-1])
+    keys, vals = keys[order], vals[order]
+    starts = np.flatnonzero(np.concatenate([[True], np.any(keys[1:] != keys[:-1], axis=1)]))
+    return keys[starts], np.add.reduceat(vals, starts, axis=0)
+
+
+def _grow(arr: np.ndarray, n: int, fill: int) -> np.ndarray:
+    if arr.size >= n:
+        return arr
+    return np.concatenate([arr, np.full(max(n, 2 * arr.size) - arr.size, fill, dtype=arr.dtype)])
+
+
+def _ordered_bits(values: np.ndarray) -> np.ndarray:
+    """Order-preserving int64 keys of finite float64 values (-0.0 and 0.0 are one key)."""
+    bits = np.ascontiguousarray(values + 0.0).view(np.int64)  # + 0.0 turns -0.0 into 0.0
+    return bits ^ ((bits >> 63) & np.int64(0x7FFFFFFFFFFFFFFF))
+
+
+def _bits_values(keys: np.ndarray) -> np.ndarray:
+    """The float64 values of ``_ordered_bits`` keys (the same flip undoes it)."""
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    return (keys ^ ((keys >> 63) & np.int64(0x7FFFFFFFFFFFFFFF))).view(np.float64)
+
+
+@dataclass(frozen=True)
+class Binning:
+    """How Best-of-N scores become atoms: exact vectors, a grid, or quantile bins (``edges`` per objective)."""
+
+    grid: float | None = 0.5
+    edges: tuple[np.ndarray, ...] | None = None  # quantile bins: the inner edges of each objective
+
+    def describe(self) -> str:
+        """How the atoms were made, for the table's provenance."""
+        if self.edges is not None:
+            return f"quantile bins ({', '.join(str(e.size + 1) for e in self.edges)} per objective)"
+        return f"grid {self.grid}" if self.grid is not None else "exact objective vectors"
+
+
+class SampleAccumulator:
+    """Counts per (prompt, query, outcome) from batches of samples: the one place a table's distributions come from.
+
+    Holds the distinct keys (at most prompts x queries x outcomes of 8 bytes per key column), per-prompt
+    token sums, per-query gold and split, and per-pair sample-index checks: never the rows themselves.
+    """
+
+    def __init__(self, aggregator: str, *, binning: Binning | None = None, max_bytes: int = MAX_TABLE_BYTES) -> None:
+        """``aggregator`` "mv" or "bon"; ``binning`` for bon (default: the paper's 0.5 grid)."""
+        if aggregator not in ("mv", "bon"):
+            raise ValueError(f"aggregator must be 'mv' or 'bon', got {aggregator!r}")
+        self.aggregator = aggregator
+        self.binning = binning or Binning()
+        self.max_bytes = max_bytes
+        self.prompts, self.queries, self.answers = _Interner(), _Interner(), _Interner()
+        self.objective_names: tuple[str, ...] = ()
+        self.rows = 0
+        self.token_sum = np.zeros(0)
+        self.token_rows = np.zeros(0, dtype=np.int64)
+        self.has_tokens: bool | None = None
+        self.gold = np.zeros(0, dtype=np.int64)  # per query: answer code, -1 unknown
+        self.gold_where: dict[int, str] = {}
+        self.split = np.zeros(0, dtype=np.int64)  # per query: TRAIN/TEST, -1 unknown
+        self.split_where: dict[int, str] = {}
+        self.any_split = False
+        self.sample_base: int | None = None
+        self.sample_stats = _KeyedCounts(2, 3)  # (p, q) -> count, sum, sum of squares of sample - base
+        self.outcomes: _KeyedCounts | None = None
+        self.bin_lo: list[np.ndarray] = []  # quantile bins: smallest and largest score seen per bin
+        self.bin_hi: list[np.ndarray] = []
+
+    # ---- adding a batch -------------------------------------------------------------------------------
+    def add(self, batch: SampleBatch, objective_names: Sequence[str] = ()) -> None:
+        """Count one batch (its entries already checked by the reader; cross-batch rules are checked here)."""
+        n = len(batch)
+        if n == 0:
+            return
+        p = self.prompts.map(batch.prompts)
+        q = self.queries.map(batch.queries)
+        n_q = len(self.queries)
+        self._tokens(batch, p)
+        self._per_query(batch, q, n_q)
+        if batch.samples is not None:
+            self._samples(batch, p, q)
+        if self.aggregator == "mv":
+            if batch.answers is None or batch.golds is None:
+                raise LogFormatError(f"{batch.origin}: majority vote needs each completion's answer and gold answer")
+            a = self.answers.map(batch.answers, row0=self.rows)
+            g = self.answers.map(batch.golds)
+            self._gold(batch, q, g, n_q)
+            keys = np.column_stack([p, q, a])
+        else:
+            if batch.scores is None:
+                raise LogFormatError(f"{batch.origin}: Best-of-N needs each completion's scores")
+            names = tuple(objective_names)
+            if not self.objective_names:
+                self.objective_names = names
+            elif names != self.objective_names:
+                raise LogFormatError(f"{batch.origin}: objectives {list(names)} differ from {list(self.objective_names)}")
+            keys = np.column_stack([p, q, self._atom_keys(batch.scores, batch)])
+        if self.outcomes is None:
+            self.outcomes = _KeyedCounts(keys.shape[1], 1)
+        self.outcomes.add(keys, np.ones((n, 1), dtype=np.int64))
+        self.rows += n
+        held = self.outcomes.nbytes + self.sample_stats.nbytes
+        if held > self.max_bytes:
+            raise LogFormatError(f"{batch.where(n - 1)}: the distinct (prompt, query, outcome) counts so far take "
+                                 f"{held} bytes, more than the limit of {self.max_bytes}; "
+                                 + ("use a coarser --grid or --quantile-bins" if self.aggregator == "bon"
+                                    else "fewer distinct answers (normalize them) or fewer queries"))
+
+    def _tokens(self, batch: SampleBatch, p: np.ndarray) -> None:
+        has = batch.tokens is not None
+        if self.has_tokens is None:
+            self.has_tokens = has
+        elif self.has_tokens != has:
+            raise LogFormatError(f"{batch.where(0)}: token counts are given for some completions and not others")
+        n_p = len(self.prompts)
+        self.token_sum = _grow(self.token_sum, n_p, 0)
+        self.token_rows = _grow(self.token_rows, n_p, 0)
+        if has:
+            assert batch.tokens is not None
+            self.token_sum[:n_p] += np.bincount(p, weights=batch.tokens, minlength=n_p)
+        self.token_rows[:n_p] += np.bincount(p, minlength=n_p)
+
+    def _consistent(self, batch: SampleBatch, q: np.ndarray, value: np.ndarray, store: np.ndarray,
+                    wheres: dict[int, str], describe: Callable[[int], str], what: str) -> np.ndarray:
+        """Record one value per query; a query seen with two values raises naming both places."""
+        pairs, first = np.unique(np.column_stack([q, value]), axis=0, return_index=True)
+        dup = np.flatnonzero(pairs[1:, 0] == pairs[:-1, 0])
+        if dup.size:  # two values for one query inside this batch
+            i = int(dup[0])
+            a, b = sorted((int(first[i]), int(first[i + 1])))
+            raise LogFormatError(f"{batch.where(b)}: {what} {describe(int(value[b]))} of query "
+                                 f"{self.queries.values[int(q[b])]!r} differs from {describe(int(value[a]))} "
+                                 f"at {batch.where(a)}")
+        uq, uv = pairs[:, 0], pairs[:, 1]
+        known = store[uq]
+        clash = np.flatnonzero((known >= 0) & (known != uv))
+        if clash.size:
+            j = int(clash[0])
+            raise LogFormatError(f"{batch.where(int(first[j]))}: {what} {describe(int(uv[j]))} of query "
+                                 f"{self.queries.values[int(uq[j])]!r} differs from {describe(int(known[j]))} "
+                                 f"at {wheres[int(uq[j])]}")
+        for j in np.flatnonzero(known < 0).tolist():
+            wheres[int(uq[j])] = batch.where(int(first[j]))
+        store[uq] = uv
+        return store
+
+    def _per_query(self, batch: SampleBatch, q: np.ndarray, n_q: int) -> None:
+        self.gold = _grow(self.gold, n_q, -1)
+        self.split = _grow(self.split, n_q, -1)
+        if batch.splits is None:
+            return
+        values, idx = batch.splits
+        bad = [v for v in values if v not in ("train", "test")]
+        if bad:
+            i = int(np.flatnonzero(idx == list(values).index(bad[0]))[0])
+            raise LogFormatError(f"{batch.where(i)}: field 'split' must be 'train' or 'test', got {bad[0]!r}")
+        lookup = np.array([TEST if v == "test" else TRAIN for v in values], dtype=np.int64)
+        given = idx >= 0
+        if not given.any():
+            return
+        self.any_split = True
+        sub = SampleBatch(batch.origin, batch.rows[given], batch.prompts, batch.queries)
+        self._consistent(sub, q[given], lookup[idx[given]], self.split, self.split_where,
+                         lambda s: repr("test" if s == TEST else "train"), "split")
+
+    def _gold(self, batch: SampleBatch, q: np.ndarray, g: np.ndarray, n_q: int) -> None:
+        if np.any(g < 0):
+            raise LogFormatError(f"{batch.where(int(np.flatnonzero(g < 0)[0]))}: the gold answer is missing")
+        values = self.answers.values
+        self._consistent(batch, q, g, self.gold, self.gold_where, lambda a: repr(values[a]), "gold answer")
+
+    def _samples(self, batch: SampleBatch, p: np.ndarray, q: np.ndarray) -> None:
+        assert batch.samples is not None
+        lowest = int(batch.samples.min())
+        if self.sample_base is None:
+            self.sample_base = lowest
+        elif lowest < self.sample_base:
+            raise LogFormatError(f"{batch.where(int(np.argmin(batch.samples)))}: sample index {lowest} is below the "
+                                 f"first batch's lowest, {self.sample_base}; sample indices count from 0 (or 1) "
+                                 "in every (prompt, query)")
+        s = batch.samples - self.sample_base
+        self.sample_stats.add(np.column_stack([p, q]), np.column_stack([np.ones_like(s), s, s * s]))
+
+    def _atom_keys(self, scores: np.ndarray, batch: SampleBatch) -> np.ndarray:
+        b = self.binning
+        if b.edges is not None:
+            if scores.shape[1] != len(b.edges):
+                raise LogFormatError(f"{batch.origin}: {scores.shape[1]} scores per completion, quantile edges "
+                                     f"for {len(b.edges)}")
+            cols = []
+            for k, edges in enumerate(b.edges):
+                idx = np.searchsorted(edges, scores[:, k], side="right")
+                if len(self.bin_lo) <= k:
+                    self.bin_lo.append(np.full(edges.size + 1, np.inf))
+                    self.bin_hi.append(np.full(edges.size + 1, -np.inf))
+                np.minimum.at(self.bin_lo[k], idx, scores[:, k])
+                np.maximum.at(self.bin_hi[k], idx, scores[:, k])
+                cols.append(idx)
+            return np.column_stack(cols).astype(np.int64)
+        if b.grid is not None:
+            cells = np.round(scores / b.grid)
+            if np.any(np.abs(cells) >= 2.0**62):
+                i = int(np.flatnonzero(np.any(np.abs(cells) >= 2.0**62, axis=1))[0])
+                raise LogFormatError(f"{batch.where(i)}: score {scores[i].tolist()} is too large for grid {b.grid}")
+            return cells.astype(np.int64)
+        return _ordered_bits(scores)
+
+    def _atom_values(self, keys: np.ndarray) -> np.ndarray:
+        b = self.binning
+        if b.edges is not None:
+            # each quantile bin's atom is the midpoint of the smallest and largest score that fell into it
+            return np.column_stack([(self.bin_lo[k][keys[:, k]] + self.bin_hi[k][keys[:, k]]) / 2
+                                    for k in range(keys.shape[1])])
+        if b.grid is not None:
+            return keys.astype(np.float64) * b.grid
+        return _bits_values(keys)
+
+    # ---- the table ------------------------------------------------------------------------------------
+    def finish(self, task: str, *, n_max: int = 32, top_k: int = 4, cost_scale: float = DEFAULT_COST_SCALE,
+               test_fraction: float = 0.2, seed: int = 0, attrs: dict[str, Any] | None = None,
+               origin: str = "samples") -> OutcomeTable:
+        """The outcome table of everything added (``top_k`` for mv); every (prompt, query) pair needs a completion."""
+        if self.outcomes is None or self.rows == 0:
+            raise LogFormatError(f"{origin}: no completions")
+        self.outcomes.merge()
+        self.sample_stats.merge()
+        keys, counts = self.outcomes.keys, self.outcomes.vals[:, 0]
+        n_p, n_q = len(self.prompts), len(self.queries)
+        pair = keys[:, 0] * n_q + keys[:, 1]
+        pair_count = np.bincount(pair, weights=counts, minlength=n_p * n_q).astype(np.int64).reshape(n_p, n_q)
+        if np.any(pair_count == 0):
+            p, q = (int(i) for i in np.argwhere(pair_count == 0)[0])
+            raise LogFormatError(f"{origin}: no completion of prompt {self.prompts.values[p]!r} on query "
+                                 f"{self.queries.values[q]!r}; every (prompt, query) pair needs at least one "
+                                 f"({int((pair_count == 0).sum())} pairs are missing)")
+        self._check_samples(origin)
+        common: dict[str, Any] = {
+            "task": task, "cost": self._cost(cost_scale, origin), "n_max": n_max,
+            "prompts": self.prompts.values, "queries": self.queries.values,
+            "split": self._split(test_fraction, seed, origin),
+            "attrs": {**(attrs or {}), "completions": self.rows},
+        }
+        if self.aggregator == "mv":
+            if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+                raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
+            probs, gold = self._mv(keys, counts, pair_count, top_k)
+            weights, names, cprobs = mv_cost_contexts()
+            return OutcomeTable(aggregator="mv", probs=probs, gold=gold, context_weights=weights, context_names=names,
+                                context_probs=cprobs, objective_names=("correct",), **common)
+        probs, atoms = self._bon(keys, counts, pair_count)
+        weights, names, cprobs = bon_contexts(len(self.objective_names))
+        return OutcomeTable(aggregator="bon", probs=probs, atoms=atoms, context_weights=weights, context_names=names,
+                            context_probs=cprobs, objective_names=self.objective_names, **common)
+
+    def _guard(self, n_p: int, n_q: int, n_m: int, per_atom: int) -> None:
+        """Refuse a table whose dense arrays (P x Q x M x values per atom, 8 bytes each) pass ``max_bytes``."""
+        need = n_p * n_q * n_m * per_atom * 8
+        if need > self.max_bytes:
+            hint = "use a coarser --grid or --quantile-bins" if self.aggregator == "bon" else "use a smaller --top-k"
+            raise LogFormatError(f"the table would hold {n_p} prompts x {n_q} queries x {n_m} atoms x {per_atom} "
+                                 f"values = {need} bytes, more than the limit of {self.max_bytes}; {hint}")
+
+    def _mv(self, keys: np.ndarray, counts: np.ndarray, pair_count: np.ndarray,
+            top_k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Buckets per query: the ``top_k`` most frequent answers (gold always kept) + "other"; probs and gold."""
+        n_p, n_q = pair_count.shape
+        n_m, other = top_k + 1, top_k
+        self._guard(n_p, n_q, n_m, 1)
+        p, q, a = keys[:, 0], keys[:, 1], keys[:, 2]
+        valid = a != _NO_ANSWER
+        n_a = max(len(self.answers), 1)
+        gold_code = self.gold[:n_q]
+        # votes per (query, answer) over all prompts; one zero-count key per query guarantees a gold row
+        qa = np.concatenate([q[valid] * n_a + a[valid], np.arange(n_q) * n_a + gold_code])
+        ukeys, inverse = np.unique(qa, return_inverse=True)
+        ucount = np.bincount(inverse, weights=np.concatenate([counts[valid], np.zeros(n_q)]),
+                             minlength=ukeys.size).astype(np.int64)
+        row_q, row_a = ukeys // n_a, ukeys % n_a
+        first = np.asarray(self.answers.first_row, dtype=np.int64)[row_a]
+        first = np.where(first < 0, np.iinfo(np.int64).max, first)  # gold never given as an answer: last
+        order = np.lexsort((first, -ucount, row_q))  # by query, then most votes, then first seen as an answer
+        start = np.searchsorted(row_q[order], np.arange(n_q))
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size) - start[row_q[order]]
+        is_gold = row_a == gold_code[row_q]
+        gold_rank = np.empty(n_q, dtype=np.int64)
+        gold_rank[row_q[is_gold]] = rank[is_gold]
+        keep = ((rank < top_k) & ~((gold_rank[row_q] >= top_k) & (rank == top_k - 1))) | is_gold
+        kept_sorted = keep[order]
+        bucket_sorted = np.cumsum(kept_sorted) - 1
+        group_start = np.concatenate([[0], np.cumsum(kept_sorted)])[start]
+        bucket = np.full(ukeys.size, other, dtype=np.int64)
+        bucket[order[kept_sorted]] = (bucket_sorted - group_start[row_q[order]])[kept_sorted]
+        gold = bucket[np.searchsorted(ukeys, np.arange(n_q) * n_a + gold_code)]
+        key_bucket = np.full(keys.shape[0], other, dtype=np.int64)
+        key_bucket[valid] = bucket[np.searchsorted(ukeys, q[valid] * n_a + a[valid])]
+        votes = np.bincount((p * n_q + q) * n_m + key_bucket, weights=counts, minlength=n_p * n_q * n_m)
+        return votes.reshape(n_p, n_q, n_m) / pair_count[:, :, None], gold
+
+    def _bon(self, keys: np.ndarray, counts: np.ndarray, pair_count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Atoms per (prompt, query): its distinct (binned) vectors, padded with zero-probability copies of its first."""
+        n_p, n_q = pair_count.shape
+        k = len(self.objective_names)
+        pair = keys[:, 0] * n_q + keys[:, 1]  # keys are sorted by prompt, then query
+        start = np.searchsorted(pair, np.arange(n_p * n_q))
+        slot = np.arange(keys.shape[0]) - start[pair]
+        n_m = int(slot.max()) + 1
+        self._guard(n_p, n_q, n_m, k + 1)
+        values = self._atom_values(keys[:, 2:])
+        atoms = np.repeat(values[start][:, None, :], n_m, axis=1)  # padding repeats each pair's first atom
+        atoms[pair, slot] = values
+        probs = np.zeros((n_p * n_q, n_m))
+        probs[pair, slot] = counts / pair_count.reshape(-1)[pair]
+        return probs.reshape(n_p, n_q, n_m), atoms.reshape(n_p, n_q, n_m, k)
+
+    def _check_samples(self, origin: str) -> None:
+        """Each pair's sample indices must be base, base + 1, ..., base + n - 1 (count, sum and sum of squares)."""
+        if self.sample_base is None:
+            return
+        keys, vals = self.sample_stats.keys, self.sample_stats.vals
+        n = vals[:, 0]
+        bad = np.flatnonzero((vals[:, 1] != n * (n - 1) // 2) | (vals[:, 2] != (n - 1) * n * (2 * n - 1) // 6))
+        if bad.size:
+            i = int(bad[0])
+            raise LogFormatError(f"{origin}: the {int(n[i])} sample indices of prompt {self.prompts.values[keys[i, 0]]!r} "
+                                 f"on query {self.queries.values[keys[i, 1]]!r} are not {self.sample_base}.."
+                                 f"{self.sample_base + int(n[i]) - 1} once each (a repeated or missing sample; "
+                                 f"{bad.size} pairs are affected)")
+
+    def _cost(self, cost_scale: float, origin: str) -> np.ndarray:
+        if not (math.isfinite(cost_scale) and cost_scale >= 0):
+            raise ValueError(f"cost_scale must be a finite number >= 0, got {cost_scale!r}")
+        n_p = len(self.prompts)
+        if not self.has_tokens:
+            return np.full(n_p, float(cost_scale))  # no token counts: every prompt costs the same
+        mean = self.token_sum[:n_p] / self.token_rows[:n_p]
+        top = mean.max()
+        if top <= 0:
+            raise LogFormatError(f"{origin}: every token count is 0, so no cost can be derived")
+        return cost_scale * mean / top
+
+    def _split(self, test_fraction: float, seed: int, origin: str) -> np.ndarray | None:
+        n_q = len(self.queries)
+        if self.any_split:
+            split = self.split[:n_q]
+            if np.any(split < 0):
+                missing = self.queries.values[int(np.flatnonzero(split < 0)[0])]
+                raise LogFormatError(f"{origin}: some completions give a 'split' but query {missing!r} has none; "
+                                     "give it for every query or none")
+            return split.astype(np.uint8)
+        if not 0.0 <= test_fraction < 1.0:
+            raise ValueError(f"test_fraction must be in [0, 1), got {test_fraction!r}")
+        if test_fraction == 0.0:
+            return None
+        n_test = int(round(test_fraction * n_q))
+        if n_test < 1 or n_test >= n_q:
+            raise LogFormatError(f"{origin}: test_fraction {test_fraction} of its {n_q} queries leaves no train or "
+                                 "no test query; use --test-fraction 0 (no stored split) or give more queries")
+        split = np.full(n_q, TRAIN, dtype=np.uint8)
+        split[derive_rng(seed, SPLIT_KEY).permutation(n_q)[:n_test]] = TEST
+        return split
+
+
+def bon_contexts(n_objectives: int) -> tuple[np.ndarray, tuple[str, ...], np.ndarray]:
+    """The paper's 27 weight triples for two objectives; for K != 2, equal weights 1/K at each cost weight."""
+    if n_objectives == 2:
+        return bon_grid_contexts()
+    weights = np.array([[1.0 / n_objectives] * n_objectives + [-wc] for wc in COST_WEIGHTS_BON])
+    names = tuple(f"equal,cost={wc:.1f}" for wc in COST_WEIGHTS_BON)
+    return weights, names, np.full(len(names), 1.0 / len(names))
+
+
+# ---- quantile bins ---------------------------------------------------------------------------------------
+
+
+def quantile_binning(make_batches: Callable[[], Iterator[tuple[SampleBatch, Sequence[str]]]], bins: int) -> Binning:
+    """``bins`` bins per objective with edges at its score quantiles, found in two streamed passes.
+
+    Pass one finds each objective's range, pass two its histogram over ``QUANTILE_CELLS`` equal cells;
+    the inner edges are the cell boundaries where the cumulative share first reaches 1/bins, 2/bins, ...
+    (so a quantile is placed to within one cell, range / 4096). Edges that coincide (many equal scores)
+    merge, giving fewer bins.
+    """
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 2:
+        raise ValueError(f"quantile bins must be an integer >= 2, got {bins!r}")
+    lo: np.ndarray | None = None
+    hi: np.ndarray | None = None
+    for batch, _ in make_batches():
+        if batch.scores is None or len(batch) == 0:
+            continue
+        blo, bhi = batch.scores.min(axis=0), batch.scores.max(axis=0)
+        lo = blo if lo is None else np.minimum(lo, blo)
+        hi = bhi if hi is None else np.maximum(hi, bhi)
+    if lo is None or hi is None:
+        raise LogFormatError("no scores to place quantile bins on")
+    width = np.where(hi > lo, (hi - lo) / QUANTILE_CELLS, 1.0)
+    hist = np.zeros((lo.size, QUANTILE_CELLS), dtype=np.int64)
+    for batch, _ in make_batches():
+        if batch.scores is None or len(batch) == 0:
+            continue
+        cell = np.clip(((batch.scores - lo) / width).astype(np.int64), 0, QUANTILE_CELLS - 1)
+        for k in range(lo.size):
+            hist[k] += np.bincount(cell[:, k], minlength=QUANTILE_CELLS)
+    edges = []
+    for k in range(lo.size):
+        cum = np.cumsum(hist[k])
+        targets = cum[-1] * np.arange(1, bins) / bins
+        cells = np.searchsorted(cum, targets, side="left") + 1  # the boundary after the cell reaching the target
+        inner = np.unique(lo[k] + cells[cells < QUANTILE_CELLS] * width[k])
+        edges.append(inner)
+    return Binning(grid=None, edges=tuple(edges))
+
+
+# ---- completion logs (docs/log-format.md) ----------------------------------------------------------------
 
 
 def _finite_number(value: Any) -> bool:
@@ -95,7 +615,8 @@ def _ident(value: Any, key: str, where: str) -> str:
     return text
 
 
-def _answer(value: Any, key: str, where: str, allow_null: bool) -> str | None:
+def answer_text(value: Any, key: str, where: str, allow_null: bool) -> str | None:
+    """An answer as compared: trimmed text, integers and integral floats alike (``7``, ``7.0``, ``"7"``); None = no answer."""
     if value is None and allow_null:
         return None
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
@@ -113,18 +634,30 @@ def _answer(value: Any, key: str, where: str, allow_null: bool) -> str | None:
     return text
 
 
-def read_log(path: str | os.PathLike[str], aggregator: str) -> _Log:
-    """Parse and check a completion log for ``aggregator`` ("mv" or "bon"); errors name the line."""
-    if aggregator not in ("mv", "bon"):
-        raise ValueError(f"aggregator must be 'mv' or 'bon', got {aggregator!r}")
-    log = _Log(Path(path))
-    golds: dict[str, tuple[str, int]] = {}
+def _log_batches(path: Path, aggregator: str, batch_rows: int) -> Iterator[tuple[SampleBatch, Sequence[str]]]:
+    """Batches of a completion log (docs/log-format.md), each line checked; errors name the line."""
     try:
-        handle = log.path.open(encoding="utf-8")
+        handle = path.open(encoding="utf-8")
     except OSError as exc:
-        raise LogFormatError(f"cannot read log {log.path}: {exc}") from exc
+        raise LogFormatError(f"cannot read log {path}: {exc}") from exc
+    names: tuple[str, ...] = ()
+    cols: dict[str, list[Any]] = {}
+
+    def flush() -> tuple[SampleBatch, Sequence[str]]:
+        batch = SampleBatch(
+            origin=str(path), rows=np.asarray(cols["line"], dtype=np.int64), prompts=codes_of(cols["prompt"]),
+            queries=codes_of(cols["query"]), tokens=np.asarray(cols["tokens"], dtype=np.float64),
+            splits=codes_of(cols["split"]) if any(s is not None for s in cols["split"]) else None)
+        if aggregator == "mv":
+            batch.answers, batch.golds = codes_of(cols["answer"]), codes_of(cols["gold"])
+        else:
+            batch.scores = np.asarray(cols["scores"], dtype=np.float64).reshape(len(cols["line"]), len(names))
+        return batch, names
+
     with handle:
-        for lineno, where, rec in jsonl_objects(handle, log.path, LogFormatError):
+        for lineno, where, rec in jsonl_objects(handle, path, LogFormatError):
+            if not cols:
+                cols = {k: [] for k in ("line", "prompt", "query", "tokens", "answer", "gold", "scores", "split")}
             for key in ("prompt", "query", "tokens"):
                 if key not in rec:
                     raise LogFormatError(f"{where}: missing field {key!r}")
@@ -135,105 +668,100 @@ def read_log(path: str | os.PathLike[str], aggregator: str) -> _Log:
             if aggregator == "mv":
                 if "answer" not in rec or "gold" not in rec:
                     raise LogFormatError(f"{where}: a majority-vote log line needs fields 'answer' and 'gold'")
-                gold = _answer(rec["gold"], "gold", where, allow_null=False)
-                assert gold is not None
-                first = golds.setdefault(query, (gold, lineno))
-                if first[0] != gold:
-                    raise LogFormatError(f"{where}: gold answer {gold!r} of query {query!r} differs "
-                                         f"from {first[0]!r} on line {first[1]}")
-                log.answers.append(_answer(rec["answer"], "answer", where, allow_null=True))
-                log.golds.append(gold)
+                cols["gold"].append(answer_text(rec["gold"], "gold", where, allow_null=False))
+                cols["answer"].append(answer_text(rec["answer"], "answer", where, allow_null=True))
             else:
-                log.scores.append(_scores(rec, log, where))
-            if "split" in rec:
-                split = rec["split"]
-                if split not in ("train", "test"):
-                    raise LogFormatError(f"{where}: field 'split' must be 'train' or 'test', got {split!r}")
-                seen = log.splits.setdefault(query, (split, lineno))
-                if seen[0] != split:
-                    raise LogFormatError(f"{where}: query {query!r} is in split {split!r} here but {seen[0]!r} on line {seen[1]}")
-            log.prompts.append(_ident(rec["prompt"], "prompt", where))
-            log.queries.append(query)
-            log.tokens.append(float(tokens))
-            log.lines.append(lineno)
-    if not log.prompts:
-        raise LogFormatError(f"{log.path}: the log holds no completions")
-    return log
+                names = _scores(rec, names, cols["scores"], where)
+            split = rec.get("split")
+            if split is not None and split not in ("train", "test"):
+                raise LogFormatError(f"{where}: field 'split' must be 'train' or 'test', got {split!r}")
+            cols["split"].append(split)
+            cols["prompt"].append(_ident(rec["prompt"], "prompt", where))
+            cols["query"].append(query)
+            cols["tokens"].append(float(tokens))
+            cols["line"].append(lineno)
+            if len(cols["line"]) >= batch_rows:
+                yield flush()
+                cols = {}
+    if cols:
+        yield flush()
 
 
-def _scores(rec: dict[str, Any], log: _Log, where: str) -> list[float]:
+def _scores(rec: dict[str, Any], names: tuple[str, ...], out: list[float], where: str) -> tuple[str, ...]:
     scores = rec.get("scores")
     if not isinstance(scores, dict) or not scores:
         raise LogFormatError(f"{where}: a best-of-N log line needs field 'scores', an object of named objective scores")
-    names = tuple(str(k) for k in scores)
-    if not log.objective_names:
-        log.objective_names = names
-    elif set(names) != set(log.objective_names):
-        raise LogFormatError(f"{where}: objectives {sorted(names)} differ from {sorted(log.objective_names)} on the first line")
-    values = []
-    for name in log.objective_names:
+    got = tuple(str(k) for k in scores)
+    if not names:
+        names = got
+    elif set(got) != set(names):
+        raise LogFormatError(f"{where}: objectives {sorted(got)} differ from {sorted(names)} on the first line")
+    for name in names:
         v = scores[name]
         if not _finite_number(v):
             raise LogFormatError(f"{where}: score {name!r} must be a finite number, got {v!r}")
-        values.append(float(v))
-    return values
+        out.append(float(v))
+    return names
 
 
-def _codes(values: list[str]) -> tuple[tuple[str, ...], np.ndarray]:
-    """Ids in order of first appearance and each entry's index into them."""
-    order: dict[str, int] = {}
-    codes = np.fromiter((order.setdefault(v, len(order)) for v in values), dtype=np.int64, count=len(values))
-    return tuple(order), codes
+# ---- building ------------------------------------------------------------------------------------------
 
 
-def _normalized_cost(log: _Log, p_idx: np.ndarray, n_prompts: int, cost_scale: float) -> np.ndarray:
-    if not (math.isfinite(cost_scale) and cost_scale >= 0):
-        raise ValueError(f"cost_scale must be a finite number >= 0, got {cost_scale!r}")
-    tokens = np.asarray(log.tokens)
-    mean = np.bincount(p_idx, weights=tokens, minlength=n_prompts) / np.bincount(p_idx, minlength=n_prompts)
-    top = mean.max()
-    if top <= 0:
-        raise LogFormatError(f"{log.path}: every token count is 0, so no cost can be derived")
-    return cost_scale * mean / top
+@dataclass
+class BuildOptions:
+    """What every build takes besides its samples (the CLI's --n-max, --cost-scale, ...)."""
+
+    task: str | None = None
+    n_max: int = 32
+    cost_scale: float = DEFAULT_COST_SCALE
+    test_fraction: float = 0.2
+    seed: int = 0
+    top_k: int = 4  # mv
+    grid: float | None = 0.5  # bon; None = exact vectors
+    quantile_bins: int | None = None  # bon; overrides grid
+    extra_attrs: dict[str, Any] = field(default_factory=dict)
 
 
-def _split(log: _Log, query_ids: tuple[str, ...], test_fraction: float, seed: int) -> np.ndarray | None:
-    if log.splits:
-        missing = [q for q in query_ids if q not in log.splits]
-        if missing:
-            raise LogFormatError(f"{log.path}: some lines give a 'split' but query {missing[0]!r} has none; "
-                                 "give it for every query or none")
-        return np.array([TEST if log.splits[q][0] == "test" else TRAIN for q in query_ids], dtype=np.uint8)
-    if not 0.0 <= test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in [0, 1), got {test_fraction!r}")
-    if test_fraction == 0.0:
-        return None
-    n_q = len(query_ids)
-    n_test = int(round(test_fraction * n_q))
-    if n_test < 1 or n_test >= n_q:
-        raise LogFormatError(f"{log.path}: test_fraction {test_fraction} of its {n_q} queries leaves no train or no test query; "
-                         "use --test-fraction 0 (no stored split) or log more queries")
-    split = np.full(n_q, TRAIN, dtype=np.uint8)
-    split[derive_rng(seed, SPLIT_KEY).permutation(n_q)[:n_test]] = TEST
-    return split
+def build_from_batches(make_batches: Callable[[], Iterator[tuple[SampleBatch, Sequence[str]]]], aggregator: str,
+                       options: BuildOptions, *, default_task: str, source: str, how: str,
+                       max_bytes: int = MAX_TABLE_BYTES) -> OutcomeTable:
+    """The table of a stream of sample batches (``make_batches`` is called once, or three times for quantile bins)."""
+    binning = None
+    if aggregator == "bon":
+        if options.quantile_bins is not None:
+            binning = quantile_binning(make_batches, options.quantile_bins)
+        else:
+            if options.grid is not None and not (math.isfinite(options.grid) and options.grid > 0):
+                raise ValueError(f"grid must be a number > 0 or None (no binning), got {options.grid!r}")
+            binning = Binning(grid=options.grid)
+    acc = SampleAccumulator(aggregator, binning=binning, max_bytes=max_bytes)
+    for batch, names in make_batches():
+        acc.add(batch, names)
+    if aggregator == "mv":
+        how = f"{how}; mv, top {options.top_k} answers + other"
+    else:
+        assert binning is not None
+        how = f"{how}; bon, {binning.describe()}"
+    attrs = {"source": source, "license": "as the samples' owner decides",
+             "build": f"iapo_gym.data.build ({how}, cost scale {options.cost_scale}"
+                      f"{'' if acc.has_tokens else ', no token counts: equal costs'})",
+             **options.extra_attrs}
+    try:
+        return acc.finish(options.task or default_task, n_max=options.n_max, top_k=options.top_k,
+                          cost_scale=options.cost_scale, test_fraction=options.test_fraction, seed=options.seed,
+                          attrs=attrs, origin=source)
+    except TableError as exc:  # e.g. token counts so large that the costs overflow
+        raise LogFormatError(f"{source}: the table built from these samples is invalid: {exc}") from None
 
 
-def _pair_index(log: _Log) -> tuple[tuple[str, ...], tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]:
-    """Prompt and query ids, per-completion codes, and completion counts per (prompt, query); every pair must occur."""
-    prompt_ids, p_idx = _codes(log.prompts)
-    query_ids, q_idx = _codes(log.queries)
-    n_p, n_q = len(prompt_ids), len(query_ids)
-    counts = np.bincount(p_idx * n_q + q_idx, minlength=n_p * n_q).reshape(n_p, n_q)
-    if np.any(counts == 0):
-        p, q = (int(i) for i in np.argwhere(counts == 0)[0])
-        raise LogFormatError(f"{log.path}: no completion of prompt {prompt_ids[p]!r} on query {query_ids[q]!r}; "
-                             f"every (prompt, query) pair needs at least one ({int((counts == 0).sum())} pairs are missing)")
-    return prompt_ids, query_ids, p_idx, q_idx, counts
-
-
-def _provenance(log: _Log, how: str) -> dict[str, Any]:
-    return {"source": f"completion log {log.path.name}", "license": "as the log's owner decides",
-            "build": f"iapo_gym.data.build ({how})"}
+def build_log_table(path: str | os.PathLike[str], aggregator: str, options: BuildOptions,
+                    batch_rows: int = DEFAULT_BATCH_ROWS) -> OutcomeTable:
+    """A table from a completion log (docs/log-format.md), read in batches of ``batch_rows`` lines."""
+    if aggregator not in ("mv", "bon"):
+        raise ValueError(f"aggregator must be 'mv' or 'bon', got {aggregator!r}")
+    path = Path(path)
+    return build_from_batches(lambda: _log_batches(path, aggregator, batch_rows), aggregator, options,
+                              default_task=path.stem, source=f"completion log {path.name}", how="completion log")
 
 
 def build_mv_table(path: str | os.PathLike[str], task: str | None = None, top_k: int = 4, n_max: int = 32,
@@ -241,92 +769,17 @@ def build_mv_table(path: str | os.PathLike[str], task: str | None = None, top_k:
     """A majority-vote table from a log: per query the ``top_k`` most frequent answers (always including gold) + "other"."""
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
-    log = read_log(path, "mv")
-    prompt_ids, query_ids, p_idx, q_idx, counts = _pair_index(log)
-    n_p, n_q, n_m = len(prompt_ids), len(query_ids), top_k + 1
-    other = top_k
-    vocab, a_idx = _codes([a if a is not None else "" for a in log.answers] + log.golds)
-    n_a = len(vocab)
-    n = len(log.answers)
-    valid = np.array([a is not None for a in log.answers])
-    gold_code = np.full(n_q, -1, dtype=np.int64)
-    gold_code[q_idx] = a_idx[n:]
-    a_idx = a_idx[:n]
-    # Global answer counts per (query, answer); one extra key per query guarantees a gold row.
-    keys = np.concatenate([q_idx[valid] * n_a + a_idx[valid], np.arange(n_q) * n_a + gold_code])
-    ukeys, ucount = np.unique(keys, return_counts=True)
-    ucount[np.searchsorted(ukeys, np.arange(n_q) * n_a + gold_code)] -= 1
-    row_q, row_a = ukeys // n_a, ukeys % n_a
-    order = np.lexsort((row_a, -ucount, row_q))  # by query, then most votes, then first-seen answer
-    start = np.searchsorted(row_q[order], np.arange(n_q))
-    rank = np.empty_like(order)
-    rank[order] = np.arange(order.size) - start[row_q[order]]
-    is_gold = row_a == gold_code[row_q]
-    gold_rank = np.empty(n_q, dtype=np.int64)
-    gold_rank[row_q[is_gold]] = rank[is_gold]
-    keep = ((rank < top_k) & ~((gold_rank[row_q] >= top_k) & (rank == top_k - 1))) | is_gold
-    kept_sorted = keep[order]
-    bucket_sorted = np.cumsum(kept_sorted) - 1
-    group_start = np.concatenate([[0], np.cumsum(kept_sorted)])[start]
-    bucket = np.full(ukeys.size, other, dtype=np.int64)
-    bucket[order[kept_sorted]] = (bucket_sorted - group_start[row_q[order]])[kept_sorted]
-    gold = bucket[np.searchsorted(ukeys, np.arange(n_q) * n_a + gold_code)]
-    comp_bucket = np.full(n, other, dtype=np.int64)
-    comp_bucket[valid] = bucket[np.searchsorted(ukeys, q_idx[valid] * n_a + a_idx[valid])]
-    votes = np.bincount((p_idx * n_q + q_idx) * n_m + comp_bucket, minlength=n_p * n_q * n_m).reshape(n_p, n_q, n_m)
-    probs = votes / counts[:, :, None]
-    weights, names, cprobs = mv_cost_contexts()
-    return OutcomeTable(
-        task=task or log.path.stem, aggregator="mv", probs=probs,
-        cost=_normalized_cost(log, p_idx, n_p, cost_scale), n_max=n_max,
-        context_weights=weights, context_names=names, context_probs=cprobs, objective_names=("correct",),
-        gold=gold, prompts=prompt_ids, queries=query_ids, split=_split(log, query_ids, test_fraction, seed),
-        attrs={**_provenance(log, f"mv, top {top_k} answers + other, cost scale {cost_scale}"),
-               "completions": n},
-    )
-
-
-def bon_contexts(n_objectives: int) -> tuple[np.ndarray, tuple[str, ...], np.ndarray]:
-    """The paper's 27 weight triples for two objectives; for K != 2, equal weights 1/K at each cost weight."""
-    if n_objectives == 2:
-        return bon_grid_contexts()
-    weights = np.array([[1.0 / n_objectives] * n_objectives + [-wc] for wc in COST_WEIGHTS_BON])
-    names = tuple(f"equal,cost={wc:.1f}" for wc in COST_WEIGHTS_BON)
-    return weights, names, np.full(len(names), 1.0 / len(names))
+    return build_log_table(path, "mv", BuildOptions(task=task, top_k=top_k, n_max=n_max, cost_scale=cost_scale,
+                                                    test_fraction=test_fraction, seed=seed))
 
 
 def build_bon_table(path: str | os.PathLike[str], task: str | None = None, grid: float | None = 0.5, n_max: int = 32,
-                    cost_scale: float = DEFAULT_COST_SCALE, test_fraction: float = 0.2, seed: int = 0) -> OutcomeTable:
-    """A Best-of-N table from a log: the empirical distribution of objective vectors, binned on ``grid`` if given."""
-    if grid is not None and not (math.isfinite(grid) and grid > 0):
-        raise ValueError(f"grid must be a number > 0 or None (no binning), got {grid!r}")
-    log = read_log(path, "bon")
-    prompt_ids, query_ids, p_idx, q_idx, counts = _pair_index(log)
-    n_p, n_q, k = len(prompt_ids), len(query_ids), len(log.objective_names)
-    scores = np.asarray(log.scores, dtype=np.float64)
-    if grid is not None:
-        scores = np.round(scores / grid) * grid
-    pair = p_idx * n_q + q_idx
-    rows, inverse, atom_count = np.unique(np.column_stack([pair.astype(np.float64), scores]), axis=0,
-                                          return_inverse=True, return_counts=True)
-    del inverse
-    row_pair = rows[:, 0].astype(np.int64)  # rows are sorted by pair first
-    start = np.searchsorted(row_pair, np.arange(n_p * n_q))
-    slot = np.arange(rows.shape[0]) - start[row_pair]
-    n_m = int(slot.max()) + 1
-    atoms = np.repeat(rows[start, 1:][:, None, :], n_m, axis=1)  # padding repeats each pair's first atom
-    atoms[row_pair, slot] = rows[:, 1:]
-    probs = np.zeros((n_p * n_q, n_m))
-    probs[row_pair, slot] = atom_count / counts.reshape(-1)[row_pair]
-    weights, names, cprobs = bon_contexts(k)
-    how = f"bon, grid {grid}" if grid is not None else "bon, exact objective vectors"
-    return OutcomeTable(
-        task=task or log.path.stem, aggregator="bon", probs=probs.reshape(n_p, n_q, n_m),
-        atoms=atoms.reshape(n_p, n_q, n_m, k), cost=_normalized_cost(log, p_idx, n_p, cost_scale), n_max=n_max,
-        context_weights=weights, context_names=names, context_probs=cprobs, objective_names=log.objective_names,
-        prompts=prompt_ids, queries=query_ids, split=_split(log, query_ids, test_fraction, seed),
-        attrs={**_provenance(log, f"{how}, cost scale {cost_scale}"), "completions": len(log.prompts)},
-    )
+                    cost_scale: float = DEFAULT_COST_SCALE, test_fraction: float = 0.2, seed: int = 0,
+                    quantile_bins: int | None = None) -> OutcomeTable:
+    """A Best-of-N table from a log: the empirical distribution of objective vectors, binned on ``grid`` if given
+    (or in ``quantile_bins`` bins per objective)."""
+    return build_log_table(path, "bon", BuildOptions(task=task, grid=grid, quantile_bins=quantile_bins, n_max=n_max,
+                                                     cost_scale=cost_scale, test_fraction=test_fraction, seed=seed))
 
 
 def build_table(path: str | os.PathLike[str], aggregator: str, **options: Any) -> OutcomeTable:
@@ -334,7 +787,4 @@ def build_table(path: str | os.PathLike[str], aggregator: str, **options: Any) -
     if aggregator not in ("mv", "bon"):
         raise ValueError(f"aggregator must be 'mv' or 'bon', got {aggregator!r}")
     build = build_mv_table if aggregator == "mv" else build_bon_table
-    try:
-        return build(path, **options)
-    except TableError as exc:  # e.g. token counts so large that the costs overflow
-        raise LogFormatError(f"{path}: the table built from this log is invalid: {exc}") from None
+    return build(path, **options)
