@@ -209,6 +209,7 @@ class Binning:
 
     grid: float | None = 0.5
     edges: tuple[np.ndarray, ...] | None = None  # quantile bins: the inner edges of each objective
+    values: tuple[np.ndarray, ...] | None = None  # quantile bins: each bin's atom value, per objective
 
     def describe(self) -> str:
         """How the atoms were made, for the table's provenance."""
@@ -245,8 +246,6 @@ class SampleAccumulator:
         self.sample_base: int | None = None
         self.sample_stats = _KeyedCounts(2, 3)  # (p, q) -> count, sum, sum of squares of sample - base
         self.outcomes: _KeyedCounts | None = None
-        self.bin_lo: list[np.ndarray] = []  # quantile bins: smallest and largest score seen per bin
-        self.bin_hi: list[np.ndarray] = []
 
     # ---- adding a batch -------------------------------------------------------------------------------
     def add(self, batch: SampleBatch, objective_names: Sequence[str] = ()) -> None:
@@ -369,16 +368,8 @@ class SampleAccumulator:
             if scores.shape[1] != len(b.edges):
                 raise LogFormatError(f"{batch.origin}: {scores.shape[1]} scores per completion, quantile edges "
                                      f"for {len(b.edges)}")
-            cols = []
-            for k, edges in enumerate(b.edges):
-                idx = np.searchsorted(edges, scores[:, k], side="right")
-                if len(self.bin_lo) <= k:
-                    self.bin_lo.append(np.full(edges.size + 1, np.inf))
-                    self.bin_hi.append(np.full(edges.size + 1, -np.inf))
-                np.minimum.at(self.bin_lo[k], idx, scores[:, k])
-                np.maximum.at(self.bin_hi[k], idx, scores[:, k])
-                cols.append(idx)
-            return np.column_stack(cols).astype(np.int64)
+            return np.column_stack([np.searchsorted(edges, scores[:, k], side="right")
+                                    for k, edges in enumerate(b.edges)]).astype(np.int64)
         if b.grid is not None:
             cells = np.round(scores / b.grid)
             if np.any(np.abs(cells) >= 2.0**62):
@@ -389,10 +380,8 @@ class SampleAccumulator:
 
     def _atom_values(self, keys: np.ndarray) -> np.ndarray:
         b = self.binning
-        if b.edges is not None:
-            # each quantile bin's atom is the midpoint of the smallest and largest score that fell into it
-            return np.column_stack([(self.bin_lo[k][keys[:, k]] + self.bin_hi[k][keys[:, k]]) / 2
-                                    for k in range(keys.shape[1])])
+        if b.values is not None:
+            return np.column_stack([b.values[k][keys[:, k]] for k in range(keys.shape[1])])
         if b.grid is not None:
             return keys.astype(np.float64) * b.grid
         return _bits_values(keys)
@@ -427,10 +416,14 @@ class SampleAccumulator:
                 raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
             probs, gold = self._mv(keys, counts, pair_count, top_k)
             weights, names, cprobs = mv_cost_contexts()
+            common["attrs"]["contexts_source"] = f"{describe_contexts(weights, cprobs)}: the paper's low/mid/high"
             return OutcomeTable(aggregator="mv", probs=probs, gold=gold, context_weights=weights, context_names=names,
                                 context_probs=cprobs, objective_names=("correct",), **common)
         probs, atoms = self._bon(keys, counts, pair_count)
-        weights, names, cprobs = bon_contexts(len(self.objective_names))
+        k = len(self.objective_names)
+        weights, names, cprobs = bon_contexts(k)
+        common["attrs"]["contexts_source"] = f"{describe_contexts(weights, cprobs)}: " + (
+            "the paper's 27 Best-of-N weightings" if k == 2 else f"equal weights 1/{k} at each of the paper's cost weights")
         return OutcomeTable(aggregator="bon", probs=probs, atoms=atoms, context_weights=weights, context_names=names,
                             context_probs=cprobs, objective_names=self.objective_names, **common)
 
@@ -552,6 +545,14 @@ def bon_contexts(n_objectives: int) -> tuple[np.ndarray, tuple[str, ...], np.nda
     return weights, names, np.full(len(names), 1.0 / len(names))
 
 
+def describe_contexts(weights: np.ndarray, probs: np.ndarray) -> str:
+    """``C contexts, K objectives, cost weights {...}, uniform|not uniform``: a one-line account of a context set."""
+    k = weights.shape[1] - 1
+    uniform = "uniform" if np.allclose(probs, probs[0], rtol=0, atol=1e-12) else "not uniform"
+    costs = ", ".join(f"{-c:g}" for c in sorted(set(weights[:, -1].tolist()), reverse=True))
+    return f"{weights.shape[0]} contexts over {k} objective{'s' if k != 1 else ''}, cost weights {costs}, {uniform}"
+
+
 # ---- quantile bins ---------------------------------------------------------------------------------------
 
 
@@ -561,7 +562,8 @@ def quantile_binning(make_batches: Callable[[], Iterator[tuple[SampleBatch, Sequ
     Pass one finds each objective's range, pass two its histogram over ``QUANTILE_CELLS`` equal cells;
     the inner edges are the cell boundaries where the cumulative share first reaches 1/bins, 2/bins, ...
     (so a quantile is placed to within one cell, range / 4096). Edges that coincide (many equal scores)
-    merge, giving fewer bins.
+    merge, giving fewer bins. A bin's atom value is the mean score of its cells (each cell at its centre,
+    weighted by its count): integer counts, so the same whatever the batches.
     """
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 2:
         raise ValueError(f"quantile bins must be an integer >= 2, got {bins!r}")
@@ -583,14 +585,21 @@ def quantile_binning(make_batches: Callable[[], Iterator[tuple[SampleBatch, Sequ
         cell = np.clip(((batch.scores - lo) / width).astype(np.int64), 0, QUANTILE_CELLS - 1)
         for k in range(lo.size):
             hist[k] += np.bincount(cell[:, k], minlength=QUANTILE_CELLS)
-    edges = []
+    edges, values = [], []
     for k in range(lo.size):
         cum = np.cumsum(hist[k])
         targets = cum[-1] * np.arange(1, bins) / bins
         cells = np.searchsorted(cum, targets, side="left") + 1  # the boundary after the cell reaching the target
-        inner = np.unique(lo[k] + cells[cells < QUANTILE_CELLS] * width[k])
-        edges.append(inner)
-    return Binning(grid=None, edges=tuple(edges))
+        cells = np.unique(cells[cells < QUANTILE_CELLS])
+        edges.append(lo[k] + cells * width[k])
+        bin_of_cell = np.searchsorted(cells, np.arange(QUANTILE_CELLS), side="right")
+        centre = lo[k] + (np.arange(QUANTILE_CELLS) + 0.5) * width[k]
+        mass = np.bincount(bin_of_cell, weights=hist[k], minlength=cells.size + 1)
+        total = np.bincount(bin_of_cell, weights=hist[k] * centre, minlength=cells.size + 1)
+        middle = np.bincount(bin_of_cell, weights=centre, minlength=cells.size + 1) / np.bincount(
+            bin_of_cell, minlength=cells.size + 1)
+        values.append(np.where(mass > 0, total / np.maximum(mass, 1), middle))
+    return Binning(grid=None, edges=tuple(edges), values=tuple(values))
 
 
 # ---- completion logs (docs/log-format.md) ----------------------------------------------------------------

@@ -145,20 +145,57 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _source_format(args: argparse.Namespace) -> str:
+    """``log``, ``columns`` or ``lm-eval``: as given, else by the source (a folder or results JSON: lm-eval)."""
+    from iapo_gym.data.columns import FORMATS
+
+    if args.format != "auto":
+        return str(args.format)
+    source = Path(args.source)
+    if source.is_dir() or (source.name.startswith("results_") and source.suffix == ".json"):
+        return "lm-eval"
+    if source.suffix.lower() in (".jsonl", ".json", ".ndjson"):
+        return "log"
+    if source.suffix.lower() in FORMATS:
+        return "columns"
+    raise ValueError(f"{source}: cannot tell its format from its name; give --format log, columns or lm-eval")
+
+
 def cmd_build(args: argparse.Namespace) -> int:
-    """Build a table from a completion log (docs/log-format.md) and write it as HDF5."""
-    from iapo_gym.data.build import build_bon_table, build_mv_table
+    """Build a table from samples (a completion log, a columnar sample set or an lm-eval run) and write it as HDF5."""
+    from iapo_gym.data.build import BuildOptions, build_log_table
     from iapo_gym.tables import write_table
 
-    common = {"task": args.task, "n_max": args.n_max, "cost_scale": args.cost_scale,
-              "test_fraction": args.test_fraction, "seed": args.seed}
-    if args.aggregator == "mv":
-        table = build_mv_table(args.log, top_k=args.top_k, **common)
+    fmt = _source_format(args)
+    aggregator = args.aggregator or ("mv" if fmt == "lm-eval" else None)
+    if aggregator is None:
+        print("error: give --aggregator mv or bon", file=sys.stderr)
+        return 2
+    if fmt == "lm-eval" and aggregator != "mv":
+        raise ValueError("an lm-eval run gives answers and gold answers: build it with --aggregator mv")
+    top_k = args.top_k if args.top_k is not None else (1 if args.correct_col else 4)
+    options = BuildOptions(task=args.task, n_max=args.n_max, cost_scale=args.cost_scale,
+                           test_fraction=args.test_fraction, seed=args.seed, top_k=top_k,
+                           grid=None if args.no_grid else args.grid, quantile_bins=args.quantile_bins)
+    if fmt == "lm-eval":
+        from iapo_gym.data.lmeval import build_lm_eval_table
+
+        table = build_lm_eval_table(args.source, options, tasks=args.lm_eval_task, filter_name=args.lm_eval_filter,
+                                    answers=args.lm_eval_answers, batch_rows=args.batch_rows)
+    elif fmt == "columns":
+        from iapo_gym.data.columns import ColumnMap, build_columns_table
+
+        mapping = ColumnMap(prompt=args.prompt_col, query=args.query_col, sample=args.sample_col,
+                            answer=args.answer_col, gold=args.gold_col, correct=args.correct_col,
+                            scores=tuple(args.score_col or ()), tokens=args.tokens_col, split=args.split_col)
+        table = build_columns_table(args.source, aggregator, options, mapping, batch_rows=args.batch_rows)
     else:
-        table = build_bon_table(args.log, grid=None if args.no_grid else args.grid, **common)
+        table = build_log_table(args.source, aggregator, options, batch_rows=args.batch_rows)
     out = Path(args.out) if args.out else Path(f"{table.task}.h5")
     write_table(table, out)
-    print(f"{out}: {table.n_prompts} prompts x {table.n_queries} queries x {table.n_atoms} atoms ({table.aggregator})")
+    print(f"{out}: {table.n_prompts} prompts x {table.n_queries} queries x {table.n_atoms} atoms ({table.aggregator}), "
+          f"{table.attrs['completions']} completions")
+    print(f"{out}: contexts: {table.attrs['contexts_source']}", file=sys.stderr)
     return 0
 
 
@@ -198,18 +235,40 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a file may take to read (default 60)")
     p.set_defaults(func=_guarded(cmd_check))
 
-    p = sub.add_parser("build", help="build a table from a JSONL log of completions (docs/log-format.md)")
-    p.add_argument("log", help="JSONL file, one completion per line")
-    p.add_argument("--aggregator", choices=("mv", "bon"), required=True)
-    p.add_argument("--task", help="table name (default: the log's file stem)")
+    p = sub.add_parser("build", help="build a table from samples: a completion log, a columnar sample set "
+                                     "(Parquet, Arrow, CSV, JSON lines) or an lm-eval --log_samples run",
+                       description="Build a table from samples (docs/log-format.md, docs/data.md).")
+    p.add_argument("source", help="completion log (.jsonl), sample set (.parquet, .arrow, .csv, ...), or lm-eval "
+                                  "output folder / results_<date>.json")
+    p.add_argument("--format", choices=("auto", "log", "columns", "lm-eval"), default="auto",
+                   help="how to read SOURCE (default auto: a folder or results_*.json is lm-eval, .jsonl/.json a "
+                        "completion log, .parquet/.arrow/.feather/.csv/.tsv a sample set)")
+    p.add_argument("--aggregator", choices=("mv", "bon"), help="majority vote or Best-of-N (lm-eval: mv)")
+    p.add_argument("--task", help="table name (default: the source's file stem)")
     p.add_argument("--out", help="output .h5 path (default: ./<task>.h5)")
-    p.add_argument("--top-k", type=int, default=4, help="mv: answers kept per query besides 'other' (default 4)")
+    p.add_argument("--top-k", type=int, help="mv: answers kept per query besides 'other' (default 4; 1 with --correct-col)")
     p.add_argument("--grid", type=float, default=0.5, help="bon: bin objective scores to this spacing (default 0.5)")
     p.add_argument("--no-grid", action="store_true", help="bon: keep exact objective vectors")
+    p.add_argument("--quantile-bins", type=int, metavar="B",
+                   help="bon: B bins per objective at its score quantiles, instead of the grid")
     p.add_argument("--n-max", type=int, default=32, help="largest N (default 32)")
     p.add_argument("--cost-scale", type=float, default=0.01,
                    help="cost of the prompt with the most tokens per completion (default 0.01)")
     p.add_argument("--test-fraction", type=float, default=0.2,
-                   help="share of queries in the stored test split when the log gives none (default 0.2; 0: no split)")
+                   help="share of queries in the stored test split when the samples give none (default 0.2; 0: no split)")
     p.add_argument("--seed", type=int, default=0, help="seed of that split (default 0)")
+    p.add_argument("--batch-rows", type=int, default=65536, help="rows read per batch (default 65536)")
+    cols = p.add_argument_group("sample-set columns (--format columns)")
+    for role, default in (("prompt", "prompt"), ("query", "query"), ("sample", "sample"), ("answer", "answer"),
+                          ("gold", "gold"), ("tokens", "tokens"), ("split", "split")):
+        cols.add_argument(f"--{role}-col", default=default, metavar="NAME", help=f"column of the {role} (default {default!r})")
+    cols.add_argument("--correct-col", metavar="NAME", help="mv: a true/false column of per-sample correctness, "
+                                                            "instead of answer and gold")
+    cols.add_argument("--score-col", action="append", metavar="NAME",
+                      help="bon: a score column, one objective each (repeat; default: every other numeric column)")
+    lm = p.add_argument_group("lm-eval runs (--format lm-eval)")
+    lm.add_argument("--lm-eval-answers", choices=("filtered", "raw"), default="filtered",
+                    help="each completion's answer: the task filter's per-sample answer (default) or the raw response")
+    lm.add_argument("--lm-eval-filter", metavar="NAME", help="the filter whose answers to use (a task logging several)")
+    lm.add_argument("--lm-eval-task", action="append", metavar="TASK", help="a task to use (repeat; default: all logged)")
     p.set_defaults(func=_guarded(cmd_build))

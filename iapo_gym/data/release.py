@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from iapo_gym.data.build import describe_contexts
 from iapo_gym.data.registry import ReleaseEntry
 from iapo_gym.tables import TEST, TRAIN, OutcomeTable, TableError, write_table
 from iapo_gym.tasks.contexts import bon_grid_contexts, mv_cost_contexts
@@ -327,14 +328,6 @@ def _context_name(ctx: Any, weights: np.ndarray) -> str:
             if isinstance(ctx.__dict__.get(key), str) and ctx.__dict__[key]:
                 return str(ctx.__dict__[key])
     return f"w=({','.join(f'{x:g}' for x in weights[:-1])}),cost={-weights[-1]:g}"
-
-
-def describe_contexts(weights: np.ndarray, probs: np.ndarray) -> str:
-    """``C contexts, K objectives, cost weights {...}, uniform|not uniform``: a one-line account of a context set."""
-    k = weights.shape[1] - 1
-    uniform = "uniform" if np.allclose(probs, probs[0], rtol=0, atol=1e-12) else "not uniform"
-    costs = ", ".join(f"{-c:g}" for c in sorted(set(weights[:, -1].tolist()), reverse=True))
-    return f"{weights.shape[0]} contexts over {k} objective{'s' if k != 1 else ''}, cost weights {costs}, {uniform}"
 
 
 def _mv_contexts(obj: ReleaseRecord, where: str,
