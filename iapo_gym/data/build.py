@@ -92,15 +92,18 @@ class SampleBatch:
     golds: Codes | None = None  # mv
     scores: np.ndarray | None = None  # bon: (n, K) float64, finite
     splits: Codes | None = None  # values "train" / "test"
-    samples: np.ndarray | None = None  # (n,) int64 sample index within its (prompt, query)
+    samples: np.ndarray | None = None  # (n,) int64 sample index within its (prompt, query), |index| < 2**20
+    unit: str = "line"  # what ``rows`` count: "line" (text files) or "row" (columnar files)
 
     def __len__(self) -> int:
         """Number of completions."""
         return int(self.rows.size)
 
     def where(self, i: int) -> str:
-        """``origin:line`` of entry ``i``."""
-        return f"{self.origin}:{int(self.rows[i])}"
+        """``origin:line`` (or ``origin: row N``) of entry ``i``."""
+        if self.unit == "line":
+            return f"{self.origin}:{int(self.rows[i])}"
+        return f"{self.origin}: {self.unit} {int(self.rows[i])}"
 
 
 def codes_of(values: Sequence[Any]) -> Codes:
@@ -243,8 +246,8 @@ class SampleAccumulator:
         self.split = np.zeros(0, dtype=np.int64)  # per query: TRAIN/TEST, -1 unknown
         self.split_where: dict[int, str] = {}
         self.any_split = False
-        self.sample_base: int | None = None
-        self.sample_stats = _KeyedCounts(2, 3)  # (p, q) -> count, sum, sum of squares of sample - base
+        self.sample_low: int | None = None  # the lowest sample index seen (0 or 1 in a well-formed set)
+        self.sample_stats = _KeyedCounts(2, 3)  # (p, q) -> count, sum, sum of squares of the sample indices
         self.outcomes: _KeyedCounts | None = None
 
     # ---- adding a batch -------------------------------------------------------------------------------
@@ -303,26 +306,22 @@ class SampleAccumulator:
 
     def _consistent(self, batch: SampleBatch, q: np.ndarray, value: np.ndarray, store: np.ndarray,
                     wheres: dict[int, str], describe: Callable[[int], str], what: str) -> np.ndarray:
-        """Record one value per query; a query seen with two values raises naming both places."""
-        pairs, first = np.unique(np.column_stack([q, value]), axis=0, return_index=True)
-        dup = np.flatnonzero(pairs[1:, 0] == pairs[:-1, 0])
-        if dup.size:  # two values for one query inside this batch
-            i = int(dup[0])
-            a, b = sorted((int(first[i]), int(first[i + 1])))
-            raise LogFormatError(f"{batch.where(b)}: {what} {describe(int(value[b]))} of query "
-                                 f"{self.queries.values[int(q[b])]!r} differs from {describe(int(value[a]))} "
-                                 f"at {batch.where(a)}")
-        uq, uv = pairs[:, 0], pairs[:, 1]
+        """Record one value per query; the first entry that differs from the query's first value raises, naming both."""
+        uq, first = np.unique(q, return_index=True)
         known = store[uq]
-        clash = np.flatnonzero((known >= 0) & (known != uv))
-        if clash.size:
-            j = int(clash[0])
-            raise LogFormatError(f"{batch.where(int(first[j]))}: {what} {describe(int(uv[j]))} of query "
-                                 f"{self.queries.values[int(uq[j])]!r} differs from {describe(int(known[j]))} "
-                                 f"at {wheres[int(uq[j])]}")
+        reference = np.where(known >= 0, known, value[first])
+        expected = reference[np.searchsorted(uq, q)]
+        wrong = np.flatnonzero(value != expected)
+        if wrong.size:
+            i = int(wrong[0])
+            j = int(np.searchsorted(uq, q[i]))
+            there = wheres[int(uq[j])] if known[j] >= 0 else batch.where(int(first[j]))
+            raise LogFormatError(f"{batch.where(i)}: {what} {describe(int(value[i]))} of query "
+                                 f"{self.queries.values[int(q[i])]!r} differs from {describe(int(expected[i]))} "
+                                 f"at {there}")
         for j in np.flatnonzero(known < 0).tolist():
             wheres[int(uq[j])] = batch.where(int(first[j]))
-        store[uq] = uv
+        store[uq] = reference
         return store
 
     def _per_query(self, batch: SampleBatch, q: np.ndarray, n_q: int) -> None:
@@ -352,14 +351,12 @@ class SampleAccumulator:
 
     def _samples(self, batch: SampleBatch, p: np.ndarray, q: np.ndarray) -> None:
         assert batch.samples is not None
-        lowest = int(batch.samples.min())
-        if self.sample_base is None:
-            self.sample_base = lowest
-        elif lowest < self.sample_base:
-            raise LogFormatError(f"{batch.where(int(np.argmin(batch.samples)))}: sample index {lowest} is below the "
-                                 f"first batch's lowest, {self.sample_base}; sample indices count from 0 (or 1) "
-                                 "in every (prompt, query)")
-        s = batch.samples - self.sample_base
+        s = batch.samples
+        if np.any(np.abs(s) >= 2**20):
+            i = int(np.flatnonzero(np.abs(s) >= 2**20)[0])
+            raise LogFormatError(f"{batch.where(i)}: sample index {int(s[i])} is out of range (|index| < 2**20)")
+        lowest = int(s.min())
+        self.sample_low = lowest if self.sample_low is None else min(self.sample_low, lowest)
         self.sample_stats.add(np.column_stack([p, q]), np.column_stack([np.ones_like(s), s, s * s]))
 
     def _atom_keys(self, scores: np.ndarray, batch: SampleBatch) -> np.ndarray:
@@ -489,18 +486,19 @@ class SampleAccumulator:
         return probs.reshape(n_p, n_q, n_m), atoms.reshape(n_p, n_q, n_m, k)
 
     def _check_samples(self, origin: str) -> None:
-        """Each pair's sample indices must be base, base + 1, ..., base + n - 1 (count, sum and sum of squares)."""
-        if self.sample_base is None:
+        """Each pair's sample indices must be b, b + 1, ..., b + n - 1 once each, b the lowest index seen (0 or 1):
+        checked by their count, sum and sum of squares (a repeated, missing or doubled sample changes one)."""
+        if self.sample_low is None:
             return
+        b = self.sample_low
         keys, vals = self.sample_stats.keys, self.sample_stats.vals
-        n = vals[:, 0]
-        bad = np.flatnonzero((vals[:, 1] != n * (n - 1) // 2) | (vals[:, 2] != (n - 1) * n * (2 * n - 1) // 6))
+        n, total, squares = vals[:, 0], vals[:, 1] - vals[:, 0] * b, vals[:, 2] - 2 * b * vals[:, 1] + vals[:, 0] * b * b
+        bad = np.flatnonzero((total != n * (n - 1) // 2) | (squares != (n - 1) * n * (2 * n - 1) // 6))
         if bad.size:
             i = int(bad[0])
             raise LogFormatError(f"{origin}: the {int(n[i])} sample indices of prompt {self.prompts.values[keys[i, 0]]!r} "
-                                 f"on query {self.queries.values[keys[i, 1]]!r} are not {self.sample_base}.."
-                                 f"{self.sample_base + int(n[i]) - 1} once each (a repeated or missing sample; "
-                                 f"{bad.size} pairs are affected)")
+                                 f"on query {self.queries.values[keys[i, 1]]!r} are not {b}..{b + int(n[i]) - 1} once "
+                                 f"each (a repeated or missing sample; {bad.size} pairs are affected)")
 
     def _cost(self, cost_scale: float, origin: str) -> np.ndarray:
         if not (math.isfinite(cost_scale) and cost_scale >= 0):

@@ -246,7 +246,7 @@ def _to_batch(rb: pa.RecordBatch, row0: int, origin: str, mapping: ColumnMap, pl
         return _categorical(col(column), column, lambda v, w: _ident(v, w, column), at)
 
     batch = SampleBatch(origin=origin, rows=np.arange(row0 + 1, row0 + n + 1, dtype=np.int64),
-                        prompts=ident(mapping.prompt), queries=ident(mapping.query))
+                        prompts=ident(mapping.prompt), queries=ident(mapping.query), unit="row")
     if plan.tokens is not None:
         tokens = _numbers(col(plan.tokens), plan.tokens, at)
         if np.any(tokens < 0):
@@ -254,9 +254,9 @@ def _to_batch(rb: pa.RecordBatch, row0: int, origin: str, mapping: ColumnMap, pl
         batch.tokens = tokens
     if plan.sample is not None:
         samples = _numbers(col(plan.sample), plan.sample, at)
-        if np.any(samples != np.round(samples)) or np.any(np.abs(samples) > 2**40):
-            i = int(np.flatnonzero((samples != np.round(samples)) | (np.abs(samples) > 2**40))[0])
-            raise LogFormatError(f"{at(i)}: column {plan.sample!r} must hold sample indices (integers), "
+        if np.any(samples != np.round(samples)) or np.any(np.abs(samples) >= 2**20):
+            i = int(np.flatnonzero((samples != np.round(samples)) | (np.abs(samples) >= 2**20))[0])
+            raise LogFormatError(f"{at(i)}: column {plan.sample!r} must hold sample indices (integers below 2**20), "
                                  f"got {samples[i]!r}")
         batch.samples = samples.astype(np.int64)
     if plan.split is not None:
