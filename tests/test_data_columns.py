@@ -229,3 +229,25 @@ def test_cli_builds_both_shapes(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert read_table(out).n_atoms == 2
     assert main(["data", "build", str(path), "--aggregator", "bon", "--score-col", "nope"]) == 1
     assert "no column 'nope'" in capsys.readouterr().err
+
+
+def test_documented_sample_set_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two commands of docs/data.md, as written, on files with their column names."""
+    import re
+    import shlex
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "data.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```\n(iapo-gym data build (?:samples|scored)\.parquet.*?)\n```", text, re.S)
+    assert len(blocks) == 2
+    rows = sample_rows(seed=7)
+    write({"model": rows["prompt"], "problem_id": rows["query"], "sample_idx": rows["sample"],
+           "is_correct": rows["is_correct"]}, tmp_path / "samples.parquet")
+    write({"prompt": rows["prompt"], "query": rows["query"], "helpfulness_rm": rows["helpful"],
+           "harmlessness_rm": rows["harmless"], "completion_tokens": rows["tokens"]}, tmp_path / "scored.parquet")
+    monkeypatch.chdir(tmp_path)
+    for block in blocks:
+        args = shlex.split(block.replace("\\\n", " "))
+        assert args[:3] == ["iapo-gym", "data", "build"]
+        assert main(args[1:]) == 0
+    assert read_table(tmp_path / "samples.h5").n_atoms == 2
+    assert read_table(tmp_path / "scored.h5").objective_names == ("helpfulness_rm", "harmlessness_rm")
