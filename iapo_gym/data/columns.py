@@ -86,7 +86,7 @@ def record_batches(path: Path, fmt: str, columns: Sequence[str] | None, batch_ro
         if fmt == "parquet":
             import pyarrow.parquet as pq
 
-            pf = pq.ParquetFile(path)
+            pf = pq.ParquetFile(path, pre_buffer=False)  # pre-buffering keeps every column chunk read so far
             return pf.schema_arrow, pf.iter_batches(batch_size=batch_rows, columns=list(columns) if columns else None)
         if fmt == "arrow":
             source = pa.memory_map(str(path))
