@@ -251,3 +251,15 @@ def test_documented_sample_set_commands_run(tmp_path: Path, monkeypatch: pytest.
         assert main(args[1:]) == 0
     assert read_table(tmp_path / "samples.h5").n_atoms == 2
     assert read_table(tmp_path / "scored.h5").objective_names == ("helpfulness_rm", "harmlessness_rm")
+
+
+def test_json_lines_read_as_a_log_or_as_a_sample_set_give_one_table(tmp_path: Path) -> None:
+    """A flat .jsonl is read as iapo-gym's completion log by default and as a sample set with --format columns:
+    two readers, one builder, the same table."""
+    path = write(sample_rows(seed=8), tmp_path / "flat.jsonl")
+    assert main(["data", "build", str(path), "--aggregator", "mv", "--out", str(tmp_path / "log.h5")]) == 0
+    assert main(["data", "build", str(path), "--format", "columns", "--aggregator", "mv", "--batch-rows", "50",
+                 "--out", str(tmp_path / "columns.h5")]) == 0
+    log, columns = read_table(tmp_path / "log.h5"), read_table(tmp_path / "columns.h5")
+    same_table(log, columns)
+    assert log.attrs["source"] == "completion log flat.jsonl" and columns.attrs["source"] == "sample set flat.jsonl"
