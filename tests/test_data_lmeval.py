@@ -121,8 +121,9 @@ def write_tasks(folder: Path) -> list[str]:
     return names
 
 
+@pytest.fixture(scope="session")
 def lm_eval_command() -> str:
-    """The `lm-eval` command beside this Python, else on PATH; the test is skipped without it."""
+    """The `lm-eval` command beside this Python, else on PATH; the test is skipped without it (before any server starts)."""
     here = Path(sys.executable).parent
     found = shutil.which("lm-eval", path=os.pathsep.join([str(here), os.environ.get("PATH", "")]))
     if found is None:
@@ -130,9 +131,10 @@ def lm_eval_command() -> str:
     return found
 
 
-def test_real_lm_eval_run_builds_the_table_of_its_log(tmp_path: Path, llama_server: int,  # noqa: F811
+def test_real_lm_eval_run_builds_the_table_of_its_log(lm_eval_command: str, tmp_path: Path,
+                                                      llama_server: int,  # noqa: F811
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    command = lm_eval_command()
+    command = lm_eval_command
     tasks = write_tasks(tmp_path / "tasks")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI", "HF_"))}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), TRANSFORMERS_OFFLINE="1")
