@@ -324,6 +324,9 @@ def _check_arm_estimates(pf: PolicyFile, ids: list[str], fail: Any) -> None:
                 fail(f"arm_estimates: prompt {pid!r} has a pull of {len(pull)} completions, above n_max {pf.n_max}")
             if outcomes is not None and any(i >= len(outcomes) for i in pull):
                 fail(f"arm_estimates: prompt {pid!r} has a pull indexing past its {len(outcomes)} outcomes")
+            if outcomes is None and any(i > len(pull) for i in pull):
+                fail(f"arm_estimates: prompt {pid!r} has a pull whose answer buckets are not numbered 0 (gold), then "
+                     "1, 2, ... by first appearance")
 
 
 # ---- writing from a trained policy ---------------------------------------------------------------------

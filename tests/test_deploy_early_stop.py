@@ -6,7 +6,6 @@ import itertools
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from iapo_gym.deploy import Router
 from iapo_gym.deploy.estimates import simulate_drawn

@@ -131,10 +131,12 @@ class ArmRatings:
 
     def __init__(self, doc: Mapping[str, Any], aggregator: str, n_max: int, objectives: Sequence[str]) -> None:
         """``doc``: the policy file's ``arm_estimates``; the rest as in the policy file."""
-        self.aggregator, self.n_max, self.n_objectives = aggregator, int(n_max), len(objectives)
+        self.aggregator, self.n_objectives = aggregator, len(objectives)
         self.prompts = [str(e["id"]) for e in doc["prompts"]]
         self.cost = np.array([float(e["cost"]) for e in doc["prompts"]], dtype=np.float64)
         n_p = len(self.prompts)
+        # arms beyond the longest pull have no block: only N up to it are rated (at most the policy's n_max)
+        self.n_max = max(1, min(int(n_max), max((len(p) for e in doc["prompts"] for p in e["pulls"]), default=1)))
         self.blocks = np.zeros((n_p, self.n_max), dtype=np.int64)  # blocks behind each arm's estimate
         self._credit = np.full((n_p, self.n_max), np.nan)
         self._bon: list[list[np.ndarray]] = []  # per prompt, per N: the blocks' objective vectors (b, N, K)
@@ -174,9 +176,15 @@ class ArmRatings:
         n = np.arange(1, self.n_max + 1, dtype=np.float64)
         return self.task_reward(objective_weights) + float(cost_weight) * n[None, :] * self.cost[:, None]
 
+    def shown(self, prompt: str, n: int) -> int:
+        """Blocks behind the estimate of arm (prompt, n): 0 when none shows it."""
+        if prompt not in self.prompts or not 1 <= n <= self.n_max:
+            return 0
+        return int(self.blocks[self.prompts.index(prompt), n - 1])
+
     def drawn(self, prompt: str, n: int) -> float | None:
         """Mean completions a majority vote of arm (prompt, n) drew with early stopping over its blocks; None if unseen."""
-        if self.aggregator != "mv" or prompt not in self.prompts:
+        if self.aggregator != "mv" or self.shown(prompt, n) == 0:
             return None
         value = self._drawn[self.prompts.index(prompt), n - 1]
         return None if math.isnan(value) else float(value)

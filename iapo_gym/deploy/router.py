@@ -146,8 +146,7 @@ class Router:
                          if pf.arm_estimates is not None else None)
         self._min_blocks = 1
         if self._ratings is not None:  # rate only arms shown by as many blocks as the least-shown arm the policy chose
-            shown = [int(self._ratings.blocks[self._ratings.prompts.index(c.prompt), c.n - 1])
-                     for c in pf.contexts if c.prompt in self._ratings.prompts]
+            shown = [self._ratings.shown(c.prompt, c.n) for c in pf.contexts]
             self._min_blocks = max(1, min(shown, default=1))
         self._client: LLMClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
