@@ -30,6 +30,8 @@ FORMAT = "iapo-gym-policy"
 VERSION = 2
 #: Versions this release reads: version 1 files lack ``arm_estimates`` (they answer their contexts' weights only).
 READS = (1, 2)
+#: The largest n_max whose arms a file's ``arm_estimates`` may rate (the ratings hold N_max values per prompt).
+MAX_RATED_N = 4096
 SCHEMA_FILE = "policy.schema.json"
 
 
@@ -305,6 +307,8 @@ def _check_consistent(pf: PolicyFile, where: str) -> None:
 
 def _check_arm_estimates(pf: PolicyFile, ids: list[str], fail: Any) -> None:
     """Every estimated prompt is a prompt of the policy, once; pulls fit n_max and index their outcomes."""
+    if pf.n_max > MAX_RATED_N:
+        fail(f"arm_estimates: n_max {pf.n_max} is above {MAX_RATED_N}, too large to rate arms by")
     seen: set[str] = set()
     for e in pf.arm_estimates["prompts"] if pf.arm_estimates else ():
         pid = e.get("id")
@@ -319,14 +323,17 @@ def _check_arm_estimates(pf: PolicyFile, ids: list[str], fail: Any) -> None:
         if outcomes is not None and any(len(o) != len(pf.objectives) or not all(math.isfinite(x) for x in o)
                                         for o in outcomes):
             fail(f"arm_estimates: prompt {pid!r}: each outcome needs {len(pf.objectives)} finite objective scores")
-        for pull in e["pulls"]:
-            if len(pull) > pf.n_max:
-                fail(f"arm_estimates: prompt {pid!r} has a pull of {len(pull)} completions, above n_max {pf.n_max}")
-            if outcomes is not None and any(i >= len(outcomes) for i in pull):
-                fail(f"arm_estimates: prompt {pid!r} has a pull indexing past its {len(outcomes)} outcomes")
-            if outcomes is None and any(i > len(pull) for i in pull):
-                fail(f"arm_estimates: prompt {pid!r} has a pull whose answer buckets are not numbered 0 (gold), then "
-                     "1, 2, ... by first appearance")
+        for pulls in e["queries"]:
+            drawn = sum(len(pull) for pull in pulls)
+            for pull in pulls:
+                if len(pull) > pf.n_max:
+                    fail(f"arm_estimates: prompt {pid!r} has a pull of {len(pull)} completions, above n_max "
+                         f"{pf.n_max}")
+                if outcomes is not None and any(i >= len(outcomes) for i in pull):
+                    fail(f"arm_estimates: prompt {pid!r} has a pull indexing past its {len(outcomes)} outcomes")
+                if outcomes is None and any(i > drawn for i in pull):
+                    fail(f"arm_estimates: prompt {pid!r} has answer buckets not numbered 0 (gold), then 1, 2, ... "
+                         "by first appearance")
 
 
 # ---- writing from a trained policy ---------------------------------------------------------------------

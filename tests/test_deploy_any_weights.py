@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +14,11 @@ import pytest
 from iapo_gym.cli import main
 from iapo_gym.deploy import ContextError, Router, load_policy
 from iapo_gym.deploy.router import RatedContext
+from iapo_gym.env import IAPOEnv
+from iapo_gym.leaderboard.run.runner import DEFAULT_TRAIN_FRACTION, run_setup
+from iapo_gym.leaderboard.run.specs import resolve_task
 from iapo_gym.policyfile import PolicyFile, PolicyFileError, PolicyPrompt, load_text
+from iapo_gym.tables import OutcomeTable
 from tests.llm_server import free_port, write_spec
 
 pytest.importorskip("openai")
@@ -29,34 +33,40 @@ def _servable(pf: PolicyFile) -> PolicyFile:
                                api="completions", scorer=scorer)
 
 
-def _by_hand(pf: PolicyFile, weights: list[float], min_blocks: int) -> tuple[str, int, float]:
-    """The best arm re-derived with plain Python from the stored pulls: per arm the mean over its disjoint N-blocks of
-    the vote credit (1/t if the gold answer 0 is among the t most voted) or of the best weighted objective vector."""
-    best: tuple[float, str, int] | None = None
-    est = pf.arm_estimates
-    assert est is not None
-    for e in est["prompts"]:
-        for n in range(1, pf.n_max + 1):
-            values = []
-            for pull in e["pulls"]:
-                for b in range(len(pull) // n):
-                    block = pull[b * n:(b + 1) * n]
-                    if pf.aggregator == "mv":
-                        counts = Counter(block)
-                        top = max(counts.values())
-                        tied = [a for a, v in counts.items() if v == top]
-                        values.append(1.0 / len(tied) if 0 in tied else 0.0)
-                    else:
-                        values.append(max(sum(w * o for w, o in zip(weights[:-1], e["outcomes"][i], strict=True))
-                                          for i in block))
-            if len(values) < max(1, min_blocks):
-                continue
-            reward = sum(values) / len(values) * (weights[0] if pf.aggregator == "mv" else 1.0)
-            utility = reward + weights[-1] * n * e["cost"]
-            if best is None or utility > best[0] + 1e-12:
-                best = (utility, e["id"], n)
-    assert best is not None
-    return best[1], best[2], best[0]
+def _plug_in(pf: PolicyFile, prompt: str, n: int, weights: list[float]) -> float:
+    """The plug-in utility of arm (prompt, n), computed by the exact oracle of a one-prompt table whose outcome
+    distributions are the stored completions' empirical ones per query (an independent path to the same number)."""
+    assert pf.arm_estimates is not None
+    e = next(e for e in pf.arm_estimates["prompts"] if e["id"] == prompt)
+    groups = e["queries"]
+    width = len(e["outcomes"]) if pf.aggregator == "bon" else 1 + max(a for g in groups for p in g for a in p)
+    counts = np.zeros((1, len(groups), width))
+    for q, pulls in enumerate(groups):
+        for pull in pulls:
+            for a in pull:
+                counts[0, q, a] += 1
+    common = dict(task="t", probs=counts / counts.sum(axis=2, keepdims=True), cost=np.full((1, len(groups)), e["cost"]),
+                  n_max=pf.n_max, context_weights=np.array([weights]), context_names=("w",), context_probs=np.ones(1),
+                  prompts=(prompt,), queries=tuple(f"q{i}" for i in range(len(groups))),
+                  objective_names=pf.objectives)
+    if pf.aggregator == "mv":
+        table = OutcomeTable(aggregator="mv", gold=np.zeros(len(groups), np.int64), **common)
+    else:
+        atoms = np.broadcast_to(np.asarray(e["outcomes"], dtype=np.float64), (1, len(groups), width, len(pf.objectives)))
+        table = OutcomeTable(aggregator="bon", atoms=np.ascontiguousarray(atoms), **common)
+    return float(IAPOEnv(table=table).q_table("test")[0, 0, n - 1])
+
+
+def _by_hand(pf: PolicyFile, weights: list[float]) -> tuple[str, int, float]:
+    """The two learned contexts nearest in direction (weights over the sum of absolute objective weights), and of their
+    arms the one with the better plug-in utility (the nearer on a tie)."""
+    def unit(w: Sequence[float]) -> np.ndarray:
+        return np.asarray(w) / np.abs(np.asarray(w[:-1])).sum()
+
+    near = sorted(pf.contexts, key=lambda c: float(((unit(c.weights) - unit(weights)) ** 2).sum()))[:2]
+    rated = [(_plug_in(pf, c.prompt, c.n, weights), -k, c) for k, c in enumerate(near)]
+    u, _, c = max(rated, key=lambda r: (r[0], r[1]))
+    return c.prompt, c.n, u
 
 
 @pytest.mark.parametrize(("task", "budget", "between"), [
@@ -70,7 +80,7 @@ def test_weights_between_contexts_get_the_arm_the_estimates_rate_best(task: str,
     pf = load_policy(tmp_path / "p" / "policy.json")
     est = pf.arm_estimates
     assert est is not None and est["completions"] == pf.learned["completions"]
-    assert sum(len(pull) for e in est["prompts"] for pull in e["pulls"]) == est["completions"]
+    assert sum(len(pull) for e in est["prompts"] for g in e["queries"] for pull in g) == est["completions"]
     router = Router(_servable(pf), write_spec(tmp_path, free_port(), aggregator=pf.aggregator))
     for c in pf.contexts:  # a context's own weights: its learned arm
         got = router.resolve(list(c.weights))
@@ -79,11 +89,24 @@ def test_weights_between_contexts_get_the_arm_the_estimates_rate_best(task: str,
         assert not any(np.allclose(c.weights, weights, rtol=1e-9, atol=0) for c in pf.contexts)
         got = router.resolve(weights)
         assert isinstance(got, RatedContext)
-        prompt, n, utility = _by_hand(pf, weights, router._min_blocks)
+        prompt, n, utility = _by_hand(pf, weights)
         assert (got.prompt, got.n) == (prompt, n)
-        assert got.route["estimated_utility"] == pytest.approx(utility, abs=1e-12)
+        assert got.route["estimated_utility"] == pytest.approx(utility, abs=1e-9)
         assert got.route["by"] == "estimated_utility" and got.route["nearest_context"] in {c.name for c in pf.contexts}
         assert list(got.weights) == weights
+    # the report's exact check of weights midway between contexts: the arm served, evaluated by the table's oracle
+    setup = run_setup(resolve_task(task), 0, 0, DEFAULT_TRAIN_FRACTION)
+    rows = pf.estimate["any_weights"]
+    assert rows and len(rows) == len(pf.contexts) - 1
+    for row in rows:
+        got = router.resolve(row["weights"])
+        assert (got.prompt, got.n) == (row["prompt"], row["n"])
+        probe = dataclasses.replace(setup.run_table, context_weights=np.array([row["weights"]]), context_names=("w",),
+                                    context_probs=np.ones(1))
+        q = IAPOEnv(table=probe).q_table("test")[0]
+        index = [p.id for p in pf.prompts].index(row["prompt"])
+        assert row["exact"] == q[index, row["n"] - 1] and row["optimal"] == q.max()
+    assert "checked exactly on the test queries" in (tmp_path / "p" / "report.md").read_text()
 
 
 def test_weights_outside_the_policy_are_refused_and_old_files_answer_their_contexts(tmp_path: Path) -> None:
@@ -115,6 +138,6 @@ def test_weights_outside_the_policy_are_refused_and_old_files_answer_their_conte
         load_text(json.dumps(doc1))
     assert pf.arm_estimates is not None
     long_pull = json.loads(json.dumps(pf.arm_estimates))
-    long_pull["prompts"][0]["pulls"].append([0] * (pf.n_max + 1))
+    long_pull["prompts"][0]["queries"][0].append([0] * (pf.n_max + 1))
     with pytest.raises(PolicyFileError, match="above n_max"):
         dataclasses.replace(pf, arm_estimates=long_pull)

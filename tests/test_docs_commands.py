@@ -121,6 +121,8 @@ def _how(command: str) -> str:
     if command.startswith("iapo-gym serve"):
         return "serve"  # a server: started, then the client block runs against it (on a free port, not 8000)
     if "benchmarks/bench_serve.py" in command:
+        if "--early-stop" in command:
+            return "faster: --repeats 1"  # one round of every (prompt, query, N) instead of three
         if "--optillm-python" in command:
             return "not run: needs OptiLLM in a venv of its own (a peer, never a dependency)"
         return "faster: --calls 3 --repeats 1"  # the full benchmark takes minutes; this runs every side once

@@ -2,28 +2,29 @@
 votes use when they stop early.
 
 ``optimize`` records every completion the agent drew in training (``RecordingSource`` wraps the
-env's completion source, whatever the agent) and stores them per prompt as pulls in draw order
-(``arm_estimates``): majority vote as answer buckets relabelled per pull (0 the gold answer, then
-the others by first appearance), Best-of-N as indices into the prompt's distinct objective vectors.
-Arm (p, N) is estimated from the disjoint N-blocks of p's pulls (the first completions of each
-pull of at least N, as the agents' block estimator reuses them): the mean majority-vote credit or
-the mean best weighted score of its blocks, plus ``cost_weight * N * cost(p)``. This is linear in
-the weights for majority vote and exact for any weights for Best-of-N (each block's objective
-vectors are kept), so ``ArmRatings.best`` rates every arm for weights no context of the policy has.
+env's completion source, whatever the agent) and stores them per prompt and query as pulls in draw
+order (``arm_estimates``): majority vote as answer buckets numbered per (prompt, query), 0 the
+gold answer and then the others by first appearance; Best-of-N as indices into the prompt's
+distinct objective vectors. A (prompt, query)'s completions give its empirical outcome
+distribution, and arm (p, N) is rated by the plug-in expected utility: the exact expected
+majority-vote credit or best weighted score of N draws from each observed query's distribution
+(``iapo_gym.exact``), averaged over p's observed queries, plus ``cost_weight * N * cost(p)``. That
+covers every N up to ``n_max`` (the agents that extrapolate, as ``auto`` does, choose N beyond
+any pull) and any weights: majority vote is linear in them, Best-of-N is recomputed per weights.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from iapo_gym.exact import bon_expected_max, mv_expected_credit
 from iapo_gym.seeding import derive_rng
-from iapo_gym.utility import mv_credit, vote_stop_points
+from iapo_gym.utility import vote_stop_points
 
-METHOD = "blocks"
+METHOD = "plug-in"
 
 
 class RecordingSource:
@@ -79,14 +80,17 @@ class RecordingSource:
         return cat(self.prompts), cat(self.queries), cat(self.ns), cat(self.atoms)
 
 
-def _relabel_votes(atoms: np.ndarray, gold: int) -> list[int]:
-    """A pull's buckets as 0 for the gold answer, then 1, 2, ... by first appearance."""
+def _number_votes(pulls: list[np.ndarray], gold: int) -> list[list[int]]:
+    """A (prompt, query)'s pulls as answer buckets numbered 0 for the gold answer, then 1, 2, ... by first appearance."""
     labels: dict[int, int] = {gold: 0}
     out = []
-    for a in atoms.tolist():
-        if a not in labels:
-            labels[a] = len(labels)
-        out.append(labels[a])
+    for atoms in pulls:
+        row = []
+        for a in atoms.tolist():
+            if a not in labels:
+                labels[a] = len(labels)
+            row.append(labels[a])
+        out.append(row)
     return out
 
 
@@ -96,34 +100,56 @@ def build_arm_estimates(table: Any, prompts: np.ndarray, queries: np.ndarray, ns
 
     ``cost`` of a prompt is its mean per-completion cost over ``train_queries`` (the queries the
     agent drew from), so the estimated utility has the expected cost term of the training queries.
+    Queries appear in the order the agent first drew them and are not named.
     """
-    offsets = np.concatenate([[0], np.cumsum(ns)])
+    offsets = np.concatenate([[0], np.cumsum(ns)]).astype(np.int64)
     cost = np.asarray(table.cost_matrix(), dtype=np.float64)[:, np.asarray(train_queries, dtype=np.int64)].mean(axis=1)
     out = []
     for p in range(len(table.prompts)):
         mine = np.flatnonzero(prompts == p)
         if mine.size == 0:
             continue
+        groups: dict[int, list[np.ndarray]] = {}
+        for i in mine.tolist():
+            groups.setdefault(int(queries[i]), []).append(atoms[offsets[i]:offsets[i + 1]])
         entry: dict[str, Any] = {"id": str(table.prompts[p]), "cost": float(cost[p])}
-        pulls = [atoms[offsets[i]:offsets[i + 1]] for i in mine.tolist()]
         if table.aggregator == "mv":
-            entry["pulls"] = [_relabel_votes(a, int(table.gold[q])) for a, q in zip(pulls, queries[mine].tolist(),
-                                                                                   strict=True)]
+            entry["queries"] = [_number_votes(pulls, int(table.gold[q])) for q, pulls in groups.items()]
         else:
-            vectors = np.concatenate([table.atoms[p, q, a] for a, q in zip(pulls, queries[mine].tolist(), strict=True)])
+            vectors = np.concatenate([table.atoms[p, q, a] for q, pulls in groups.items() for a in pulls])
             distinct, index = np.unique(vectors, axis=0, return_inverse=True)
-            index = index.reshape(-1)
-            cuts = np.cumsum([a.size for a in pulls])[:-1]
+            index = index.reshape(-1).tolist()
             entry["outcomes"] = [[float(x) for x in row] for row in distinct]
-            entry["pulls"] = [part.tolist() for part in np.split(index, cuts)]
+            nested, at = [], 0
+            for pulls in groups.values():
+                group = []
+                for a in pulls:
+                    group.append(index[at:at + a.size])
+                    at += a.size
+                nested.append(group)
+            entry["queries"] = nested
         out.append(entry)
     return {"method": METHOD, "completions": int(ns.sum()), "prompts": out}
 
 
-def _blocks(pulls: Sequence[Sequence[int]], k: int) -> np.ndarray:
-    """The disjoint k-blocks (b, k) of the pulls: the first k * floor(n / k) completions of each pull of n."""
-    parts = [np.asarray(p[: len(p) // k * k], dtype=np.int64).reshape(-1, k) for p in pulls if len(p) >= k]
-    return np.concatenate(parts) if parts else np.zeros((0, k), dtype=np.int64)
+def _empirical(groups: Sequence[Sequence[Sequence[int]]], width: int) -> np.ndarray:
+    """Per query (Q, width) the empirical distribution of its completions' outcomes."""
+    counts = np.zeros((len(groups), width))
+    for q, pulls in enumerate(groups):
+        flat = np.fromiter((a for pull in pulls for a in pull), dtype=np.int64)
+        counts[q] = np.bincount(flat, minlength=width)
+    return counts / counts.sum(axis=1, keepdims=True)
+
+
+def simulate_votes(probs: np.ndarray, n: int, samples: int, rng: np.random.Generator) -> float:
+    """Mean completions a majority vote capped at ``n`` draws with early stopping, each vote on a row of ``probs``
+    (R, B) drawn uniformly (``iapo_gym.utility.vote_stop_points`` on simulated sequences)."""
+    rows = probs[rng.integers(probs.shape[0], size=samples)]
+    cdf = np.cumsum(rows, axis=1)
+    cdf /= cdf[:, -1:]
+    u = rng.random((samples, n))
+    atoms = np.minimum((u[:, :, None] > cdf[:, None, :]).sum(axis=2), probs.shape[1] - 1)
+    return float(vote_stop_points(atoms, np.array([n]))[:, 0].mean())
 
 
 class ArmRatings:
@@ -131,77 +157,92 @@ class ArmRatings:
 
     def __init__(self, doc: Mapping[str, Any], aggregator: str, n_max: int, objectives: Sequence[str]) -> None:
         """``doc``: the policy file's ``arm_estimates``; the rest as in the policy file."""
-        self.aggregator, self.n_objectives = aggregator, len(objectives)
+        self.aggregator, self.n_max, self.n_objectives = aggregator, int(n_max), len(objectives)
         self.prompts = [str(e["id"]) for e in doc["prompts"]]
         self.cost = np.array([float(e["cost"]) for e in doc["prompts"]], dtype=np.float64)
-        n_p = len(self.prompts)
-        # arms beyond the longest pull have no block: only N up to it are rated (at most the policy's n_max)
-        self.n_max = max(1, min(int(n_max), max((len(p) for e in doc["prompts"] for p in e["pulls"]), default=1)))
-        self.blocks = np.zeros((n_p, self.n_max), dtype=np.int64)  # blocks behind each arm's estimate
-        self._credit = np.full((n_p, self.n_max), np.nan)
-        self._bon: list[list[np.ndarray]] = []  # per prompt, per N: the blocks' objective vectors (b, N, K)
-        self._drawn = np.full((n_p, self.n_max), np.nan)
-        for i, e in enumerate(doc["prompts"]):
-            pulls = e["pulls"]
-            per_n: list[np.ndarray] = []
-            outcomes = np.asarray(e.get("outcomes", []), dtype=np.float64).reshape(-1, self.n_objectives)
-            for k in range(1, self.n_max + 1):
-                blocks = _blocks(pulls, k)
-                self.blocks[i, k - 1] = blocks.shape[0]
-                if aggregator == "mv":
-                    if blocks.shape[0]:
-                        width = int(blocks.max()) + 1
-                        counts = np.zeros((blocks.shape[0], width), dtype=np.int64)
-                        np.add.at(counts, (np.repeat(np.arange(blocks.shape[0]), k), blocks.reshape(-1)), 1)
-                        self._credit[i, k - 1] = float(mv_credit(counts, np.zeros(blocks.shape[0], np.int64)).mean())
-                        self._drawn[i, k - 1] = float(vote_stop_points(blocks, np.array([k]))[:, 0].mean())
-                else:
-                    per_n.append(outcomes[blocks])
-            self._bon.append(per_n)
+        self.queries = np.array([len(e["queries"]) for e in doc["prompts"]], dtype=np.int64)  # observed per prompt
+        self._probs: list[np.ndarray] = []  # per prompt (Q, B) empirical distributions
+        self._outcomes: list[np.ndarray] = []  # Best-of-N: per prompt (V, K) objective vectors
+        for e in doc["prompts"]:
+            if aggregator == "mv":
+                width = 1 + max((a for pulls in e["queries"] for pull in pulls for a in pull), default=0)
+                self._probs.append(_empirical(e["queries"], width))
+            else:
+                outcomes = np.asarray(e["outcomes"], dtype=np.float64).reshape(-1, self.n_objectives)
+                self._outcomes.append(outcomes)
+                self._probs.append(_empirical(e["queries"], outcomes.shape[0]))
+        self._credit = np.array([mv_expected_credit(pr, np.zeros(pr.shape[0], np.int64), self.n_max).mean(axis=0)
+                                 for pr in self._probs]) if aggregator == "mv" else None
 
-    def task_reward(self, objective_weights: Sequence[float]) -> np.ndarray:
-        """Estimated task reward (P, N_max) of every arm under ``objective_weights``; NaN where no block shows it."""
+    def task_reward(self, objective_weights: Sequence[float] | np.ndarray) -> np.ndarray:
+        """Estimated task reward (P, N_max) of every arm under ``objective_weights``."""
         w = np.asarray(objective_weights, dtype=np.float64)
-        if self.aggregator == "mv":
-            return w[0] * self._credit
-        out = np.full((len(self.prompts), self.n_max), np.nan)
-        for i, per_n in enumerate(self._bon):
-            for k, vectors in enumerate(per_n):
-                if vectors.shape[0]:
-                    out[i, k] = float((vectors @ w).max(axis=1).mean())
+        if self._credit is not None:
+            return np.asarray(w[0] * self._credit)
+        out = np.empty((len(self.prompts), self.n_max))
+        for i, (outcomes, probs) in enumerate(zip(self._outcomes, self._probs, strict=True)):
+            scores = np.broadcast_to(outcomes @ w, probs.shape)
+            out[i] = bon_expected_max(scores, probs, self.n_max).mean(axis=0)
         return out
 
-    def utilities(self, objective_weights: Sequence[float], cost_weight: float) -> np.ndarray:
-        """Estimated utility (P, N_max) of every arm: task reward plus ``cost_weight * N * cost(p)``; NaN: no estimate."""
+    def utilities(self, objective_weights: Sequence[float] | np.ndarray, cost_weight: float) -> np.ndarray:
+        """Estimated utility (P, N_max) of every arm: task reward plus ``cost_weight * N * cost(p)``."""
         n = np.arange(1, self.n_max + 1, dtype=np.float64)
         return self.task_reward(objective_weights) + float(cost_weight) * n[None, :] * self.cost[:, None]
 
-    def shown(self, prompt: str, n: int) -> int:
-        """Blocks behind the estimate of arm (prompt, n): 0 when none shows it."""
-        if prompt not in self.prompts or not 1 <= n <= self.n_max:
-            return 0
-        return int(self.blocks[self.prompts.index(prompt), n - 1])
+    def shown(self, prompt: str) -> int:
+        """Queries behind the estimates of the prompt's arms: 0 when the prompt was never drawn."""
+        return int(self.queries[self.prompts.index(prompt)]) if prompt in self.prompts else 0
 
-    def drawn(self, prompt: str, n: int) -> float | None:
-        """Mean completions a majority vote of arm (prompt, n) drew with early stopping over its blocks; None if unseen."""
-        if self.aggregator != "mv" or self.shown(prompt, n) == 0:
+    def drawn(self, prompt: str, n: int, samples: int, seed: int) -> float | None:
+        """Majority vote: mean completions arm (prompt, n) draws with early stopping, simulated from the estimates."""
+        if self.aggregator != "mv" or self.shown(prompt) == 0:
             return None
-        value = self._drawn[self.prompts.index(prompt), n - 1]
-        return None if math.isnan(value) else float(value)
+        rng = derive_rng(seed, "iapo_gym.deploy.early_stop", prompt, n)
+        return simulate_votes(self._probs[self.prompts.index(prompt)], n, samples, rng)
 
-    def best(self, objective_weights: Sequence[float], cost_weight: float,
-             min_blocks: int = 1) -> tuple[str, int, float, int]:
-        """(prompt id, N, estimated utility, blocks) of the best arm among those shown by at least ``min_blocks`` blocks.
 
-        Ties go to the first prompt of the file, then the smallest N.
-        """
-        u = self.utilities(objective_weights, cost_weight)
-        u = np.where(self.blocks >= max(1, min_blocks), u, np.nan)
-        if np.isnan(u).all():
-            raise ValueError(f"no arm has an estimate from at least {min_blocks} blocks")
-        flat = int(np.nanargmax(u))
-        p, k = divmod(flat, self.n_max)
-        return self.prompts[p], k + 1, float(u[p, k]), int(self.blocks[p, k])
+#: Learned contexts whose arms compete for weights no context has.
+NEIGHBOURS = 2
+
+
+def direction(weights: Sequence[float] | np.ndarray) -> np.ndarray:
+    """Weights scaled to objective weights of absolute sum 1: a utility scaled by c > 0 has the same best arm."""
+    w = np.asarray(weights, dtype=np.float64)
+    scale = float(np.abs(w[:-1]).sum())
+    return w / scale if scale > 0 else w
+
+
+def choose_arm(ratings: ArmRatings, contexts: Sequence[Any], weights: Sequence[float] | np.ndarray) -> dict[str, Any]:
+    """The arm served for ``weights`` (objective weights, then cost weight) that no context has.
+
+    The arms of the ``NEIGHBOURS`` learned contexts nearest in direction compete, and the policy's
+    estimates choose the one with the best estimated utility under ``weights`` (ties, or a prompt the
+    estimates never saw: the nearer context). Rating every arm by the plug-in alone does worse: checked
+    exactly on the synthetic tasks (docs/deploy.md, "Any weights"), it underestimates what a larger N
+    gains from the few completions per query an agent draws, where the agent's own choices do not.
+    Returns the route: prompt, N, estimated utility, the nearest context and the candidates.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    target = direction(w)
+    order = sorted(range(len(contexts)), key=lambda i: (float(((direction(contexts[i].weights) - target) ** 2).sum()), i))
+    near = [contexts[i] for i in order[:NEIGHBOURS]]
+    u = ratings.utilities(w[:-1], float(w[-1]))
+    rated = [(float(u[ratings.prompts.index(c.prompt), c.n - 1]) if ratings.shown(c.prompt) else -np.inf, -k, c)
+             for k, c in enumerate(near)]
+    best = max(rated, key=lambda r: (r[0], r[1]))[2]
+    utility = rated[[r[2] for r in rated].index(best)][0]
+    return {"prompt": best.prompt, "n": best.n, "estimated_utility": utility if np.isfinite(utility) else None,
+            "from_context": best.name, "nearest_context": near[0].name,
+            "candidates": [[c.name, c.prompt, c.n, x if np.isfinite(x) else None] for x, _, c in rated]}
+
+
+def probe_weights(contexts: Sequence[Any]) -> np.ndarray:
+    """Weights (K, objectives + 1) midway between consecutive contexts of a policy: weights no context has."""
+    w = np.array([c.weights for c in contexts], dtype=np.float64)
+    mid = (w[1:] + w[:-1]) / 2.0
+    keep = ~(np.abs(mid[:, None, :] - w[None, :, :]).max(axis=2) < 1e-12).any(axis=1)
+    return np.asarray(mid[keep])
 
 
 def simulate_drawn(table: Any, arms: np.ndarray, queries: np.ndarray, samples: int, seed: int) -> np.ndarray:
@@ -211,14 +252,8 @@ def simulate_drawn(table: Any, arms: np.ndarray, queries: np.ndarray, samples: i
     the query uniform among ``queries`` for each; the vote stops at the first completion where it is
     decided (``iapo_gym.utility.vote_stop_points``).
     """
-    rng = derive_rng(seed, "iapo_gym.deploy.early_stop")
     arms = np.asarray(arms, dtype=np.int64).reshape(-1, 2)
     queries = np.asarray(queries, dtype=np.int64)
-    out = np.empty(arms.shape[0])
-    for c, (p, n) in enumerate(arms.tolist()):
-        q = queries[rng.integers(queries.size, size=samples)]
-        cdf = np.cumsum(table.probs[p, q], axis=1)  # (samples, M)
-        u = rng.random((samples, n))
-        atoms = np.minimum((u[:, :, None] > cdf[:, None, :]).sum(axis=2), cdf.shape[1] - 1)
-        out[c] = float(vote_stop_points(atoms, np.array([n]))[:, 0].mean())
-    return out
+    return np.array([simulate_votes(table.probs[p, queries], n, samples,
+                                    derive_rng(seed, "iapo_gym.deploy.early_stop", c))
+                     for c, (p, n) in enumerate(arms.tolist())])

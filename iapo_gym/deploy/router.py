@@ -29,7 +29,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from iapo_gym.deploy.estimates import ArmRatings
+from iapo_gym.deploy.estimates import ArmRatings, choose_arm
 from iapo_gym.llm.client import BudgetExhausted, Completion, EndpointError, LLMClient
 from iapo_gym.llm.loop import LoopThread, gather_all
 from iapo_gym.llm.scoring import make_extractor, make_scorer
@@ -39,6 +39,7 @@ from iapo_gym.seeding import derive_rng
 from iapo_gym.utility import votes_to_decide
 
 TIE_KEY = "iapo_gym.deploy.tie"
+RATED_CACHE = 1024  # weights whose best arm is remembered (a Best-of-N rating scores every block)
 ContextRef = str | int | Sequence[float] | None
 
 __all__ = ["BudgetExhausted", "ContextError", "EndpointError", "RatedContext", "Routed", "Router"]
@@ -144,10 +145,7 @@ class Router:
         self._by_name = {c.name: i for i, c in enumerate(pf.contexts)}
         self._ratings = (ArmRatings(pf.arm_estimates, pf.aggregator, pf.n_max, pf.objectives)
                          if pf.arm_estimates is not None else None)
-        self._min_blocks = 1
-        if self._ratings is not None:  # rate only arms shown by as many blocks as the least-shown arm the policy chose
-            shown = [self._ratings.shown(c.prompt, c.n) for c in pf.contexts]
-            self._min_blocks = max(1, min(shown, default=1))
+        self._rated: dict[tuple[float, ...], dict[str, Any]] = {}  # weights -> the chosen arm's route, oldest first
         self._client: LLMClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: LoopThread | None = None
@@ -227,13 +225,15 @@ class Router:
         if cost > 0 and all(c.cost_weight <= 0 for c in ctxs):
             raise ContextError(f"cost weight {cost} is positive: a cost weight is <= 0 (it penalises N times the "
                                "prompt's cost), as in every context of the policy", ctxs)
-        prompt, n, utility, blocks = self._ratings.best(objective, cost, self._min_blocks)
-        nearest = min(ctxs, key=lambda c: sum((a - b) ** 2 for a, b in zip(c.weights, weights, strict=True)))
-        route = {"by": "estimated_utility", "estimated_utility": utility, "blocks": blocks,
-                 "nearest_context": nearest.name, "nearest_context_arm": [nearest.prompt, nearest.n],
-                 "drawn_estimate": self._ratings.drawn(prompt, n)}
+        key = tuple(weights)
+        if key not in self._rated:
+            if len(self._rated) >= RATED_CACHE:
+                self._rated.pop(next(iter(self._rated)))
+            self._rated[key] = choose_arm(self._ratings, ctxs, weights)
+        chosen = self._rated[key]
+        route = {"by": "estimated_utility", **{k: v for k, v in chosen.items() if k not in ("prompt", "n")}}
         return RatedContext(name=json.dumps(weights), objective_weights=tuple(objective), cost_weight=cost,
-                            probability=0.0, prompt=prompt, n=n, route=route)
+                            probability=0.0, prompt=chosen["prompt"], n=chosen["n"], route=route)
 
     # ---- the client ------------------------------------------------------------------------------------
     async def start(self) -> Router:

@@ -33,6 +33,7 @@ CHECK_KEY = "iapo_gym.optimize.check"
 DRAWN_KEY = "iapo_gym.optimize.early_stop"
 #: Votes simulated per context for the completions a majority vote draws with early stopping (table target).
 DRAWN_SAMPLES = 20_000
+DRAWN_SEED = 0  # live target: the votes simulated from the estimates
 
 
 class OptimizeError(RuntimeError):
@@ -170,7 +171,36 @@ def _table(target: str, agent_spec: AgentSpec, budget: int, seed: int, run: int,
     if setup.run_table.aggregator == "mv":
         drawn = simulate_drawn(setup.run_table, arms, env.queries("test"), DRAWN_SAMPLES,
                                derive_seed(seed, DRAWN_KEY, task.name, run))
-    return _with_estimates(pf, estimates, drawn), spend
+    pf = _with_estimates(pf, estimates, drawn)
+    est = dict(pf.estimate, any_weights=any_weights_check(pf, setup.run_table))
+    return dataclasses.replace(pf, estimate=est), spend
+
+
+def any_weights_check(pf: PolicyFile, table: Any) -> list[dict[str, Any]]:
+    """Weights midway between consecutive contexts, the arm the policy's estimates rate best for each (as ``serve``
+    chooses it), and its exact test utility against the best arm's and the nearest context's arm's."""
+    from iapo_gym.deploy.estimates import ArmRatings, choose_arm, probe_weights
+    from iapo_gym.env import IAPOEnv
+
+    assert pf.arm_estimates is not None
+    probes = probe_weights(pf.contexts)
+    if probes.size == 0:
+        return []
+    ratings = ArmRatings(pf.arm_estimates, pf.aggregator, pf.n_max, pf.objectives)
+    names = tuple(f"probe{i}" for i in range(len(probes)))
+    probe_table = dataclasses.replace(table, context_weights=probes, context_names=names,
+                                      context_probs=np.full(len(probes), 1.0 / len(probes)))
+    q = IAPOEnv(table=probe_table).q_table("test")  # exact (probes, P, N_max)
+    index = {p.id: i for i, p in enumerate(pf.prompts)}
+    rows = []
+    for i, w in enumerate(probes):
+        chosen = choose_arm(ratings, pf.contexts, w)
+        prompt, n = chosen["prompt"], chosen["n"]
+        near = next(c for c in pf.contexts if c.name == chosen["nearest_context"])
+        rows.append({"weights": [float(x) for x in w], "prompt": prompt, "n": n,
+                     "exact": float(q[i, index[prompt], n - 1]), "optimal": float(q[i].max()),
+                     "nearest_context": near.name, "nearest_exact": float(q[i, index[near.prompt], near.n - 1])})
+    return rows
 
 
 class _LiveMeter:
@@ -243,7 +273,7 @@ def _with_estimates(pf: PolicyFile, estimates: dict[str, Any], drawn: np.ndarray
     if pf.aggregator == "mv":
         ratings = ArmRatings(estimates, pf.aggregator, pf.n_max, pf.objectives)
         contexts = tuple(dataclasses.replace(c, expected_drawn=float(drawn[i]) if drawn is not None
-                                             else ratings.drawn(c.prompt, c.n))
+                                             else ratings.drawn(c.prompt, c.n, DRAWN_SAMPLES, DRAWN_SEED))
                          for i, c in enumerate(pf.contexts))
         pf = dataclasses.replace(pf, contexts=contexts)
     return dataclasses.replace(pf, arm_estimates=estimates)
@@ -338,7 +368,7 @@ def render_report(pf: PolicyFile) -> str:
     lines.append("")
     if mv:
         how = ("simulated from the table's distributions on the test queries" if ln.get("target_kind") == "table"
-               else "the mean over the arm's training blocks")
+               else "simulated from the training completions' distributions per query")
         lines.append("A majority vote stops drawing once no remaining completion can change its winner (the same "
                      f"answer as all N): N is a cap; the last column is the completions a request draws on average "
                      f"({how}).")
@@ -346,6 +376,19 @@ def render_report(pf: PolicyFile) -> str:
     if pf.arm_estimates is not None:
         lines.append(f"The file keeps the {pf.arm_estimates['completions']} training completions as per-arm estimates: "
                      "`serve` rates weights that no context has by them (docs/deploy.md, \"Any weights\").")
+        lines.append("")
+    probes = est.get("any_weights") or []
+    if probes:
+        regret = sum(r["optimal"] - r["exact"] for r in probes) / len(probes)
+        near = sum(r["optimal"] - r["nearest_exact"] for r in probes) / len(probes)
+        lines += [f"Weights midway between consecutive contexts, with the arm `serve` gives them, checked exactly on the "
+                  f"test queries (mean regret {regret:.6f}; the nearest context's arm: {near:.6f}):", "",
+                  "| weights | arm | exact utility | optimal | nearest context | its arm's exact utility |",
+                  "|---|---|---:|---:|---|---:|"]
+        for r in probes:
+            weights = ", ".join(f"{x:g}" for x in r["weights"])
+            lines.append(f"| {weights} | {r['prompt']}, N = {r['n']} | {r['exact']:.6f} | {r['optimal']:.6f} | "
+                         f"{r['nearest_context']} | {r['nearest_exact']:.6f} |")
         lines.append("")
     if any(not pf.prompt(c.prompt).servable for c in pf.contexts):
         lines.append("The prompts are known by id only (a table without its collection spec): give `--spec` to make "
