@@ -306,7 +306,7 @@ def _check_consistent(pf: PolicyFile, where: str) -> None:
 
 
 def _check_arm_estimates(pf: PolicyFile, ids: list[str], fail: Any) -> None:
-    """Every estimated prompt is a prompt of the policy, once; pulls fit n_max and index their outcomes."""
+    """Every estimated prompt is a prompt of the policy, once; each query counts some completions, one per outcome."""
     if pf.n_max > MAX_RATED_N:
         fail(f"arm_estimates: n_max {pf.n_max} is above {MAX_RATED_N}, too large to rate arms by")
     seen: set[str] = set()
@@ -323,17 +323,12 @@ def _check_arm_estimates(pf: PolicyFile, ids: list[str], fail: Any) -> None:
         if outcomes is not None and any(len(o) != len(pf.objectives) or not all(math.isfinite(x) for x in o)
                                         for o in outcomes):
             fail(f"arm_estimates: prompt {pid!r}: each outcome needs {len(pf.objectives)} finite objective scores")
-        for pulls in e["queries"]:
-            drawn = sum(len(pull) for pull in pulls)
-            for pull in pulls:
-                if len(pull) > pf.n_max:
-                    fail(f"arm_estimates: prompt {pid!r} has a pull of {len(pull)} completions, above n_max "
-                         f"{pf.n_max}")
-                if outcomes is not None and any(i >= len(outcomes) for i in pull):
-                    fail(f"arm_estimates: prompt {pid!r} has a pull indexing past its {len(outcomes)} outcomes")
-                if outcomes is None and any(i > drawn for i in pull):
-                    fail(f"arm_estimates: prompt {pid!r} has answer buckets not numbered 0 (gold), then 1, 2, ... "
-                         "by first appearance")
+        for row in e["queries"]:
+            if sum(row) < 1:
+                fail(f"arm_estimates: prompt {pid!r} lists a query with no completion")
+            if outcomes is not None and len(row) != len(outcomes):
+                fail(f"arm_estimates: prompt {pid!r} has a query with {len(row)} counts for its {len(outcomes)} "
+                     "outcomes")
 
 
 # ---- writing from a trained policy ---------------------------------------------------------------------

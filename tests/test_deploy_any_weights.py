@@ -39,12 +39,11 @@ def _plug_in(pf: PolicyFile, prompt: str, n: int, weights: list[float]) -> float
     assert pf.arm_estimates is not None
     e = next(e for e in pf.arm_estimates["prompts"] if e["id"] == prompt)
     groups = e["queries"]
-    width = len(e["outcomes"]) if pf.aggregator == "bon" else 1 + max(a for g in groups for p in g for a in p)
+    width = len(e["outcomes"]) if pf.aggregator == "bon" else max(len(row) for row in groups)
     counts = np.zeros((1, len(groups), width))
-    for q, pulls in enumerate(groups):
-        for pull in pulls:
-            for a in pull:
-                counts[0, q, a] += 1
+    for q, row in enumerate(groups):
+        for a, k in enumerate(row):
+            counts[0, q, a] += k
     common = dict(task="t", probs=counts / counts.sum(axis=2, keepdims=True), cost=np.full((1, len(groups)), e["cost"]),
                   n_max=pf.n_max, context_weights=np.array([weights]), context_names=("w",), context_probs=np.ones(1),
                   prompts=(prompt,), queries=tuple(f"q{i}" for i in range(len(groups))),
@@ -80,7 +79,7 @@ def test_weights_between_contexts_get_the_arm_the_estimates_rate_best(task: str,
     pf = load_policy(tmp_path / "p" / "policy.json")
     est = pf.arm_estimates
     assert est is not None and est["completions"] == pf.learned["completions"]
-    assert sum(len(pull) for e in est["prompts"] for g in e["queries"] for pull in g) == est["completions"]
+    assert sum(sum(row) for e in est["prompts"] for row in e["queries"]) == est["completions"]
     router = Router(_servable(pf), write_spec(tmp_path, free_port(), aggregator=pf.aggregator))
     for c in pf.contexts:  # a context's own weights: its learned arm
         got = router.resolve(list(c.weights))
@@ -137,7 +136,9 @@ def test_weights_outside_the_policy_are_refused_and_old_files_answer_their_conte
     with pytest.raises(PolicyFileError, match="arm_estimates"):
         load_text(json.dumps(doc1))
     assert pf.arm_estimates is not None
-    long_pull = json.loads(json.dumps(pf.arm_estimates))
-    long_pull["prompts"][0]["queries"][0].append([0] * (pf.n_max + 1))
-    with pytest.raises(PolicyFileError, match="above n_max"):
-        dataclasses.replace(pf, arm_estimates=long_pull)
+    empty = json.loads(json.dumps(pf.arm_estimates))
+    empty["prompts"][0]["queries"].append([0, 0])
+    with pytest.raises(PolicyFileError, match="a query with no completion"):
+        dataclasses.replace(pf, arm_estimates=empty)
+    with pytest.raises(PolicyFileError, match="too large to rate"):
+        dataclasses.replace(pf, n_max=10**6)

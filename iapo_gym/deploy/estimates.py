@@ -2,10 +2,10 @@
 votes use when they stop early.
 
 ``optimize`` records every completion the agent drew in training (``RecordingSource`` wraps the
-env's completion source, whatever the agent) and stores them per prompt and query as pulls in draw
-order (``arm_estimates``): majority vote as answer buckets numbered per (prompt, query), 0 the
-gold answer and then the others by first appearance; Best-of-N as indices into the prompt's
-distinct objective vectors. A (prompt, query)'s completions give its empirical outcome
+env's completion source, whatever the agent) and stores per prompt and query how often each
+outcome came out (``arm_estimates``): majority vote per answer bucket, numbered per (prompt,
+query) with 0 the gold answer and then the others by first appearance; Best-of-N per distinct
+objective vector of the prompt. A (prompt, query)'s counts are its empirical outcome
 distribution, and arm (p, N) is rated by the plug-in expected utility: the exact expected
 majority-vote credit or best weighted score of N draws from each observed query's distribution
 (``iapo_gym.exact``), averaged over p's observed queries, plus ``cost_weight * N * cost(p)``. That
@@ -80,18 +80,12 @@ class RecordingSource:
         return cat(self.prompts), cat(self.queries), cat(self.ns), cat(self.atoms)
 
 
-def _number_votes(pulls: list[np.ndarray], gold: int) -> list[list[int]]:
-    """A (prompt, query)'s pulls as answer buckets numbered 0 for the gold answer, then 1, 2, ... by first appearance."""
-    labels: dict[int, int] = {gold: 0}
-    out = []
-    for atoms in pulls:
-        row = []
-        for a in atoms.tolist():
-            if a not in labels:
-                labels[a] = len(labels)
-            row.append(labels[a])
-        out.append(row)
-    return out
+def _vote_counts(pulls: list[np.ndarray], gold: int) -> list[int]:
+    """A (prompt, query)'s votes per answer bucket: 0 the gold answer, then the others by first appearance."""
+    atoms = np.concatenate(pulls)
+    others, first = np.unique(atoms[atoms != gold], return_index=True)
+    order = others[np.argsort(first, kind="stable")]
+    return [int((atoms == gold).sum())] + [int((atoms == a).sum()) for a in order.tolist()]
 
 
 def build_arm_estimates(table: Any, prompts: np.ndarray, queries: np.ndarray, ns: np.ndarray,
@@ -114,30 +108,25 @@ def build_arm_estimates(table: Any, prompts: np.ndarray, queries: np.ndarray, ns
             groups.setdefault(int(queries[i]), []).append(atoms[offsets[i]:offsets[i + 1]])
         entry: dict[str, Any] = {"id": str(table.prompts[p]), "cost": float(cost[p])}
         if table.aggregator == "mv":
-            entry["queries"] = [_number_votes(pulls, int(table.gold[q])) for q, pulls in groups.items()]
+            entry["queries"] = [_vote_counts(pulls, int(table.gold[q])) for q, pulls in groups.items()]
         else:
+            sizes = [sum(a.size for a in pulls) for pulls in groups.values()]
             vectors = np.concatenate([table.atoms[p, q, a] for q, pulls in groups.items() for a in pulls])
             distinct, index = np.unique(vectors, axis=0, return_inverse=True)
-            index = index.reshape(-1).tolist()
+            group = np.repeat(np.arange(len(sizes)), sizes)
+            counts = np.zeros((len(sizes), distinct.shape[0]), dtype=np.int64)
+            np.add.at(counts, (group, index.reshape(-1)), 1)
             entry["outcomes"] = [[float(x) for x in row] for row in distinct]
-            nested, at = [], 0
-            for pulls in groups.values():
-                group = []
-                for a in pulls:
-                    group.append(index[at:at + a.size])
-                    at += a.size
-                nested.append(group)
-            entry["queries"] = nested
+            entry["queries"] = counts.tolist()
         out.append(entry)
     return {"method": METHOD, "completions": int(ns.sum()), "prompts": out}
 
 
-def _empirical(groups: Sequence[Sequence[Sequence[int]]], width: int) -> np.ndarray:
-    """Per query (Q, width) the empirical distribution of its completions' outcomes."""
+def _empirical(groups: Sequence[Sequence[int]], width: int) -> np.ndarray:
+    """Per query (Q, width) the empirical distribution of its completions' outcomes, from their counts."""
     counts = np.zeros((len(groups), width))
-    for q, pulls in enumerate(groups):
-        flat = np.fromiter((a for pull in pulls for a in pull), dtype=np.int64)
-        counts[q] = np.bincount(flat, minlength=width)
+    for q, row in enumerate(groups):
+        counts[q, :len(row)] = row
     return counts / counts.sum(axis=1, keepdims=True)
 
 
@@ -165,8 +154,7 @@ class ArmRatings:
         self._outcomes: list[np.ndarray] = []  # Best-of-N: per prompt (V, K) objective vectors
         for e in doc["prompts"]:
             if aggregator == "mv":
-                width = 1 + max((a for pulls in e["queries"] for pull in pulls for a in pull), default=0)
-                self._probs.append(_empirical(e["queries"], width))
+                self._probs.append(_empirical(e["queries"], max((len(row) for row in e["queries"]), default=1)))
             else:
                 outcomes = np.asarray(e["outcomes"], dtype=np.float64).reshape(-1, self.n_objectives)
                 self._outcomes.append(outcomes)
