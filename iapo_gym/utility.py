@@ -15,6 +15,7 @@ import numpy as np
 from iapo_gym.exact import (  # noqa: F401  (re-exported: the exact kernels' old home)
     TENSOR_LIMIT_BYTES,
     bon_expected_max,
+    bon_weighted_max,
     exact_reward,
     expected_task_reward,
     gauss_legendre_01,
@@ -72,8 +73,9 @@ def mean_task_reward(table: OutcomeTable, queries: np.ndarray) -> tuple[np.ndarr
     """Exact task reward (C', P, N_max) averaged over ``queries``, and the row of each context (C,).
 
     Uses the cached/stored tensor when the table has it or it fits ``TENSOR_LIMIT_BYTES``; otherwise
-    streams one objective weighting and one block of prompts at a time (memory independent of C',
-    time linear in C'), so tables with many Best-of-N contexts never build the whole tensor.
+    streams one block of prompts at a time (``bon_weighted_max`` with its query mean: memory
+    independent of the number of queries), so tables with many Best-of-N contexts never build the
+    whole tensor.
     """
     queries = np.asarray(queries, dtype=np.int64)
     if stored(table) is not None or task_reward_fits(table):
@@ -93,8 +95,7 @@ def mean_task_reward(table: OutcomeTable, queries: np.ndarray) -> tuple[np.ndarr
             continue
         assert table.atoms is not None
         atoms = table.atoms[start : start + block][:, queries]  # (b, Q', M, K)
-        for i, w in enumerate(weights):
-            out[i, start : start + block] = bon_expected_max(atoms @ w, probs, table.n_max).mean(axis=1)
+        out[:, start : start + block] = bon_weighted_max(atoms, probs, weights, table.n_max, query_mean=True)
     return out, inverse
 
 
