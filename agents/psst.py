@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from agents.base import Agent
-from agents.estimator import REUSE_MODES, Estimator, Reuse
+from agents.estimator import REUSE_MODES, Estimator, Reuse, draws_at, skip_doubles
 from iapo_gym import Policy
 
 LEFTOVER_MODES = ("carry", "drop")
@@ -31,15 +31,77 @@ def trim(alive: np.ndarray, means: np.ndarray, rng: np.random.Generator) -> np.n
     ``alive`` and ``means`` are (C, A); arms without samples (nan or -inf) rank below every
     sampled arm, ties are broken at random.
     """
-    n_alive = alive.sum(axis=1)
+    return trim_by(alive, lambda rows, cols: means[rows, cols], rng)
+
+
+#: (row, arm) cells per block of ``trim_by``: its work arrays stay small whatever C x A.
+_TRIM_BLOCK = 1 << 18
+
+
+def trim_by(alive: np.ndarray, values_at: Callable[[np.ndarray, np.ndarray], np.ndarray],
+            rng: np.random.Generator) -> np.ndarray:
+    """``trim`` reading the means of the alive arms only, ``values_at(rows, cols)`` (nan or inf: no samples).
+
+    The ranking is ``trim``'s rule: sampled arms by mean (highest first), then unsampled ones, ties
+    by a uniform draw per (row, arm) (the whole (C, A) draw, row by row, as one
+    ``rng.random(alive.shape)``), then by arm index. Only the keep-th key of each row is found
+    (a partition, not a sort), and the draws are read only in rows that have a tie to break at
+    that key (``draws_at``), so ``rng`` ends where the full draw leaves it and the result is the
+    same, bit for bit.
+    """
+    n_rows, width = alive.shape
+    out = np.zeros_like(alive, dtype=bool)
+    step = max(1, _TRIM_BLOCK // max(1, width))
+    for r0 in range(0, n_rows, step):
+        block = alive[r0 : r0 + step]
+        out[r0 : r0 + step] = _trim_block(block, r0, values_at, rng)
+    return out
+
+
+def _trim_block(block: np.ndarray, r0: int, values_at: Callable[[np.ndarray, np.ndarray], np.ndarray],
+                rng: np.random.Generator) -> np.ndarray:
+    """``trim_by`` of the rows ``block`` (the rows r0.. of the whole array), drawing their share of the noise."""
+    n_rows, width = block.shape
+    n_alive = block.sum(axis=1)
     keep = np.where(n_alive > 1, np.maximum(1, n_alive // 2), n_alive)
-    seen = np.isfinite(means)
-    group = np.where(alive, np.where(seen, 0, 1), 2)
-    value = np.where(alive & seen, -np.nan_to_num(means, neginf=0.0, posinf=0.0), 0.0)
-    order = np.lexsort((rng.random(alive.shape), value, group), axis=-1)
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(alive.shape[1])[None, :].repeat(alive.shape[0], 0), axis=1)
-    return alive & (rank < keep[:, None])
+    rows, cols = np.nonzero(block)  # row-major: each row's arms in index order
+    result = np.zeros_like(block, dtype=bool)
+    if rows.size == 0:
+        skip_doubles(rng, n_rows * width)
+        return result
+    values = np.asarray(values_at(rows + r0, cols), dtype=np.float64)
+    key = np.where(np.isfinite(values), -values, np.inf)  # unsampled arms after every sampled one
+    starts = np.cumsum(n_alive) - n_alive
+    pos = np.arange(rows.size) - starts[rows]
+    padded = np.full((n_rows, int(n_alive.max())), np.nan)  # nan: no arm (ranks last in a partition)
+    padded[rows, pos] = key
+    threshold = np.full(n_rows, np.inf)
+    for k in np.unique(keep[n_alive > 1]):
+        sel = np.flatnonzero((keep == k) & (n_alive > 1))
+        threshold[sel] = np.partition(padded[sel], k - 1, axis=1)[:, k - 1]
+    chosen = padded < threshold[:, None]
+    tie = padded == threshold[:, None]
+    need = keep - chosen.sum(axis=1)
+    drawn = tie.sum(axis=1) > need  # rows whose ties the draw decides
+    chosen |= tie & ~drawn[:, None]
+    if drawn.any():
+        noise = np.full(padded.shape, 2.0)  # above every draw: arms not in the tie
+        at_tie = tie[rows, pos] & drawn[rows]
+        noise[rows[at_tie], pos[at_tie]] = draws_at(rng, n_rows, width, rows[at_tie], cols[at_tie])
+        for m in np.unique(need[drawn]):
+            sel = np.flatnonzero(drawn & (need == m))
+            sub = noise[sel]
+            cut = np.partition(sub, m - 1, axis=1)[:, m - 1]
+            below = sub < cut[:, None]
+            at = sub == cut[:, None]  # equal draws: lowest index first (lexsort is stable)
+            room = m - below.sum(axis=1)
+            chosen[sel] |= below | (at & (np.cumsum(at, axis=1) <= room[:, None]))
+    else:
+        skip_doubles(rng, n_rows * width)  # no tie to break: the block's draws are not needed
+    done = n_alive <= 1  # nothing to trim: every alive arm stays
+    chosen[done] = ~np.isnan(padded[done])
+    result[rows, cols] = chosen[rows, pos]
+    return result
 
 
 def round_budget(budget: int, spent: int, rounds_total: int, round_index: int, rounds_needed: int,
@@ -117,7 +179,10 @@ def trimming_rounds(env: Any, est: Estimator, alive: np.ndarray, budget: int, rn
             pulls = env.pull(prompts, ns) if queries is None else env.pull(prompts, ns, queries=queries)
             spent += pulls.completions
             est.update(pulls, arm_mask=union)
-        flat_alive = trim(flat_alive, est.mean().reshape(n_contexts, -1), rng)
+        if type(est).mean is Estimator.mean:  # read the alive arms' means only
+            flat_alive = trim_by(flat_alive, est.mean_at, rng)
+        else:
+            flat_alive = trim(flat_alive, est.mean().reshape(n_contexts, -1), rng)
     return flat_alive.reshape(alive.shape), spent
 
 
