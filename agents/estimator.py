@@ -190,10 +190,11 @@ class Estimator:
         Reads only the asked arms (a PSST round trims the alive arms, not all C x P x N_max).
         """
         flat = contexts * (self.n_prompts * self.n_max) + arms
-        sums = self.sums.reshape(-1)[flat]
         counts = self.counts.reshape(-1)[flat]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return np.where(counts > 0, sums / np.where(counts > 0, counts, 1.0), np.nan)
+        seen = counts > 0
+        out = np.full(flat.shape, np.nan)
+        out[seen] = self.sums.reshape(-1)[flat[seen]] / counts[seen]
+        return out
 
     # ---- updates ----------------------------------------------------------------------
     def update(self, pulls: Pulls, *, scales: str | np.ndarray | None = None,

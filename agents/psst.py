@@ -60,7 +60,13 @@ def trim_by(alive: np.ndarray, values_at: Callable[[np.ndarray, np.ndarray], np.
 
 def _trim_block(block: np.ndarray, r0: int, values_at: Callable[[np.ndarray, np.ndarray], np.ndarray],
                 rng: np.random.Generator) -> np.ndarray:
-    """``trim_by`` of the rows ``block`` (the rows r0.. of the whole array), drawing their share of the noise."""
+    """``trim_by`` of the rows ``block`` (the rows r0.. of the whole array), drawing their share of the noise.
+
+    Works on the list of alive (row, arm) entries. Where a row keeps fewer arms than it has sampled
+    ones, its keep-th key is found by a partition of its sampled means; otherwise every sampled arm
+    stays and the unsampled ones tie. Ties at the cut are broken by the draws (smallest first),
+    then by arm index, as the lexsort does.
+    """
     n_rows, width = block.shape
     n_alive = block.sum(axis=1)
     keep = np.where(n_alive > 1, np.maximum(1, n_alive // 2), n_alive)
@@ -70,24 +76,33 @@ def _trim_block(block: np.ndarray, r0: int, values_at: Callable[[np.ndarray, np.
         skip_doubles(rng, n_rows * width)
         return result
     values = np.asarray(values_at(rows + r0, cols), dtype=np.float64)
-    key = np.where(np.isfinite(values), -values, np.inf)  # unsampled arms after every sampled one
-    starts = np.cumsum(n_alive) - n_alive
-    pos = np.arange(rows.size) - starts[rows]
-    padded = np.full((n_rows, int(n_alive.max())), np.nan)  # nan: no arm (ranks last in a partition)
-    padded[rows, pos] = key
-    threshold = np.full(n_rows, np.inf)
-    for k in np.unique(keep[n_alive > 1]):
-        sel = np.flatnonzero((keep == k) & (n_alive > 1))
-        threshold[sel] = np.partition(padded[sel], k - 1, axis=1)[:, k - 1]
-    chosen = padded < threshold[:, None]
-    tie = padded == threshold[:, None]
-    need = keep - chosen.sum(axis=1)
-    drawn = tie.sum(axis=1) > need  # rows whose ties the draw decides
-    chosen |= tie & ~drawn[:, None]
-    if drawn.any():
-        noise = np.full(padded.shape, 2.0)  # above every draw: arms not in the tie
-        at_tie = tie[rows, pos] & drawn[rows]
-        noise[rows[at_tie], pos[at_tie]] = draws_at(rng, n_rows, width, rows[at_tie], cols[at_tie])
+    seen = np.isfinite(values)  # nan or +-inf: no samples
+    n_seen = np.bincount(rows, weights=seen, minlength=n_rows).astype(np.int64)
+    trimmed = n_alive > 1
+    by_mean = trimmed & (n_seen >= keep)  # the cut falls among the sampled arms
+    among_unseen = trimmed & ~by_mean  # every sampled arm stays; the unsampled ones tie at the cut
+    chosen = ~trimmed[rows] | (among_unseen[rows] & seen)
+    tie = among_unseen[rows] & ~seen
+    if by_mean.any():
+        ranked = by_mean[rows] & seen
+        key = -values[ranked]
+        key_rows = rows[ranked]
+        padded, pos = _padded(key_rows, key, n_rows, np.nan)  # nan: no arm (last in a partition)
+        threshold = np.full(n_rows, np.inf)
+        for k in np.unique(keep[by_mean]):
+            sel = np.flatnonzero(by_mean & (keep == k))
+            threshold[sel] = np.partition(padded[sel], k - 1, axis=1)[:, k - 1]
+        chosen[ranked] = key < threshold[key_rows]
+        tie[ranked] = key == threshold[key_rows]
+    need = keep - np.bincount(rows, weights=chosen, minlength=n_rows).astype(np.int64)
+    n_tie = np.bincount(rows, weights=tie, minlength=n_rows).astype(np.int64)
+    drawn = n_tie > need  # rows whose ties the draw decides
+    at_tie = tie & drawn[rows]
+    chosen |= tie & ~at_tie
+    if at_tie.any():
+        tie_rows = rows[at_tie]
+        noise, pos = _padded(tie_rows, draws_at(rng, n_rows, width, tie_rows, cols[at_tie]), n_rows, 2.0)
+        picked = np.zeros(noise.shape, dtype=bool)
         for m in np.unique(need[drawn]):
             sel = np.flatnonzero(drawn & (need == m))
             sub = noise[sel]
@@ -95,13 +110,23 @@ def _trim_block(block: np.ndarray, r0: int, values_at: Callable[[np.ndarray, np.
             below = sub < cut[:, None]
             at = sub == cut[:, None]  # equal draws: lowest index first (lexsort is stable)
             room = m - below.sum(axis=1)
-            chosen[sel] |= below | (at & (np.cumsum(at, axis=1) <= room[:, None]))
+            picked[sel] = below | (at & (np.cumsum(at, axis=1) <= room[:, None]))
+        chosen[at_tie] = picked[tie_rows, pos]
     else:
         skip_doubles(rng, n_rows * width)  # no tie to break: the block's draws are not needed
-    done = n_alive <= 1  # nothing to trim: every alive arm stays
-    chosen[done] = ~np.isnan(padded[done])
-    result[rows, cols] = chosen[rows, pos]
+    result[rows, cols] = chosen
     return result
+
+
+def _padded(rows: np.ndarray, values: np.ndarray, n_rows: int, fill: float) -> tuple[np.ndarray, np.ndarray]:
+    """(n_rows, longest row) matrix of ``values`` by row (``rows`` non-decreasing), ``fill`` elsewhere,
+    and each value's position in its row."""
+    counts = np.bincount(rows, minlength=n_rows)
+    starts = np.cumsum(counts) - counts
+    pos = np.arange(rows.size) - starts[rows]
+    out = np.full((n_rows, int(counts.max(initial=0))), fill)
+    out[rows, pos] = values
+    return out, pos
 
 
 def round_budget(budget: int, spent: int, rounds_total: int, round_index: int, rounds_needed: int,
