@@ -91,6 +91,10 @@ def objective_scores(weights: np.ndarray, vectors: np.ndarray, transposed: bool 
     return out
 
 
+#: Estimates of at most this many (context, arm) cells are updated and read out whole (a few numpy
+#: calls); larger ones only at the arms a batch touches or a mask keeps (the same values).
+SMALL_CELLS = 1 << 16
+
 #: (completion, context) cells of Best-of-N scores per chunk of ``Estimator._blocks_bon`` (cache-sized).
 _BON_CHUNK_CELLS = 1 << 17
 
@@ -220,6 +224,10 @@ class Estimator:
         if contexts is None and len(pulls) == 1:  # one pull: its (p, k) arms are distinct
             self.sums.reshape(self.n_contexts, -1)[:, arm] += values
             self.counts.reshape(self.n_contexts, -1)[:, arm] += n_samples[None, :]
+        elif contexts is None and self.sums.size <= SMALL_CELLS:
+            flat = (np.arange(self.n_contexts)[:, None] * per_context + arm[None, :]).ravel()
+            self.sums += np.bincount(flat, weights=values.ravel(), minlength=size).reshape(self.sums.shape)
+            self.counts += np.bincount(arm, weights=n_samples, minlength=per_context).reshape(self.sums.shape[1:])[None]
         elif contexts is None:
             # Only the touched arms: per (context, arm) the pairs' values are summed from 0.0 in pair
             # order, as a bincount over every (context, arm) would, then added once (no pass over all
@@ -463,7 +471,7 @@ class Estimator:
         """
         n_c = self.n_contexts
         mask = np.ones((n_c, self.sums[0].size), dtype=bool) if mask is None else np.asarray(mask, bool).reshape(n_c, -1)
-        if type(self).mean is Estimator.mean:
+        if type(self).mean is Estimator.mean and mask.size > SMALL_CELLS:
             return self._best_masked(rng, mask)
         means = self.mean(unseen=-np.inf).reshape(n_c, -1)
         noise = rng.random(self.sums.shape).reshape(n_c, -1)

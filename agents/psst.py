@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from agents.base import Agent
-from agents.estimator import REUSE_MODES, Estimator, Reuse, draws_at, skip_doubles
+from agents.estimator import REUSE_MODES, SMALL_CELLS, Estimator, Reuse, draws_at, skip_doubles
 from iapo_gym import Policy
 
 LEFTOVER_MODES = ("carry", "drop")
@@ -29,10 +29,25 @@ def trim(alive: np.ndarray, means: np.ndarray, rng: np.random.Generator) -> np.n
     """Remove the bottom ceil(n_c / 2) of each row's n_c alive arms (keeping at least one).
 
     ``alive`` and ``means`` are (C, A); arms without samples (nan or -inf) rank below every
-    sampled arm, ties are broken at random.
+    sampled arm, ties are broken at random. Up to ``SORT_CELLS`` cells: one lexsort of every
+    (row, arm) by (sampled or not, mean, a uniform draw); above, ``trim_by`` (the same result).
     """
-    return trim_by(alive, lambda rows, cols: means[rows, cols], rng)
+    if alive.size > SORT_CELLS:
+        return trim_by(alive, lambda rows, cols: means[rows, cols], rng)
+    n_alive = alive.sum(axis=1)
+    keep = np.where(n_alive > 1, np.maximum(1, n_alive // 2), n_alive)
+    seen = np.isfinite(means)
+    group = np.where(alive, np.where(seen, 0, 1), 2)
+    value = np.where(alive & seen, -np.nan_to_num(means, neginf=0.0, posinf=0.0), 0.0)
+    order = np.lexsort((rng.random(alive.shape), value, group), axis=-1)
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(alive.shape[1])[None, :].repeat(alive.shape[0], 0), axis=1)
+    return alive & (rank < keep[:, None])
 
+
+#: Arrays of at most this many (context, arm) cells are trimmed and read out whole (a few numpy
+#: calls); larger ones by the paths that touch only the alive arms (``trim_by``, ``Estimator.best_arms``).
+SORT_CELLS = SMALL_CELLS
 
 #: (row, arm) cells per block of ``trim_by``: its work arrays stay small whatever C x A.
 _TRIM_BLOCK = 1 << 18
@@ -204,7 +219,7 @@ def trimming_rounds(env: Any, est: Estimator, alive: np.ndarray, budget: int, rn
             pulls = env.pull(prompts, ns) if queries is None else env.pull(prompts, ns, queries=queries)
             spent += pulls.completions
             est.update(pulls, arm_mask=union)
-        if type(est).mean is Estimator.mean:  # read the alive arms' means only
+        if type(est).mean is Estimator.mean and flat_alive.size > SORT_CELLS:  # read the alive arms' means only
             flat_alive = trim_by(flat_alive, est.mean_at, rng)
         else:
             flat_alive = trim(flat_alive, est.mean().reshape(n_contexts, -1), rng)

@@ -1,9 +1,11 @@
 """PSST's paths for many contexts and arms change speed, not results.
 
-``trim`` (a partition and draws read only where a tie needs them), ``Estimator.best_arms``
-(only the masked arms), the batch update (pulls a few at a time, only the touched arms) are
-checked bit for bit against the formulas they replace, kept here verbatim as references, and
-the halving agents against policies frozen from the implementation before these paths.
+Above ``SMALL_CELLS`` (context, arm) cells, ``trim`` (a partition and draws read only where a
+tie needs them), ``Estimator.best_arms`` (only the masked arms) and the batch update (only the
+touched arms) take paths that touch only what they need; Best-of-N blocks are scored a few pulls
+at a time. Each is checked bit for bit against the whole-array formulas, kept here verbatim as
+references (the large paths forced on small inputs), and the halving agents against policies
+frozen from the implementation before these paths, on both paths.
 """
 
 from __future__ import annotations
@@ -97,8 +99,15 @@ def bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float64).view(np.int64)
 
 
+def force_alive_only_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every array "large": the partition trim, the masked best_arms, the touched-arms update."""
+    monkeypatch.setattr(psst_module, "SORT_CELLS", 0)
+    monkeypatch.setattr(estimator_module, "SMALL_CELLS", 0)
+
+
 @pytest.mark.parametrize("seed", range(60))
 def test_trim_is_the_lexsort_rule_bit_for_bit(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    force_alive_only_paths(monkeypatch)
     g = np.random.default_rng(seed)
     n_rows, width = int(g.integers(1, 25)), int(g.integers(1, 150))
     alive = g.random((n_rows, width)) < g.choice([0.02, 0.3, 0.9, 1.0])
@@ -133,7 +142,8 @@ def test_skipped_and_partial_draws_leave_the_generator_where_full_draws_do(bit_g
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_best_arms_is_the_full_rule_bit_for_bit(seed: int) -> None:
+def test_best_arms_is_the_full_rule_bit_for_bit(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    force_alive_only_paths(monkeypatch)
     g = np.random.default_rng(seed)
     env = IAPOEnv(table=tiny_bon_table(seed=seed % 7, n_prompts=4, n_max=8))
     env.reset(seed=seed)
@@ -152,6 +162,7 @@ def test_best_arms_is_the_full_rule_bit_for_bit(seed: int) -> None:
 @pytest.mark.parametrize("kind", ["mv", "bon"])
 @pytest.mark.parametrize("reuse", ["blocks", "all_subsets"])
 def test_batch_update_is_the_bincount_update_bit_for_bit(kind: str, reuse: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    force_alive_only_paths(monkeypatch)
     make = tiny_bon_table if kind == "bon" else tiny_mv_table
     env = IAPOEnv(table=make(seed=4, n_prompts=5, n_max=64))
     env.reset(seed=4)
@@ -192,8 +203,12 @@ FROZEN = {
 }
 
 
+@pytest.mark.parametrize("alive_only", [False, True])
 @pytest.mark.parametrize("key", sorted(FROZEN))
-def test_halving_agents_match_frozen_policies(key: tuple[str, int, int]) -> None:
+def test_halving_agents_match_frozen_policies(key: tuple[str, int, int], alive_only: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    if alive_only:
+        force_alive_only_paths(monkeypatch)
     name, seed, budget = key
     env = IAPOEnv(table=build(24, 30, 40, 16))
     env.reset(seed=seed)
