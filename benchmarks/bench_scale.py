@@ -17,7 +17,8 @@ one (2048^3), best of 3 each, timed in the same process right after q_table.
 
 ``--kernel P C`` instead times q_table of one P x C table with the grouped kernel and with the
 per-weighting kernel (every weighting on its own, ``iapo_gym.exact.bon_expected_max``), alternating,
-in one process (median of ``--repeats``), and prints their largest difference.
+in one process (median of ``--repeats``), and prints their largest difference; ``--kernel-paper``
+does the same on the paper's Synthetic-Categorical task (instance 0: 27 contexts, 9 distinct weightings).
 
 Growth exponents are least-squares slopes of log(time) and log(peak) against log(P) (C fixed)
 and log(C) (P fixed). Run (the default finishes in a few minutes on 2 shared cores)::
@@ -25,6 +26,7 @@ and log(C) (P fixed). Run (the default finishes in a few minutes on 2 shared cor
     nice -n 10 .venv/bin/python benchmarks/bench_scale.py
     nice -n 10 .venv/bin/python benchmarks/bench_scale.py --prompts 1000 --contexts 1000 --auto
     nice -n 10 .venv/bin/python benchmarks/bench_scale.py --kernel 256 256 --repeats 3
+    nice -n 10 .venv/bin/python benchmarks/bench_scale.py --kernel-paper --repeats 5
 """
 
 from __future__ import annotations
@@ -144,15 +146,19 @@ def run_size(n_prompts: int, n_contexts: int, n_queries: int, n_max: int, with_a
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def compare_kernels(n_prompts: int, n_contexts: int, n_queries: int, n_max: int, repeats: int) -> None:
-    """q_table of one table with the grouped and the per-weighting kernel, alternating, in this process."""
+def compare_kernels(n_prompts: int, n_contexts: int, n_queries: int, n_max: int, repeats: int,
+                    paper_task: bool = False) -> None:
+    """q_table of one table with the grouped and the per-weighting kernel, alternating, in this process
+    (``paper_task``: Synthetic-Categorical instance 0 as the paper task has it, 27 contexts)."""
     import statistics
     from dataclasses import replace
 
     import iapo_gym.exact as exact
     from iapo_gym.oracle import q_table
+    from iapo_gym.tasks.synthetic import synthetic_categorical
 
-    table = build(n_prompts, n_contexts, n_queries, n_max)
+    table = synthetic_categorical(0) if paper_task else build(n_prompts, n_contexts, n_queries, n_max)
+    n_prompts, n_contexts, n_queries, n_max = table.n_prompts, table.n_contexts, table.n_queries, table.n_max
     test = table.split_indices("test")
     grouped_share = exact._MIN_SHARE
     times: dict[str, list[float]] = {"grouped": [], "per-weighting": []}
@@ -165,7 +171,8 @@ def compare_kernels(n_prompts: int, n_contexts: int, n_queries: int, n_max: int,
             times[name].append(time.perf_counter() - start)
     exact._MIN_SHARE = grouped_share
     operations = kernel_operations(table, test)
-    print(f"q_table, P = {n_prompts}, C = {n_contexts} (distinct weightings), Q = {n_queries} "
+    distinct = exact.objective_rows(table)[0].shape[0]
+    print(f"q_table, P = {n_prompts}, C = {n_contexts} ({distinct} distinct weightings), Q = {n_queries} "
           f"({test.size} test queries), N_max = {n_max}; median of {repeats}, alternating")
     for name, values in times.items():
         median = statistics.median(values)
@@ -173,7 +180,7 @@ def compare_kernels(n_prompts: int, n_contexts: int, n_queries: int, n_max: int,
               f"formula's {operations:.3g} operations)  runs: {', '.join(f'{v:.2f}' for v in values)}")
     print(f"  ratio {statistics.median(times['per-weighting']) / statistics.median(times['grouped']):.1f}x; "
           f"largest difference {np.abs(results['grouped'] - results['per-weighting']).max():.2e}")
-    shaped, square = dgemm_gflops(table.n_atoms, n_contexts)
+    shaped, square = dgemm_gflops(table.n_atoms, distinct)
     print(f"  numpy dgemm in this process: {shaped:.1f} GFLOP/s at ({KERNEL_SHAPE_ROWS} x {table.n_atoms}) @ "
           f"({table.n_atoms} x {n_contexts}), {square:.1f} GFLOP/s at 2048^3 (best of 3)")
 
@@ -195,10 +202,13 @@ def main() -> None:
     parser.add_argument("--auto", action="store_true", help="also train the auto agent at T = 100K")
     parser.add_argument("--kernel", type=int, nargs=2, metavar=("P", "C"),
                         help="only compare the grouped and the per-weighting kernel on one P x C table")
+    parser.add_argument("--kernel-paper", action="store_true",
+                        help="only compare the two kernels on the paper's Synthetic-Categorical (instance 0, 27 contexts)")
     parser.add_argument("--repeats", type=int, default=3, help="--kernel: alternating runs per kernel")
     args = parser.parse_args()
-    if args.kernel:
-        compare_kernels(args.kernel[0], args.kernel[1], args.queries, args.n_max, args.repeats)
+    if args.kernel or args.kernel_paper:
+        p, c = args.kernel or (0, 0)
+        compare_kernels(p, c, args.queries, args.n_max, args.repeats, paper_task=args.kernel_paper)
         return
     steps = STEPS + (("auto_100k",) if args.auto else ())
     p0, c0 = args.prompts[0], args.contexts[0]
