@@ -73,15 +73,80 @@ def mv_subset_credit(counts: np.ndarray, gold: np.ndarray, k_max: int,
         return np.where(denom > 0, series[:, 1:] / np.where(denom > 0, denom, 1.0), 0.0)
 
 
-def objective_scores(weights: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+def objective_scores(weights: np.ndarray, vectors: np.ndarray, transposed: bool = False) -> np.ndarray:
     """(C, n) weighted objective score sum_k w[c, k] v[i, k] of ``vectors`` (n, K) under ``weights`` (C, K + 1).
 
     Summed objective by objective in order (not a BLAS matmul, whose rounding depends on
     the shape and the CPU), so the compiled loop of ``agents._jit`` gets the same bits.
+    ``transposed``: the same values laid out (n, C).
     """
+    if transposed:
+        out = vectors[:, :1] * weights[None, :, 0]
+        for k in range(1, vectors.shape[1]):
+            out += vectors[:, k:k + 1] * weights[None, :, k]
+        return out
     out = weights[:, :1] * vectors[None, :, 0]
     for k in range(1, vectors.shape[1]):
         out += weights[:, k:k + 1] * vectors[None, :, k]
+    return out
+
+
+#: Estimates of at most this many (context, arm) cells are updated and read out whole (a few numpy
+#: calls); larger ones only at the arms a batch touches or a mask keeps (the same values).
+SMALL_CELLS = 1 << 16
+
+#: (completion, context) cells of Best-of-N scores per chunk of ``Estimator._blocks_bon`` (cache-sized).
+_BON_CHUNK_CELLS = 1 << 17
+
+#: (context, arm) cells per chunk of the estimator's scatter into its (C, P, N_max) sums and counts.
+_SCATTER_CELLS = 1 << 16
+
+#: Cells per block of the uniform draws that ``draws_at`` makes (rows it needs) at a time.
+_DRAW_BLOCK = 1 << 19
+
+
+def skip_doubles(rng: np.random.Generator, n: int) -> None:
+    """Move ``rng`` past ``n`` uniform doubles (where ``rng.random(n)`` leaves it) without making them.
+
+    PCG64 jumps ahead (one 64-bit output per double; the buffered 32-bit half-word that
+    ``advance`` would drop is kept); any other bit generator draws and discards them.
+    """
+    if n <= 0:
+        return
+    bits = rng.bit_generator
+    if type(bits) is np.random.PCG64:
+        saved = bits.state
+        bits.advance(int(n))
+        state = bits.state
+        state["has_uint32"], state["uinteger"] = saved["has_uint32"], saved["uinteger"]
+        bits.state = state
+        return
+    for start in range(0, n, _DRAW_BLOCK):
+        rng.random(min(_DRAW_BLOCK, n - start))
+
+
+def draws_at(rng: np.random.Generator, n_rows: int, width: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``rng.random((n_rows, width))[rows, cols]`` (``rows`` non-decreasing) without making the rows nobody reads.
+
+    Rows with no asked cell are skipped in the generator's stream (``skip_doubles``); ``rng`` ends
+    where the full draw leaves it.
+    """
+    out = np.empty(rows.size)
+    wanted = np.zeros(n_rows, dtype=bool)
+    wanted[rows] = True
+    edges = np.flatnonzero(np.diff(np.r_[False, wanted, False].astype(np.int8)))  # runs of wanted rows
+    bounds = np.searchsorted(rows, np.arange(n_rows + 1))
+    per_draw = max(1, _DRAW_BLOCK // max(1, width))
+    done = 0
+    for run_start, run_end in zip(edges[::2], edges[1::2], strict=True):
+        skip_doubles(rng, (run_start - done) * width)
+        for s in range(run_start, run_end, per_draw):
+            e = min(run_end, s + per_draw)
+            block = rng.random((e - s, width))
+            lo, hi = bounds[s], bounds[e]
+            out[lo:hi] = block[rows[lo:hi] - s, cols[lo:hi]]
+        done = run_end
+    skip_doubles(rng, (n_rows - done) * width)
     return out
 
 
@@ -123,6 +188,18 @@ class Estimator:
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(self.counts > 0, self.sums / np.where(self.counts > 0, self.counts, 1.0), unseen)
 
+    def mean_at(self, contexts: np.ndarray, arms: np.ndarray) -> np.ndarray:
+        """``mean()[c, arm]`` for each (context, flat arm p * N_max + N - 1) pair, nan where unsampled.
+
+        Reads only the asked arms (a PSST round trims the alive arms, not all C x P x N_max).
+        """
+        flat = contexts * (self.n_prompts * self.n_max) + arms
+        counts = self.counts.reshape(-1)[flat]
+        seen = counts > 0
+        out = np.full(flat.shape, np.nan)
+        out[seen] = self.sums.reshape(-1)[flat[seen]] / counts[seen]
+        return out
+
     # ---- updates ----------------------------------------------------------------------
     def update(self, pulls: Pulls, *, scales: str | np.ndarray | None = None,
                arm_mask: np.ndarray | None = None, contexts: np.ndarray | None = None) -> None:
@@ -147,10 +224,41 @@ class Estimator:
         if contexts is None and len(pulls) == 1:  # one pull: its (p, k) arms are distinct
             self.sums.reshape(self.n_contexts, -1)[:, arm] += values
             self.counts.reshape(self.n_contexts, -1)[:, arm] += n_samples[None, :]
-        elif contexts is None:
+        elif contexts is None and self.sums.size <= SMALL_CELLS:
             flat = (np.arange(self.n_contexts)[:, None] * per_context + arm[None, :]).ravel()
             self.sums += np.bincount(flat, weights=values.ravel(), minlength=size).reshape(self.sums.shape)
             self.counts += np.bincount(arm, weights=n_samples, minlength=per_context).reshape(self.sums.shape[1:])[None]
+        elif contexts is None:
+            # Only the touched arms: per (context, arm) the pairs' values are summed from 0.0 in pair
+            # order, as a bincount over every (context, arm) would, then added once (no pass over all
+            # C x P x N_max). Pairs of one arm are folded in by their rank among that arm's pairs.
+            touched, slot = np.unique(arm, return_inverse=True)
+            slot = slot.reshape(-1)
+            by_slot = np.argsort(slot, kind="stable")
+            first = np.searchsorted(slot[by_slot], np.arange(touched.size))
+            rank = np.empty_like(slot)
+            rank[by_slot] = np.arange(slot.size) - first[slot[by_slot]]
+            sums = self.sums.reshape(self.n_contexts, -1)
+            counts = self.counts.reshape(self.n_contexts, -1)
+            added_counts = np.bincount(slot, weights=n_samples, minlength=touched.size)
+            step = max(1, _SCATTER_CELLS // max(1, slot.size))  # contexts per chunk: cache-sized work arrays
+            if rank.max() == 0:  # every arm from one pair: 0.0 + value, as the bincount does
+                for c0 in range(0, self.n_contexts, step):
+                    rows = sums[c0 : c0 + step]
+                    rows[:, arm] += values[c0 : c0 + step] + 0.0
+                    rows = counts[c0 : c0 + step]
+                    rows[:, touched] += added_counts[None, :]
+            else:
+                folds = [(slot[sel], sel) for sel in (np.flatnonzero(rank == r) for r in range(int(rank.max()) + 1))]
+                for c0 in range(0, self.n_contexts, step):
+                    chunk = values[c0 : c0 + step]
+                    added = np.zeros((chunk.shape[0], touched.size))
+                    for slots, sel in folds:  # at most one pair per arm in each fold
+                        added[:, slots] += chunk[:, sel]
+                    rows = sums[c0 : c0 + step]
+                    rows[:, touched] += added
+                    rows = counts[c0 : c0 + step]
+                    rows[:, touched] += added_counts[None, :]
         else:
             ctx = np.asarray(contexts, dtype=np.int64).reshape(-1)
             if ctx.shape != pulls.prompts.shape:
@@ -187,8 +295,12 @@ class Estimator:
             return pull_idx, ks, n_blocks.astype(np.float64), np.zeros((self.n_contexts, 0))
         task = self.task_sums(pulls, pull_idx, ks, n_blocks)
         cost = self._cost[pulls.prompts[pull_idx], pulls.queries[pull_idx]] * ks * n_blocks
-        values = task + self._weights[:, -1:] * cost[None, :]
-        return pull_idx, ks, n_blocks.astype(np.float64), values
+        if type(self).task_sums is not Estimator.task_sums:
+            return pull_idx, ks, n_blocks.astype(np.float64), task + self._weights[:, -1:] * cost[None, :]
+        step = max(1, _BON_CHUNK_CELLS // max(1, cost.size))  # our own fresh array: the cost added in place, by rows
+        for c0 in range(0, self.n_contexts, step):
+            task[c0 : c0 + step] += self._weights[c0 : c0 + step, -1:] * cost[None, :]
+        return pull_idx, ks, n_blocks.astype(np.float64), task
 
     def task_sums(self, pulls: Pulls, pull_idx: np.ndarray, ks: np.ndarray, n_blocks: np.ndarray) -> np.ndarray:
         """(C, pairs) task utility (no cost) of each (pull, scale k) pair, summed over its floor(N / k) samples.
@@ -280,24 +392,52 @@ class Estimator:
         return objective_scores(self._weights, vectors)
 
     def _blocks_bon(self, pulls: Pulls, pull_idx: np.ndarray, ks: np.ndarray, n_blocks: np.ndarray) -> np.ndarray:
+        out = np.empty((self.n_contexts, pull_idx.size))
+        # Pulls a few at a time (pairs are in pull order), so the work arrays stay cache-sized
+        # whatever C and the batch: each pull's pairs only read that pull's completions.
+        per_chunk = max(1, _BON_CHUNK_CELLS // max(1, self.n_contexts))
+        ends = pulls.offsets[1:]
+        first_pull = 0
+        n_pulls = len(pulls)
+        while first_pull < n_pulls:
+            last_pull = int(np.searchsorted(ends, pulls.offsets[first_pull] + per_chunk, side="right"))
+            last_pull = max(last_pull, first_pull + 1)  # at least one pull per chunk
+            lo, hi = np.searchsorted(pull_idx, [first_pull, last_pull])
+            if hi > lo:
+                out[:, lo:hi] = self._blocks_bon_chunk(pulls, first_pull, last_pull, pull_idx[lo:hi], ks[lo:hi],
+                                                    n_blocks[lo:hi]).T
+            first_pull = last_pull
+        return out
+
+    def _blocks_bon_chunk(self, pulls: Pulls, first_pull: int, last_pull: int, pull_idx: np.ndarray, ks: np.ndarray,
+                          n_blocks: np.ndarray) -> np.ndarray:
+        """(pairs, C) block sums of the pairs of pulls first_pull..last_pull - 1 (``_blocks_bon``'s work)."""
+        base = int(pulls.offsets[first_pull])
         block_pair, start = self._block_starts(pulls, pull_idx, ks, n_blocks)
-        scores = self._scores(pulls)
+        start = start - base
+        atoms = self.env.table.atoms
+        assert atoms is not None
+        chunk = np.arange(first_pull, last_pull)
+        rep = np.repeat(chunk, pulls.ns[chunk])
+        # (completions, C): a completion's scores under every context are contiguous, so the gathers
+        # below move whole rows (the values are those of ``_scores``, transposed).
+        vectors = atoms[pulls.prompts[rep], pulls.queries[rep], pulls.atoms[base : base + rep.size]]
+        table = objective_scores(self._weights, vectors, transposed=True)
         # Sparse table for range maxima: level l holds max over windows of 2^l completions.
         k_block = ks[block_pair]
         level = np.floor(np.log2(k_block)).astype(np.int64)
-        block_max = np.empty((self.n_contexts, block_pair.size))
-        table = scores
+        block_max = np.empty((block_pair.size, self.n_contexts))
         for lev in range(int(level.max()) + 1):
             if lev:
                 half = 1 << (lev - 1)
-                table = np.maximum(table[:, :-half], table[:, half:])
+                table = np.maximum(table[:-half], table[half:])
             sel = np.flatnonzero(level == lev)
             if sel.size:
                 s = start[sel]
                 e = s + k_block[sel] - (1 << lev)
-                block_max[:, sel] = np.maximum(table[:, s], table[:, e])
+                block_max[sel] = np.maximum(table.take(s, axis=0), table.take(e, axis=0))
         pair_start = np.cumsum(n_blocks) - n_blocks
-        return np.add.reduceat(block_max, pair_start, axis=1)
+        return np.add.reduceat(block_max, pair_start, axis=0)
 
     def _subsets_bon(self, pulls: Pulls, pull_idx: np.ndarray, ks: np.ndarray, n_blocks: np.ndarray) -> np.ndarray:
         scores = self._scores(pulls)
@@ -331,6 +471,8 @@ class Estimator:
         """
         n_c = self.n_contexts
         mask = np.ones((n_c, self.sums[0].size), dtype=bool) if mask is None else np.asarray(mask, bool).reshape(n_c, -1)
+        if type(self).mean is Estimator.mean and mask.size > SMALL_CELLS:
+            return self._best_masked(rng, mask)
         means = self.mean(unseen=-np.inf).reshape(n_c, -1)
         noise = rng.random(self.sums.shape).reshape(n_c, -1)
         seen = mask & (self.counts.reshape(n_c, -1) > 0)  # every context at once, row by row
@@ -340,6 +482,35 @@ class Estimator:
         ties = pool & (score == score.max(axis=1, keepdims=True))
         flat = np.argmax(np.where(ties, noise, -1.0), axis=1).tolist()
         return Policy(tuple((f // self.n_max, f % self.n_max + 1) for f in flat))
+
+    def _best_masked(self, rng: np.random.Generator, mask: np.ndarray) -> Policy:
+        """``best_arms`` reading only the arms in each context's pool (its mask, or every arm if empty).
+
+        The same rule and the same draws: the (C, P x N_max) uniform draw is read only in contexts
+        with a tie to break (``draws_at``), so results and ``rng``'s state are those of the full draw.
+        """
+        n_c, width = mask.shape
+        empty = np.logical_not(np.any(mask, axis=1))
+        rows, cols = np.nonzero(mask | empty[:, None])
+        flat_arm = rows * width + cols
+        counts = self.counts.reshape(-1)[flat_arm]
+        seen = mask[rows, cols] & (counts > 0)
+        any_seen = np.bincount(rows, weights=seen, minlength=n_c) > 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            means = np.where(counts > 0, self.sums.reshape(-1)[flat_arm] / np.where(counts > 0, counts, 1.0), -np.inf)
+        pool = np.where(any_seen[rows], seen, True)
+        score = np.where(pool, np.where(any_seen[rows], means, 0.0), -np.inf)
+        starts = np.searchsorted(rows, np.arange(n_c))
+        top = np.maximum.reduceat(score, starts)  # every row has at least one entry
+        ties = pool & (score == top[rows])
+        n_ties = np.bincount(rows, weights=ties, minlength=n_c)
+        drawn = ties & (n_ties[rows] > 1)
+        noise = np.full(rows.size, -1.0)
+        noise[drawn] = draws_at(rng, n_c, width, rows[drawn], cols[drawn])
+        noise[ties & ~drawn] = 0.0  # a context's only tie
+        first = np.lexsort((np.arange(rows.size), -noise, rows))  # per row: highest noise, then lowest index
+        best = first[starts]
+        return Policy(tuple((int(c) // self.n_max, int(c) % self.n_max + 1) for c in cols[best]))
 
 
 class _SinglePlan:

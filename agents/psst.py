@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from agents.base import Agent
-from agents.estimator import REUSE_MODES, Estimator, Reuse
+from agents.estimator import REUSE_MODES, SMALL_CELLS, Estimator, Reuse, draws_at, skip_doubles
 from iapo_gym import Policy
 
 LEFTOVER_MODES = ("carry", "drop")
@@ -29,8 +29,11 @@ def trim(alive: np.ndarray, means: np.ndarray, rng: np.random.Generator) -> np.n
     """Remove the bottom ceil(n_c / 2) of each row's n_c alive arms (keeping at least one).
 
     ``alive`` and ``means`` are (C, A); arms without samples (nan or -inf) rank below every
-    sampled arm, ties are broken at random.
+    sampled arm, ties are broken at random. Up to ``SORT_CELLS`` cells: one lexsort of every
+    (row, arm) by (sampled or not, mean, a uniform draw); above, ``trim_by`` (the same result).
     """
+    if alive.size > SORT_CELLS:
+        return trim_by(alive, lambda rows, cols: means[rows, cols], rng)
     n_alive = alive.sum(axis=1)
     keep = np.where(n_alive > 1, np.maximum(1, n_alive // 2), n_alive)
     seen = np.isfinite(means)
@@ -40,6 +43,105 @@ def trim(alive: np.ndarray, means: np.ndarray, rng: np.random.Generator) -> np.n
     rank = np.empty_like(order)
     np.put_along_axis(rank, order, np.arange(alive.shape[1])[None, :].repeat(alive.shape[0], 0), axis=1)
     return alive & (rank < keep[:, None])
+
+
+#: Arrays of at most this many (context, arm) cells are trimmed and read out whole (a few numpy
+#: calls); larger ones by the paths that touch only the alive arms (``trim_by``, ``Estimator.best_arms``).
+SORT_CELLS = SMALL_CELLS
+
+#: (row, arm) cells per block of ``trim_by``: its work arrays stay small whatever C x A.
+_TRIM_BLOCK = 1 << 18
+
+
+def trim_by(alive: np.ndarray, values_at: Callable[[np.ndarray, np.ndarray], np.ndarray],
+            rng: np.random.Generator) -> np.ndarray:
+    """``trim`` reading the means of the alive arms only, ``values_at(rows, cols)`` (nan or inf: no samples).
+
+    The ranking is ``trim``'s rule: sampled arms by mean (highest first), then unsampled ones, ties
+    by a uniform draw per (row, arm) (the whole (C, A) draw, row by row, as one
+    ``rng.random(alive.shape)``), then by arm index. Only the keep-th key of each row is found
+    (a partition, not a sort), and the draws are read only in rows that have a tie to break at
+    that key (``draws_at``), so ``rng`` ends where the full draw leaves it and the result is the
+    same, bit for bit.
+    """
+    n_rows, width = alive.shape
+    out = np.zeros_like(alive, dtype=bool)
+    step = max(1, _TRIM_BLOCK // max(1, width))
+    for r0 in range(0, n_rows, step):
+        block = alive[r0 : r0 + step]
+        out[r0 : r0 + step] = _trim_block(block, r0, values_at, rng)
+    return out
+
+
+def _trim_block(block: np.ndarray, r0: int, values_at: Callable[[np.ndarray, np.ndarray], np.ndarray],
+                rng: np.random.Generator) -> np.ndarray:
+    """``trim_by`` of the rows ``block`` (the rows r0.. of the whole array), drawing their share of the noise.
+
+    Works on the list of alive (row, arm) entries. Where a row keeps fewer arms than it has sampled
+    ones, its keep-th key is found by a partition of its sampled means; otherwise every sampled arm
+    stays and the unsampled ones tie. Ties at the cut are broken by the draws (smallest first),
+    then by arm index, as the lexsort does.
+    """
+    n_rows, width = block.shape
+    n_alive = block.sum(axis=1)
+    keep = np.where(n_alive > 1, np.maximum(1, n_alive // 2), n_alive)
+    rows, cols = np.nonzero(block)  # row-major: each row's arms in index order
+    result = np.zeros_like(block, dtype=bool)
+    if rows.size == 0:
+        skip_doubles(rng, n_rows * width)
+        return result
+    values = np.asarray(values_at(rows + r0, cols), dtype=np.float64)
+    seen = np.isfinite(values)  # nan or +-inf: no samples
+    n_seen = np.bincount(rows, weights=seen, minlength=n_rows).astype(np.int64)
+    trimmed = n_alive > 1
+    by_mean = trimmed & (n_seen >= keep)  # the cut falls among the sampled arms
+    among_unseen = trimmed & ~by_mean  # every sampled arm stays; the unsampled ones tie at the cut
+    chosen = ~trimmed[rows] | (among_unseen[rows] & seen)
+    tie = among_unseen[rows] & ~seen
+    if by_mean.any():
+        ranked = by_mean[rows] & seen
+        key = -values[ranked]
+        key_rows = rows[ranked]
+        padded, pos = _padded(key_rows, key, n_rows, np.nan)  # nan: no arm (last in a partition)
+        threshold = np.full(n_rows, np.inf)
+        for k in np.unique(keep[by_mean]):
+            sel = np.flatnonzero(by_mean & (keep == k))
+            threshold[sel] = np.partition(padded[sel], k - 1, axis=1)[:, k - 1]
+        chosen[ranked] = key < threshold[key_rows]
+        tie[ranked] = key == threshold[key_rows]
+    need = keep - np.bincount(rows, weights=chosen, minlength=n_rows).astype(np.int64)
+    n_tie = np.bincount(rows, weights=tie, minlength=n_rows).astype(np.int64)
+    drawn = n_tie > need  # rows whose ties the draw decides
+    at_tie = tie & drawn[rows]
+    chosen |= tie & ~at_tie
+    if at_tie.any():
+        tie_rows = rows[at_tie]
+        noise, pos = _padded(tie_rows, draws_at(rng, n_rows, width, tie_rows, cols[at_tie]), n_rows, 2.0)
+        picked = np.zeros(noise.shape, dtype=bool)
+        for m in np.unique(need[drawn]):
+            sel = np.flatnonzero(drawn & (need == m))
+            sub = noise[sel]
+            cut = np.partition(sub, m - 1, axis=1)[:, m - 1]
+            below = sub < cut[:, None]
+            at = sub == cut[:, None]  # equal draws: lowest index first (lexsort is stable)
+            room = m - below.sum(axis=1)
+            picked[sel] = below | (at & (np.cumsum(at, axis=1) <= room[:, None]))
+        chosen[at_tie] = picked[tie_rows, pos]
+    else:
+        skip_doubles(rng, n_rows * width)  # no tie to break: the block's draws are not needed
+    result[rows, cols] = chosen
+    return result
+
+
+def _padded(rows: np.ndarray, values: np.ndarray, n_rows: int, fill: float) -> tuple[np.ndarray, np.ndarray]:
+    """(n_rows, longest row) matrix of ``values`` by row (``rows`` non-decreasing), ``fill`` elsewhere,
+    and each value's position in its row."""
+    counts = np.bincount(rows, minlength=n_rows)
+    starts = np.cumsum(counts) - counts
+    pos = np.arange(rows.size) - starts[rows]
+    out = np.full((n_rows, int(counts.max(initial=0))), fill)
+    out[rows, pos] = values
+    return out, pos
 
 
 def round_budget(budget: int, spent: int, rounds_total: int, round_index: int, rounds_needed: int,
@@ -117,7 +219,10 @@ def trimming_rounds(env: Any, est: Estimator, alive: np.ndarray, budget: int, rn
             pulls = env.pull(prompts, ns) if queries is None else env.pull(prompts, ns, queries=queries)
             spent += pulls.completions
             est.update(pulls, arm_mask=union)
-        flat_alive = trim(flat_alive, est.mean().reshape(n_contexts, -1), rng)
+        if type(est).mean is Estimator.mean and flat_alive.size > SORT_CELLS:  # read the alive arms' means only
+            flat_alive = trim_by(flat_alive, est.mean_at, rng)
+        else:
+            flat_alive = trim(flat_alive, est.mean().reshape(n_contexts, -1), rng)
     return flat_alive.reshape(alive.shape), spent
 
 

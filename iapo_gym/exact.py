@@ -170,6 +170,125 @@ def bon_expected_max(scores: np.ndarray, probs: np.ndarray, n_max: int) -> np.nd
     return out
 
 
+#: The grouped Best-of-N kernel is used when the (prompt, query) rows share their atom arrays at least
+#: this many times on average (else the per-weighting kernel ``bon_expected_max`` is used).
+_MIN_SHARE = 8
+#: Rows per chunk of the grouped kernel: its powers (atoms x rows) stay in a core's cache.
+_CHUNK_ORDER_ROWS = 1024
+_HASH = np.sqrt(np.arange(2.0, 2.0 + 4096.0))  # a fixed projection for spotting equal atom rows
+
+
+def atom_sets(atoms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct atom arrays (U, M, K) among the rows of ``atoms`` (..., M, K), and the set of each row (...).
+
+    Rows are matched by a fixed linear projection, then checked element by element; rows that
+    only collide in the projection get sets of their own.
+    """
+    lead, (n_m, n_k) = atoms.shape[:-2], atoms.shape[-2:]
+    flat = np.ascontiguousarray(atoms).reshape(-1, n_m * n_k)
+    if flat.shape[0] == 0:
+        return np.zeros((0, n_m, n_k)), np.zeros(lead, dtype=np.int64)
+    width = flat.shape[1]
+    weights = np.resize(_HASH, width) if width > _HASH.size else _HASH[:width]
+    _, first, inverse = np.unique(flat @ weights, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    clash = np.flatnonzero((flat != flat[first[inverse]]).any(axis=1))
+    if clash.size:  # equal projections of different rows: exact matching for those rows
+        extra, extra_inverse = np.unique(flat[clash], axis=0, return_inverse=True)
+        inverse[clash] = first.size + extra_inverse.reshape(-1)
+        sets = np.concatenate([flat[first], extra])
+    else:
+        sets = flat[first]
+    return sets.reshape(-1, n_m, n_k), inverse.reshape(lead).astype(np.int64)
+
+
+def _order_basis(cdf_t: np.ndarray, steps: np.ndarray, top: np.ndarray, n_max: int) -> np.ndarray:
+    """(n_max, K, rows) vectors V with E[max_N] = w . V[N-1] for every weighting that sorts the atoms this way.
+
+    ``cdf_t`` (M-1, rows) is the cumulative mass F_j of the first j sorted atoms, ``steps`` (M-1, K)
+    the differences a_(j+1) - a_(j) of consecutive sorted atoms and ``top`` (K,) the last one:
+    V[N] = a_(M) - sum_j (a_(j+1) - a_(j)) F_j^N (summation by parts, linear in the weights).
+    """
+    out = np.empty((n_max, steps.shape[1], cdf_t.shape[1]))
+    power = cdf_t.copy()
+    steps_t = np.ascontiguousarray(steps.T)
+    for n in range(n_max):
+        if n:
+            power *= cdf_t
+        np.matmul(steps_t, power, out=out[n])
+    np.subtract(top[None, :, None], out, out=out)
+    return out
+
+
+def bon_weighted_max(atoms: np.ndarray, probs: np.ndarray, weights: np.ndarray, n_max: int, *,
+                     query_mean: bool = False) -> np.ndarray:
+    """Exact E[max of N i.i.d. draws of w . a] (C', P, Q, n_max) under every weighting w, N = 1..n_max.
+
+    ``atoms`` (P, Q, M, K) are objective vectors, ``probs`` (P, Q, M) their probabilities and
+    ``weights`` (C', K) the objective weightings; with ``query_mean`` the mean over Q (C', P, n_max).
+
+    E[max_N] depends on w only through the order w puts the atoms in and their scores, and the
+    scores are linear in w: for one order, E[max_N] = w . V_N with V_N = a_(M) - sum_j
+    (a_(j+1) - a_(j)) F_j^N. So where (prompt, query) rows share their atom array (a grid of
+    outcomes), the powers F_j^N are computed once per distinct order of each atom array and every
+    weighting with that order reads them with a K-vector product. Ties need no rule: inside a
+    tie w . (a_(j+1) - a_(j)) = 0, so any order that sorts w's scores gives the same value (the
+    stable argsort is used). Rows that share too little (fewer than ``_MIN_SHARE`` rows per atom
+    array on average) take the per-weighting kernel ``bon_expected_max``.
+    """
+    weights = np.asarray(weights, dtype=np.float64)
+    n_p, n_q, n_m = probs.shape
+    sets, row_set = atom_sets(atoms)
+    n_rows = n_p * n_q
+    if sets.shape[0] * _MIN_SHARE > n_rows or n_m < 2:
+        return _per_weighting(atoms, probs, weights, n_max, query_mean)
+    probs_t = np.ascontiguousarray(probs.reshape(n_rows, n_m).T)  # (M, rows): sums along the atom axis run row-parallel
+    flat_set = row_set.reshape(n_rows)
+    by_set = np.argsort(flat_set, kind="stable")  # rows of each set, in row (prompt-major) order
+    bounds = np.searchsorted(flat_set[by_set], np.arange(sets.shape[0] + 1))
+    out = np.zeros((weights.shape[0], n_p, n_max)) if query_mean else np.empty((weights.shape[0], n_rows, n_max))
+    for u in range(sets.shape[0]):
+        rows = by_set[bounds[u] : bounds[u + 1]]
+        if rows.size == 0:
+            continue
+        set_atoms = sets[u]
+        orders = np.argsort(set_atoms @ weights.T, axis=0, kind="stable").T  # (C', M)
+        distinct, which = np.unique(orders, axis=0, return_inverse=True)
+        which = which.reshape(-1)
+        for s, order in enumerate(distinct):
+            ctx = np.flatnonzero(which == s)
+            sorted_atoms = set_atoms[order]
+            steps, top = np.diff(sorted_atoms, axis=0), sorted_atoms[-1]
+            if query_mean:
+                prompts = rows // n_q
+                sums = np.zeros((n_max, set_atoms.shape[1], n_p))
+            for start in range(0, rows.size, _CHUNK_ORDER_ROWS):
+                chunk = rows[start : start + _CHUNK_ORDER_ROWS]
+                cdf = np.cumsum(probs_t[np.ix_(order, chunk)], axis=0)
+                cdf_t = cdf[:-1] / cdf[-1:]
+                basis = _order_basis(cdf_t, steps, top, n_max)  # (N, K, rows)
+                if query_mean:
+                    chunk_prompts = prompts[start : start + _CHUNK_ORDER_ROWS]
+                    heads = np.flatnonzero(np.r_[True, chunk_prompts[1:] != chunk_prompts[:-1]])
+                    sums[:, :, chunk_prompts[heads]] += np.add.reduceat(basis, heads, axis=2)
+                else:
+                    out[np.ix_(ctx, chunk)] = np.einsum("nkr,ck->crn", basis, weights[ctx])
+            if query_mean:
+                used = np.unique(prompts)
+                out[np.ix_(ctx, used)] += np.einsum("nkp,ck->cpn", sums[:, :, used], weights[ctx]) / n_q
+    return out if query_mean else out.reshape(weights.shape[0], n_p, n_q, n_max)
+
+
+def _per_weighting(atoms: np.ndarray, probs: np.ndarray, weights: np.ndarray, n_max: int,
+                   query_mean: bool) -> np.ndarray:
+    """``bon_weighted_max`` one weighting at a time with ``bon_expected_max`` (rows with their own atoms)."""
+    n_p, n_q, _ = probs.shape
+    out = np.empty((weights.shape[0], n_p) + (() if query_mean else (n_q,)) + (n_max,))
+    for i, w in enumerate(weights):
+        best = bon_expected_max(atoms @ w, probs, n_max)
+        out[i] = best.mean(axis=1) if query_mean else best
+    return out
+
 
 #: Largest (C', P, Q, N_max) task-reward tensor (bytes) that is built, cached and stored whole;
 #: above it ``iapo_gym.utility.mean_task_reward`` evaluates one objective weighting and a block of prompts at a time.
@@ -218,9 +337,7 @@ def exact_reward(table: TableArrays) -> ExactReward:
         assert table.atoms is not None
         # Contexts that differ only in their cost weight share the task reward.
         objective_weights, index = objective_rows(table)
-        result = np.empty((objective_weights.shape[0], n_p, n_q, table.n_max))
-        for i, w in enumerate(objective_weights):
-            result[i] = bon_expected_max(table.atoms @ w, table.probs, table.n_max)
+        result = bon_weighted_max(table.atoms, table.probs, objective_weights, table.n_max)
     exact = ExactReward(result, index)
     attach(table, exact)
     return exact

@@ -24,13 +24,19 @@ def q_table(table: OutcomeTable, queries: np.ndarray | None = None) -> np.ndarra
         raise ValueError("q_table needs at least one query")
     reward, rows = mean_task_reward(table, queries)  # (C', P, N)
     if table.aggregator == "bon":
-        reward = reward[rows]  # one row per context
+        q = reward[rows]  # one row per context
     else:
-        reward = table.context_weights[:, 0, None, None] * reward
+        q = table.context_weights[:, 0, None, None] * reward
     mean_cost = table.cost_matrix()[:, queries].mean(axis=1)  # (P,)
     n = np.arange(1, table.n_max + 1)
-    cost_term = table.context_weights[:, -1, None, None] * mean_cost[None, :, None] * n[None, None, :]
-    return reward + cost_term
+    weights = table.context_weights
+    step = max(1, _ROWS_CELLS // max(1, q[0].size))  # contexts at a time: no second (C, P, N_max) array
+    for c0 in range(0, q.shape[0], step):
+        q[c0 : c0 + step] += weights[c0 : c0 + step, -1, None, None] * mean_cost[None, :, None] * n[None, None, :]
+    return q
+
+
+_ROWS_CELLS = 1 << 18  # (prompt, N) cells of the cost term added at a time
 
 
 def greedy_policy(q: np.ndarray) -> Policy:

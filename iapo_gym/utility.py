@@ -15,6 +15,7 @@ import numpy as np
 from iapo_gym.exact import (  # noqa: F401  (re-exported: the exact kernels' old home)
     TENSOR_LIMIT_BYTES,
     bon_expected_max,
+    bon_weighted_max,
     exact_reward,
     expected_task_reward,
     gauss_legendre_01,
@@ -112,15 +113,17 @@ def block_utilities(table: TableSchema, prompts: np.ndarray, queries: np.ndarray
     return scores.max(axis=2) + cost_term
 
 
-_BLOCK_ELEMENTS = 1 << 22  # prompts per block in the streamed path: about this many (query, atom) cells
+_BLOCK_ELEMENTS = 1 << 22  # (prompt, query, atom) cells per block of the streamed path
 
 
 def mean_task_reward(table: OutcomeTable, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Exact task reward (C', P, N_max) averaged over ``queries``, and the row of each context (C,).
 
     Uses the cached/stored tensor when the table has it or it fits ``TENSOR_LIMIT_BYTES``; otherwise
-    streams one objective weighting and one block of prompts at a time (memory independent of C',
-    time linear in C'), so tables with many Best-of-N contexts never build the whole tensor.
+    streams blocks of about ``_BLOCK_ELEMENTS`` (prompt, query, atom) cells (a block of prompts, or
+    a block of one prompt's queries when one prompt's queries are more) and keeps the running
+    query sums only, so its memory is the (C', P, N_max) result plus one block whatever the number
+    of queries, and tables with many Best-of-N contexts never build the whole tensor.
     """
     queries = np.asarray(queries, dtype=np.int64)
     if stored(table) is not None or task_reward_fits(table):
@@ -128,20 +131,26 @@ def mean_task_reward(table: OutcomeTable, queries: np.ndarray) -> tuple[np.ndarr
         return exact.reward[:, :, queries, :].mean(axis=2), exact.rows(table.n_contexts)
     weights, inverse = objective_rows(table)
     n_p, _, n_m = table.probs.shape
-    block = max(1, _BLOCK_ELEMENTS // max(1, queries.size * n_m))
-    out = np.empty((weights.shape[0], n_p, table.n_max))
-    for start in range(0, n_p, block):
-        probs = table.probs[start : start + block][:, queries]  # (b, Q', M)
-        if table.aggregator == "mv":
-            assert table.gold is not None
-            gold = np.broadcast_to(table.gold[queries][None, :], probs.shape[:2]).reshape(-1)
-            credit = mv_expected_credit(probs.reshape(-1, n_m), gold, table.n_max)
-            out[0, start : start + block] = credit.reshape(*probs.shape[:2], table.n_max).mean(axis=1)
-            continue
-        assert table.atoms is not None
-        atoms = table.atoms[start : start + block][:, queries]  # (b, Q', M, K)
-        for i, w in enumerate(weights):
-            out[i, start : start + block] = bon_expected_max(atoms @ w, probs, table.n_max).mean(axis=1)
+    per_block = max(1, _BLOCK_ELEMENTS // max(1, n_m))  # (prompt, query) rows per block
+    query_step = min(queries.size, per_block)
+    prompt_step = max(1, per_block // max(1, query_step))
+    out = np.zeros((weights.shape[0], n_p, table.n_max))
+    for q0 in range(0, queries.size, query_step):
+        chunk = queries[q0 : q0 + query_step]
+        share = chunk.size / queries.size  # this chunk's weight in the mean over ``queries``
+        for start in range(0, n_p, prompt_step):
+            probs = table.probs[start : start + prompt_step][:, chunk]  # (b, q, M)
+            if table.aggregator == "mv":
+                assert table.gold is not None
+                gold = np.broadcast_to(table.gold[chunk][None, :], probs.shape[:2]).reshape(-1)
+                credit = mv_expected_credit(probs.reshape(-1, n_m), gold, table.n_max)
+                mean = credit.reshape(*probs.shape[:2], table.n_max).mean(axis=1)
+                out[0, start : start + prompt_step] += mean if share == 1.0 else share * mean
+                continue
+            assert table.atoms is not None
+            atoms = table.atoms[start : start + prompt_step][:, chunk]  # (b, q, M, K)
+            mean = bon_weighted_max(atoms, probs, weights, table.n_max, query_mean=True)
+            out[:, start : start + prompt_step] += mean if share == 1.0 else share * mean
     return out, inverse
 
 
