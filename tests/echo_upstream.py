@@ -83,7 +83,12 @@ class EchoUpstream:
                                            "completion_tokens": n * len(outer.answer),
                                            "total_tokens": len(prompt.split()) + n * len(outer.answer)}})
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                outer.broken += 1  # the caller went away (serve cancelled the call): expected, counted
+
+        self.broken = 0
+        self._server = Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.port = int(self._server.server_port)
         self.url = f"http://127.0.0.1:{self.port}/v1"
