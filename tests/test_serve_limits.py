@@ -322,34 +322,40 @@ def test_600_requests_on_the_example_spec_without_a_503(llama_server: int, tmp_p
     """The example spec caps a collection at 500 requests; serve answers 600 and more (its budget is a rate)."""
     text = (ROOT / "examples" / "collect_llamacpp.toml").read_text(encoding="utf-8")
     assert "max_requests = 500" in text
-    (tmp_path / "collect_llamacpp.toml").write_text(
-        text.replace("http://127.0.0.1:8080/v1", f"http://127.0.0.1:{llama_server}/v1"), encoding="utf-8")
-    shutil.copy(ROOT / "examples" / "collect_llamacpp_queries.jsonl", tmp_path)
-    spec = load_spec(tmp_path / "collect_llamacpp.toml")
-    policy = PolicyFile(
-        task=spec.task, aggregator="mv", api="completions", n_max=spec.n_max, objectives=("correct",),
-        scorer={"extractor": "last_number"}, sampling=spec.sampling.as_dict(),
-        prompts=tuple(PolicyPrompt(p.id, p.text) for p in spec.prompts),
-        contexts=(PolicyContext("one", (1.0,), -1.0, 0.5, "direct", 1),
-                  PolicyContext("two", (1.0,), -0.1, 0.5, "check", 2)),
-        learned={"agent": "test"}, estimate={"method": None}).save(tmp_path / "policy.json")
-    port = free_port()
-    serve = start_serve(policy, tmp_path / "collect_llamacpp.toml", port)
+    proxy_port = free_port()
+    proxy = start_proxy(llama_server, proxy_port)
     try:
-        def run(i: int) -> tuple[int, int]:
+        (tmp_path / "collect_llamacpp.toml").write_text(
+            text.replace("http://127.0.0.1:8080/v1", f"http://127.0.0.1:{proxy_port}/v1"), encoding="utf-8")
+        shutil.copy(ROOT / "examples" / "collect_llamacpp_queries.jsonl", tmp_path)
+        spec = load_spec(tmp_path / "collect_llamacpp.toml")
+        policy = PolicyFile(
+            task=spec.task, aggregator="mv", api="completions", n_max=spec.n_max, objectives=("correct",),
+            scorer={"extractor": "last_number"}, sampling=spec.sampling.as_dict(),
+            prompts=tuple(PolicyPrompt(p.id, p.text) for p in spec.prompts),
+            contexts=(PolicyContext("one", (1.0,), -1.0, 0.5, "direct", 1),
+                      PolicyContext("five", (1.0,), -0.1, 0.5, "check", 5)),
+            learned={"agent": "test"}, estimate={"method": None}).save(tmp_path / "policy.json")
+        port = free_port()
+        serve = start_serve(policy, tmp_path / "collect_llamacpp.toml", port)
+        try:
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
-            context = "two" if i % 10 == 0 else "one"
-            r = client.completions.create(model=f"iapo/{context}", prompt=f"What is {i} + 1?", max_tokens=3)
-            return r.model_extra["iapo"]["n"], r.usage.completion_tokens
 
-        with ThreadPoolExecutor(16) as pool:
-            done = list(pool.map(run, range(600)))  # any error (a 503 included) is raised here
-        assert len(done) == 600 and sum(n for n, _ in done) == 660
-        assert all(t <= 3 * n + 3 * n for n, t in done)  # max_tokens = 3 honoured (llama.cpp may finish a character)
-        status, health = _get(port, "/health")
-        assert status == 200 and health["spent"]["requests"] == 660 > 500
+            def run(i: int) -> tuple[int, int]:
+                context = "five" if i % 10 == 0 else "one"
+                r = client.completions.create(model=f"iapo/{context}", prompt=f"What is {i} + 1?", max_tokens=2)
+                return r.model_extra["iapo"]["n"], r.usage.completion_tokens
+
+            with ThreadPoolExecutor(16) as pool:
+                done = list(pool.map(run, range(600)))  # any error (a 503 included) is raised here
+            assert len(done) == 600 and sum(n for n, _ in done) == 540 + 60 * 5
+            assert all(t <= n * (2 + 3) for n, t in done)  # max_tokens = 2 honoured (llama.cpp may end a character)
+            status, health = _get(port, "/health")
+            stats = proxy_stats(proxy_port)  # llama.cpp ignores n: one upstream request per completion
+            assert status == 200 and health["spent"]["requests"] == stats["posts"] == 840 > 500
+        finally:
+            printed = output(serve)
+            stop(serve)
     finally:
-        printed = output(serve)
-        stop(serve)
+        stop(proxy)
     assert re.search(r"spending cap", printed) is None
-
