@@ -1,0 +1,155 @@
+"""``iapo-gym serve``'s errors reveal nothing of its upstream, and it takes JSON only (docs/deploy.md, "Errors").
+
+The upstream is tests/echo_upstream.py on 127.0.0.1: it echoes the ``Authorization`` header it got, the
+prompt and its own address in its 401/403/4xx/500 bodies, as some providers do in part.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from iapo_gym.deploy.errors import MASK, Masker
+from tests.deploy_helpers import mv_policy, start_serve
+from tests.echo_upstream import EchoUpstream
+from tests.llm_server import free_port, output, stop, write_spec
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+UPSTREAM_KEY = "sk-7Hq2Lr9XvT4mNc8Zp1Ws"
+INBOUND_KEY = "sk-Qa5Rt8Yu2Io6Pk3Lm9Nb"
+
+
+def _request(port: int, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
+             method: str | None = None) -> tuple[int, bytes, Any]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, headers=headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.read(), resp.headers
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read(), exc.headers
+
+
+def _pieces(secret: str, size: int = 6) -> list[str]:
+    return [secret[i:i + size] for i in range(len(secret) - size + 1)]
+
+
+def test_masker_hides_whole_and_partial_secrets() -> None:
+    mask = Masker([UPSTREAM_KEY, None, "", "abc"])
+    text = f"key {UPSTREAM_KEY} or sk-7Hq2L...8Zp1Ws, abc and ab"
+    masked = mask(text)
+    assert masked == f"key {MASK} or {MASK}...{MASK}, {MASK} and ab"
+    assert not any(p in masked for p in _pieces(UPSTREAM_KEY))
+    assert mask("nothing secret") == "nothing secret"
+
+
+@pytest.fixture(scope="module")
+def echo_stack(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """Echo upstream (expects UPSTREAM_KEY) <- serve (inbound key INBOUND_KEY); yields (port, upstream, serve)."""
+    folder = tmp_path_factory.mktemp("errors")
+    with EchoUpstream() as up:
+        port = free_port()
+        spec = write_spec(folder, 0, endpoint={"base_url": up.url, "api_key_env": "ECHO_UPSTREAM_KEY",
+                                               "max_retries": 3, "backoff": 0.01, "max_backoff": 0.02})
+        serve = start_serve(mv_policy().save(folder / "policy.json"), spec, port,
+                            extra=["--api-key-env", "SERVE_INBOUND_KEY"],
+                            env={"ECHO_UPSTREAM_KEY": UPSTREAM_KEY, "SERVE_INBOUND_KEY": INBOUND_KEY})
+        try:
+            yield port, up, serve
+        finally:
+            stop(serve)
+
+
+def test_upstream_errors_reach_the_caller_as_the_projects_own(echo_stack: tuple[int, EchoUpstream, Any]) -> None:
+    port, up, serve = echo_stack
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=INBOUND_KEY, max_retries=0)
+    expected = {401: (502, "upstream_auth", None), 403: (502, "upstream_auth", None),
+                400: (502, "upstream_rejected", 400), 404: (502, "upstream_rejected", 404),
+                422: (502, "upstream_rejected", 422), 500: (502, "upstream_unavailable", None),
+                503: (502, "upstream_unavailable", None)}
+    for upstream_status, (status, code, shown) in expected.items():
+        for chat in (False, True):
+            query = f"STATUS:{upstream_status} my private question"
+            before = up.posts
+            with pytest.raises(openai.APIStatusError) as info:
+                if chat:
+                    client.chat.completions.create(model="iapo/high", messages=[{"role": "user", "content": query}])
+                else:
+                    client.completions.create(model="iapo/high", prompt=query)
+            err = info.value
+            assert err.status_code == status and err.body["code"] == code, (upstream_status, err.body)
+            assert err.body.get("upstream_status") == shown
+            assert not isinstance(err, openai.AuthenticationError)  # never the caller's own 401
+            raw = err.response.text
+            for leak in (UPSTREAM_KEY, *_pieces(UPSTREAM_KEY), "127.0.0.1", str(up.port), "private question",
+                         "Incorrect API key", "Bearer"):
+                assert leak not in raw, (leak, raw)
+            # 5xx is retried (once in serve, though the spec allows 3); a refusal is not retried
+            assert up.posts - before == (2 if upstream_status >= 500 else 1)
+    assert all(h["authorization"] == f"Bearer {UPSTREAM_KEY}" for h in up.headers)  # the key went to its host
+    log = output(serve)
+    assert "upstream_auth" in log and "upstream_rejected" in log and MASK in log
+    for leak in (UPSTREAM_KEY, *_pieces(UPSTREAM_KEY), INBOUND_KEY):
+        assert leak not in log, leak
+
+
+def test_json_bodies_only_no_cors_and_404s_in_the_openai_shape(echo_stack: tuple[int, EchoUpstream, Any]) -> None:
+    port, up, _ = echo_stack
+    auth = {"Authorization": f"Bearer {INBOUND_KEY}"}
+    body = json.dumps({"model": "iapo/high", "prompt": "1 + 1 ="}).encode()
+    before = up.posts
+    # a browser form can send text/plain or form-encoded bodies without a preflight: refused, nothing spent
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", ""):
+        status, raw, headers = _request(port, "/v1/completions", body, {**auth, "Content-Type": content_type,
+                                                                        "Origin": "http://evil.example"})
+        assert status == 415 and json.loads(raw)["error"]["code"] == "unsupported_media_type", content_type
+        assert headers.get("access-control-allow-origin") is None
+    assert up.posts == before
+    status, raw, headers = _request(port, "/v1/completions", body, {**auth, "Content-Type": "application/json; "
+                                    "charset=utf-8", "Origin": "http://evil.example"})
+    assert status == 200 and headers.get("access-control-allow-origin") is None
+    status, raw, _ = _request(port, "/v1/completions", None, {"Origin": "http://evil.example",
+                                                             "Access-Control-Request-Method": "POST"}, "OPTIONS")
+    assert status == 405 and json.loads(raw)["error"]["code"] == "method_not_allowed"  # no preflight answered
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=INBOUND_KEY, max_retries=0)
+    assert client.models.retrieve("iapo/mid").id == "iapo/mid"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4o")
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    for method, path in (("GET", "/v1/nothing"), ("POST", "/v1/embeddings"), ("GET", "/")):
+        status, raw, _ = _request(port, path, b"{}" if method == "POST" else None,
+                                  {**auth, "Content-Type": "application/json"}, method)
+        error = json.loads(raw)["error"]
+        assert status == 404 and error["code"] == "not_found" and set(error) >= {"message", "type", "code"}
+    status, raw, _ = _request(port, "/v1/completions", None, auth, "GET")
+    assert status == 405 and json.loads(raw)["error"]["code"] == "method_not_allowed"
+    with pytest.raises(openai.AuthenticationError):  # models need the inbound key too
+        openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_cors_only_for_the_origins_given(tmp_path: Path) -> None:
+    with EchoUpstream() as up:
+        port = free_port()
+        spec = write_spec(tmp_path, 0, endpoint={"base_url": up.url})
+        serve = start_serve(mv_policy().save(tmp_path / "policy.json"), spec, port,
+                            extra=["--cors-origin", "http://app.example"])
+        try:
+            status, _, headers = _request(port, "/v1/chat/completions", None, {
+                "Origin": "http://app.example", "Access-Control-Request-Method": "POST"}, "OPTIONS")
+            assert status == 204 and headers["access-control-allow-origin"] == "http://app.example"
+            assert "content-type" in headers["access-control-allow-headers"]
+            status, _, headers = _request(port, "/v1/chat/completions", None, {
+                "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}, "OPTIONS")
+            assert status == 403 and headers.get("access-control-allow-origin") is None
+            body = json.dumps({"model": "iapo/high", "messages": [{"role": "user", "content": "q"}]}).encode()
+            status, _, headers = _request(port, "/v1/chat/completions", body, {
+                "Origin": "http://app.example", "Content-Type": "application/json"})
+            assert status == 200 and headers["access-control-allow-origin"] == "http://app.example"
+        finally:
+            stop(serve)
