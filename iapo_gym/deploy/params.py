@@ -40,6 +40,7 @@ class Plan:
 
     query: str
     context: Any  # what Router.resolve takes (None, a name, or a list of weights)
+    model_context: Any = None  # the model's form when iapo_context gives another: both must resolve alike
     max_tokens: int | None = None  # None: the spec's
     seed: int | None = None  # None: the spec's
     stop: tuple[str, ...] = ()  # cut the returned text at the first of these
@@ -96,14 +97,25 @@ COMMON = frozenset({"model", "iapo_context", "max_tokens", "max_completion_token
                     "stream_options", "user", *SAMPLING_DEFAULTS, *NEUTRAL})
 
 
+def _finite(value: Any) -> bool:
+    """A JSON number that is a finite float (an integer too large for a float is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
 def _int(value: Any, param: str, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise _bad(param, f"must be an integer >= {low}, got {_show(value)}", "invalid_value")
     return value
 
 
-def _context(body: dict[str, Any]) -> Any:
-    """The context a request names: ``iapo_context``, else the model ``iapo/<context>``, else None."""
+def _context(body: dict[str, Any]) -> tuple[Any, Any]:
+    """The context a request names: ``iapo_context``, else the model ``iapo/<context>``, else None; and the
+    model's form when both are given and differ (the server checks that they name the same context)."""
     ref = body.get("iapo_context")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -125,17 +137,17 @@ def _context(body: dict[str, Any]) -> Any:
         elif not (isinstance(ref, list) and all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in ref)):
             raise _bad("iapo_context", f"must be a context name or a list of weights, got {_show(ref)}",
                        "invalid_context")
-    if ref is not None and from_model is not None and ref != from_model:
-        raise _bad("iapo_context", f"{_show(ref)} and the model {_show(model)} name different contexts",
-                   "invalid_context")
-    ref = ref if ref is not None else from_model
-    if ref is not None and not isinstance(ref, str):
-        if not (isinstance(ref, list) and all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in ref)):
-            raise _bad("model", f"the context must be a name or a list of weights, got {_show(ref)}", "invalid_context")
-        if not all(math.isfinite(float(w)) for w in ref):
-            raise _bad("model" if body.get("iapo_context") is None else "iapo_context",
-                       f"context weights must be finite numbers, got {_show(ref)}", "invalid_context")
-    return ref
+    for form, param in ((ref, "iapo_context"), (from_model, "model")):
+        if form is not None and not isinstance(form, str):
+            if not (isinstance(form, list) and all(isinstance(w, (int, float)) and not isinstance(w, bool)
+                                                   for w in form)):
+                raise _bad(param, f"the context must be a name or a list of weights, got {_show(form)}",
+                           "invalid_context")
+            if not all(_finite(w) for w in form):
+                raise _bad(param, f"context weights must be finite numbers, got {_show(form)}", "invalid_context")
+    if ref is None:
+        return from_model, None
+    return ref, (from_model if from_model is not None and from_model != ref else None)
 
 
 def _chat_query(messages: Any) -> str:
@@ -150,7 +162,7 @@ def _chat_query(messages: Any) -> str:
     if not isinstance(m, dict) or m.get("role") != "user":
         role = m.get("role") if isinstance(m, dict) else None
         raise _bad("messages[0].role", f"must be 'user', got {_show(role)}", "unsupported_messages")
-    unknown = sorted(set(m) - {"role", "content", "name"})
+    unknown = sorted(set(m) - {"role", "content"})
     if unknown:
         raise _bad(f"messages[0].{unknown[0]}", "is not supported in a user message", "unsupported_messages")
     content = m.get("content")
@@ -194,7 +206,8 @@ def read_request(body: Any, chat: bool, sampling: dict[str, Any]) -> Plan:
             raise _bad(str(name).encode("utf-8", "replace").decode()[:80], f"unknown parameter{hint}",
                        "unknown_parameter")
     query = _chat_query(body.get("messages")) if chat else _completion_query(body.get("prompt"))
-    plan = Plan(query=query, context=_context(body))
+    context, model_context = _context(body)
+    plan = Plan(query=query, context=context, model_context=model_context)
     for name, (neutral, why) in NEUTRAL.items():
         value = body.get(name)
         if value is not None and value not in neutral:
@@ -204,7 +217,7 @@ def read_request(body: Any, chat: bool, sampling: dict[str, Any]) -> Plan:
         if value is None:
             continue
         learned = sampling.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or float(value) != float(learned):
+        if not _finite(value) or float(value) != float(learned):
             raise _bad(name, f"{_show(value)} is not supported: the policy was learned at {name} = {learned:g}; "
                              f"send {learned:g} or leave it out")
     limit = int(sampling["max_tokens"])

@@ -325,6 +325,9 @@ class ServeApp:
         plan = read_request(body, chat, self.sampling)
         try:
             ctx = self.router.resolve(plan.context)
+            if plan.model_context is not None and self.router.resolve(plan.model_context) != ctx:
+                raise RequestError(400, f"iapo_context and the model {body.get('model')!r} name different contexts",
+                                   "invalid_context", "iapo_context")
         except ContextError as exc:
             raise RequestError(400, str(exc), "unknown_context", "model", {"contexts": exc.contexts}) from None
         rendered = self.router.render(ctx, plan.query)
