@@ -35,7 +35,6 @@ from tests.llm_server import (
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
-pytest.importorskip("starlette")
 
 FIRST_CHAR = {"extractor": "regex", "pattern": r"\A\s*(\S)"}  # the tiny model's answer: its first visible character
 N_OF = {"low": 3, "mid": 2, "high": 1}
