@@ -153,3 +153,49 @@ def test_cors_only_for_the_origins_given(tmp_path: Path) -> None:
             assert status == 200 and headers["access-control-allow-origin"] == "http://app.example"
         finally:
             stop(serve)
+
+
+def test_a_refused_reward_call_ends_only_its_request(tmp_path: Path) -> None:
+    """Best-of-N through a reward endpoint: its refusal is 502 ``upstream_rejected`` for that request only."""
+    import dataclasses
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tests.deploy_helpers import bon_policy
+
+    class Reward(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            refuse = "REFUSE" in body["query"]
+            data = json.dumps({"error": f"no: {body['query']}"} if refuse else
+                              {"scores": {"length": 0.5, "digits": 1.0}}).encode()
+            self.send_response(400 if refuse else 200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    reward = ThreadingHTTPServer(("127.0.0.1", 0), Reward)
+    threading.Thread(target=reward.serve_forever, daemon=True).start()
+    policy = bon_policy(n=2)
+    policy = dataclasses.replace(policy, scorer={**policy.scorer, "callable": None,
+                                                 "reward_url": f"http://127.0.0.1:{reward.server_port}/score"})
+    with EchoUpstream() as up:
+        port = free_port()
+        spec = write_spec(tmp_path, 0, endpoint={"base_url": up.url})
+        serve = start_serve(policy.save(tmp_path / "policy.json"), spec, port)
+        try:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+            assert client.completions.create(model="iapo/long", prompt="q").model_extra["iapo"]["aggregator"] == "bon"
+            with pytest.raises(openai.InternalServerError) as info:
+                client.completions.create(model="iapo/long", prompt="REFUSE this")
+            assert info.value.status_code == 502 and info.value.body["code"] == "upstream_rejected"
+            assert "REFUSE" not in info.value.response.text
+            for _ in range(3):  # the scorer keeps serving the other requests
+                assert client.completions.create(model="iapo/digits", prompt="q").choices[0].text == "42"
+        finally:
+            stop(serve)
+            reward.shutdown()
+            reward.server_close()

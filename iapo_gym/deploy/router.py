@@ -30,7 +30,7 @@ import numpy as np
 
 from iapo_gym.llm.client import BudgetExhausted, ClientOptions, Completion, EndpointError, LLMClient, RequestOptions
 from iapo_gym.llm.loop import LoopThread, gather_all
-from iapo_gym.llm.scoring import make_extractor, make_scorer
+from iapo_gym.llm.scoring import RewardScorer, make_extractor, make_scorer
 from iapo_gym.llm.spec import Prompt, Scorer, Spec, load_spec
 from iapo_gym.policyfile import PolicyContext, PolicyFile, PolicyFileError, load_policy
 from iapo_gym.seeding import derive_rng
@@ -193,6 +193,11 @@ class Router:
                                    "(or only the blocking complete())")
             return self
         client = LLMClient(self.spec, cache=None, options=options)
+        if isinstance(self._score, RewardScorer):  # the reward endpoint: one failed call ends only its request
+            self._score.stop_on_failure = False
+            if options is not None:
+                self._score.policy = options.retry or self._score.policy
+                self._score.concurrency = options.concurrency or self._score.concurrency
         client.stop_on_failure = False  # one caller's failed request must not stop the others
         await client.__aenter__()
         self._client, self._loop = client, loop
