@@ -199,3 +199,17 @@ def test_a_refused_reward_call_ends_only_its_request(tmp_path: Path) -> None:
             stop(serve)
             reward.shutdown()
             reward.server_close()
+
+
+def test_direct_requests_carry_account_headers_only_where_the_openai_key_goes() -> None:
+    """serve sends its upstream requests directly; the OPENAI_* account headers go only with OPENAI_API_KEY."""
+    from iapo_gym.llm.client import direct_headers
+    from iapo_gym.llm.spec import Route
+
+    env = {"OPENAI_ORG_ID": "org-1", "OPENAI_PROJECT_ID": "proj-1", "OPENAI_CUSTOM_HEADERS": "X-Team: blue\nno colon"}
+    openai_route = Route("LLM endpoint", "https://api.openai.com/v1", "OPENAI_API_KEY", "the OpenAI API")
+    assert direct_headers(openai_route, env) == {"Accept": "application/json", "OpenAI-Organization": "org-1",
+                                                 "OpenAI-Project": "proj-1", "X-Team": "blue"}
+    for key_env in ("OTHER_PROVIDER_KEY", None):
+        assert direct_headers(Route("LLM endpoint", "http://127.0.0.1:9/v1", key_env, "spec"), env) == {
+            "Accept": "application/json"}

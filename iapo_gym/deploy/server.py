@@ -146,12 +146,12 @@ class ServeApp:
         self._models_body = json.dumps({"object": "list", "data": self.models}).encode()
 
     def client_options(self) -> ClientOptions:
-        """The upstream client of a server: no lifetime cap (the budget is a rate), ``upstream_retries``, and
-        room for every slot's N calls at once, so one slow request holds only its own slot."""
+        """The upstream client of a server: no lifetime cap (the budget is a rate), ``upstream_retries``, room
+        for every slot's N calls at once (one slow request holds only its own slot), requests sent directly."""
         ep = self.router.spec.endpoint
         n_max = max(c.n for c in self.router.contexts)
         return ClientOptions(cap=SpendingCap(None, None), retry=RetryPolicy(self.retries, ep.backoff, ep.max_backoff),
-                             concurrency=max(ep.concurrency, self.limits.max_concurrency * n_max))
+                             concurrency=max(ep.concurrency, self.limits.max_concurrency * n_max), direct=True)
 
     def _worst(self, n: int, max_tokens: int | None) -> int:
         return n * ((max_tokens or int(self.sampling["max_tokens"])) + OVERSHOOT_TOKENS) * (1 + self.retries)
