@@ -45,6 +45,7 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 JSON_TYPE = b"application/json"
 PROBE_TIMEOUT = 3.0  # seconds a /health probe of the upstream may take
 PROBE_EVERY = 2.0  # at most one probe per this many seconds
+DRAIN_FACTOR = 8  # a body up to this many times the limit is read and dropped before the 413
 ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error",
                502: "upstream_error", 503: "server_error", 504: "server_error"}
 COMPLETION_PATHS = {"/v1/chat/completions": True, "/v1/completions": False}
@@ -253,13 +254,19 @@ class ServeApp:
                                  "server was started with (--api-key-env)", "invalid_api_key")
 
     async def _body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
-        """The request body, refused with 413 past ``max_body_bytes`` (by its Content-Length, before reading)."""
+        """The request body, refused with 413 past ``max_body_bytes``.
+
+        A body declared (``Content-Length``) or found larger is read on and dropped, never kept, up to
+        ``DRAIN_FACTOR`` times the limit, so that the caller reliably hears the 413 rather than a reset
+        connection; a body declared larger still is refused at once, unread.
+        """
         limit = self.limits.max_body_bytes
         too_big = RequestError(413, f"the request body is larger than this server's limit of {limit} bytes",
                                "body_too_large")
         declared = headers.get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        if declared is not None and (not declared.isdigit() or int(declared) > DRAIN_FACTOR * limit):
             raise too_big
+        over = declared is not None and int(declared) > limit
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -269,9 +276,15 @@ class ServeApp:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
+                over = True
+                chunks.clear()
+            if not over:
+                chunks.append(chunk)
+            if size > DRAIN_FACTOR * limit:
                 raise too_big
-            chunks.append(chunk)
             if not message.get("more_body", False):
+                if over:
+                    raise too_big
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     # ---- completions ---------------------------------------------------------------------------------
@@ -282,31 +295,33 @@ class ServeApp:
         deadline = asyncio.get_running_loop().time() + self.limits.deadline
         record: dict[str, Any] = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "method": "POST",
                                   "path": scope["path"]}
-        status = 200
-        try:
-            try:
-                routed, plan = await self._answer(headers, receive, chat, deadline, record)
-            except RequestError as exc:
-                status = exc.status
-                record["error"] = exc.code
-                await self._send(send, exc.status, _error_body(exc), cors, exc.headers)
-                return
-            except asyncio.CancelledError:  # the caller went away: nothing to answer
-                status = 499
-                record["error"] = "client_disconnected"
-                return
-            self.served += 1
-            record.update(context=routed.context.name, prompt=routed.prompt_id, n=routed.n,
-                          prompt_tokens=routed.prompt_tokens, completion_tokens=routed.completion_tokens)
-            if plan.stream:
-                await self._send(send, 200, self._stream_body(routed, plan, chat), cors,
-                                 {"Cache-Control": "no-cache"}, content_type=b"text/event-stream; charset=utf-8")
-            else:
-                await self._send(send, 200, json.dumps(self._response(routed, plan, chat)).encode(), cors)
-        finally:
+
+        def logged(status: int) -> None:  # the record is written before the answer leaves: it is there once read
             record["status"] = status
             record["latency_ms"] = round((time.perf_counter() - start) * 1000.0, 3)
             self.access.write(record)
+
+        try:
+            routed, plan = await self._answer(headers, receive, chat, deadline, record)
+        except RequestError as exc:
+            record["error"] = exc.code
+            logged(exc.status)
+            await self._send(send, exc.status, _error_body(exc), cors, exc.headers)
+            return
+        except asyncio.CancelledError:  # the caller went away: nothing to answer
+            record["error"] = "client_disconnected"
+            logged(499)
+            return
+        self.served += 1
+        record.update(context=routed.context.name, prompt=routed.prompt_id, n=routed.n,
+                      prompt_tokens=routed.prompt_tokens, completion_tokens=routed.completion_tokens)
+        if plan.stream:
+            body, content_type = self._stream_body(routed, plan, chat), b"text/event-stream; charset=utf-8"
+        else:
+            body, content_type = json.dumps(self._response(routed, plan, chat)).encode(), JSON_TYPE
+        logged(200)
+        await self._send(send, 200, body, cors, {"Cache-Control": "no-cache"} if plan.stream else None,
+                         content_type=content_type)
 
     async def _answer(self, headers: dict[bytes, bytes], receive: Receive, chat: bool, deadline: float,
                       record: dict[str, Any]) -> tuple[Routed, Plan]:
