@@ -5,7 +5,7 @@ sum of ``vote_credit_series``, 1/(1+ties) integrated by Gauss-Legendre quadratur
 loops over blocks of rows with the same number of answer buckets, the rows in vector lanes,
 instead of numpy passes whose count grows with N_max^2 per call. The sums run in another order
 than numpy's, so values agree with the numpy path to rounding (about 1e-15), not bit for bit;
-``tests/test_challenger.py`` compares the two. Used when ``agents._jit.enabled()``.
+``tests/test_plugin.py`` compares the two. Used when ``agents._jit.enabled()``.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _credit_block(p_gold: np.ndarray, others: np.ndarray, n_max: int, nodes: np.
 
 
 #: Rows per block of ``_credit_block``: large enough to fill the vector lanes, small enough that a
-#: block's arrays stay in cache (``benchmarks/bench_plugin_shapes.py --kernel`` times the choices).
+#: block's arrays stay in cache (``research/bench_plugin_shapes.py --kernel`` times the choices).
 BLOCK_ROWS = 128
 
 
