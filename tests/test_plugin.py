@@ -458,3 +458,48 @@ def test_auto_has_at_most_eight_documented_hyper_parameters() -> None:
     doc = AnytimePlugIn.__doc__ or ""
     for name in params:
         assert doc.count(f":param {name}:") == 1, name
+
+
+def _binary_mv_table(seed: int) -> OutcomeTable:
+    """A right/wrong majority-vote table: prompt p right on query q with sigmoid(a_p + b_p z_q)."""
+    rng = np.random.default_rng(seed)
+    a, b, z = rng.normal(0.0, 0.8, 4), rng.uniform(0.5, 1.5, 4), rng.normal(0.0, 1.5, 40)
+    correct = 1.0 / (1.0 + np.exp(-(a[:, None] + b[:, None] * z[None, :])))
+    return OutcomeTable(
+        task="binary_mv", aggregator="mv", probs=np.stack([correct, 1 - correct], axis=-1),
+        cost=rng.uniform(0.0, 0.02, 4), n_max=8, context_weights=np.array([[1.0, 0.0], [1.0, -1.0]]),
+        context_names=("free", "costly"), context_probs=np.array([0.5, 0.5]), objective_names=("correct",),
+        gold=np.zeros(40, np.int64), split=(np.arange(40) >= 32).astype(np.uint8),
+    )
+
+
+def _flat_bon_table(seed: int) -> OutcomeTable:
+    """Best-of-N with no query structure: every query shares each prompt's distribution."""
+    base = tiny_bon_table(seed=seed, n_prompts=4, n_queries=30, n_atoms=5, n_max=8)
+    return dataclasses.replace(base, probs=np.repeat(base.probs[:, :1], 30, axis=1),
+                               atoms=np.repeat(base.atoms[:, :1], 30, axis=1))
+
+
+#: One small table of every kind the generated families cover: majority vote (categorical, binary) and
+#: Best-of-N whose queries shift the scores, change their shape, or do nothing.
+FAMILY_TABLES = {
+    "mv_categorical": lambda: tiny_mv_table(seed=2, n_prompts=4, n_queries=40, n_buckets=4, n_max=8),
+    "mv_binary": lambda: _binary_mv_table(1),
+    "bon_shift": lambda: query_shifted_bon_table()[0],
+    "bon_shape": lambda: shape_bon_table(seed=4, n_prompts=4, n_queries=30, n_max=8),
+    "bon_flat": lambda: _flat_bon_table(0),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_TABLES))
+def test_auto_finds_the_train_optimal_policy_where_psst_does(family: str) -> None:
+    """Consistency: at a budget where PSST finds the train-optimal policy on every seed, ``auto`` finds it too."""
+    table = FAMILY_TABLES[family]()
+    env = IAPOEnv(table=table)
+    best = env.optimal_policy("train")
+    budget = 200_000
+    for seed in range(3):
+        env.reset(seed=seed)
+        assert agents.make("psst", seed=seed).train(env, budget) == best, (family, seed)  # the premise
+        env.reset(seed=seed)
+        assert agents.make("auto", seed=seed).train(env, budget) == best, (family, seed)

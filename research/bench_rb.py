@@ -8,7 +8,7 @@ with its SEM, the two-sided Wilcoxon signed-rank p-value Holm-corrected over eve
 budget) cell of that comparison, and the share of PSST's regret removed. ``--plot`` draws the
 regret against the budget, one panel per task.
 
-    IAPO_GYM_OFFLINE=1 IAPO_GYM_DATA=../shared/iapo-release python benchmarks/bench_rb.py --out results/rb \\
+    IAPO_GYM_OFFLINE=1 IAPO_GYM_DATA=../shared/iapo-release python research/bench_rb.py --out results/rb \\
         --tasks math synthetic_bernoulli synthetic_categorical --budgets 3000 5000 10000 20000 --runs 200 --jobs 2 \\
         --plot docs/estimator_figures/regret_vs_budget.png
 """

@@ -8,11 +8,11 @@ N_max 32, the three MV contexts; every answer of positive probability, the costl
 the credit) and times, per budget, PSST and each agent on the same env seeds, interleaved, as
 the median over ``--runs`` runs and its ratio to PSST's median.
 
-With ``--kernel``, it times instead the compiled majority-vote credit (``agents._plugin_jit``)
+With ``--kernel``, it times instead the compiled majority-vote credit (``agents.plugin._credit_jit``)
 on the rows one ``auto`` run at 10K recomputes on that table, for several rows per block, as
 the median over ``--runs`` calls and its ratio to one row per block in the same run.
 
-Usage: ``nice -n 10 .venv/bin/python benchmarks/bench_plugin_shapes.py --runs 5`` (add ``--kernel``).
+Usage: ``nice -n 10 .venv/bin/python research/bench_plugin_shapes.py --runs 5`` (add ``--kernel``).
 """
 
 from __future__ import annotations
@@ -34,11 +34,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--budgets", type=int, nargs="+", default=[3000, 10000, 40000])
     parser.add_argument("--agents", nargs="+",
-                        default=["auto", "plugin_anytime:revisit=0.0@round6",
-                                 "plugin_anytime:kappa=8.0,tail=halving,revisit=0.0@round5",
-                                 "plugin_anytime:n_min=2,kappa=2.0,votes=0,slope=3.0,pretest=0.0,tail=halving,"
-                                 "revisit=0.0@round2",
-                                 "plugin_halving"])
+                        default=["auto", "plugin_halving"])
     parser.add_argument("--kernel", action="store_true", help="time the credit kernel's block sizes instead")
     args = parser.parse_args()
     env = IAPOEnv(table=random_mv_table(0, n_prompts=48, n_queries=1500, n_answers=5, n_max=32,
@@ -76,7 +72,7 @@ def main() -> None:
 
 def time_kernel(env: IAPOEnv, runs: int) -> None:
     """Median time per row of ``credit_rows`` on one ``auto`` run's rows, per rows per block, against one per block."""
-    from agents import _plugin_jit
+    from agents.plugin import _credit_jit as _plugin_jit
 
     if not _plugin_jit.available():
         raise SystemExit("the credit kernel needs numba (the fast extra) and IAPO_GYM_JIT not 0")

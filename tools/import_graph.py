@@ -1,7 +1,7 @@
 """The package drawn from its imports: circles, floors, the largest folder's share of lines, and the files one
 leaderboard run's table passes through on its way from ``runner.run_unit`` to the env.
 
-usage: python benchmarks/import_graph.py [ROOT]   (ROOT: a checkout, default this one; needs IAPO_GYM_DATA for
+usage: python tools/import_graph.py [ROOT]   (ROOT: a checkout, default this one; needs IAPO_GYM_DATA for
 the traced run, which opens the MATH table)
 
 Every import counts, also those inside functions. A module's floor is the length of the longest chain of imports

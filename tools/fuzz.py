@@ -1,8 +1,8 @@
 """Fuzz every parser of outside input and print, per parser, examples tried, accepted, refused cleanly, failed.
 
-    nice -n 5 python benchmarks/fuzz.py                 # 10,000 examples per parser
-    python benchmarks/fuzz.py --examples 500 --targets bundle_zip,policy_json
-    python benchmarks/fuzz.py --targets hdf5_table_bytes --random-range 2780:3580
+    nice -n 5 python tools/fuzz.py                 # 10,000 examples per parser
+    python tools/fuzz.py --examples 500 --targets bundle_zip,policy_json
+    python tools/fuzz.py --targets hdf5_table_bytes --random-range 2780:3580
 
 The targets, their seeds, mutators and error classes are in ``tests/fuzz_targets.py`` (the test
 suite runs the same targets for a short while: ``tests/test_fuzz_parsers.py``). Examples are drawn by

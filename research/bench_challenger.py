@@ -20,9 +20,9 @@ The tuning protocol (docs/agents.md, "How auto is chosen and measured"):
    table, the two other tasks for each task of the leave-one-task-out (``--loto``) table;
 3. report: the picked spec(s) run with a fresh ``--seed`` never used in tuning.
 
-    IAPO_GYM_OFFLINE=1 IAPO_GYM_DATA=../shared/iapo-release nice -n 10 python benchmarks/bench_challenger.py \\
+    IAPO_GYM_OFFLINE=1 IAPO_GYM_DATA=../shared/iapo-release nice -n 10 python research/bench_challenger.py \\
         --out results/challenger --runs 200 --jobs 2 \\
-        --markdown docs/challenger_figures/table.md --plot docs/challenger_figures/regret_vs_budget.png
+        --markdown results/challenger/table.md --plot results/challenger/regret_vs_budget.png
 
 ``--timing RUNS`` times the training alone (PSST ``train`` per budget; an anytime challenger
 both by ``train_budgets`` up to each budget, as the leaderboard times it, and by ``train``

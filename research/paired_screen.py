@@ -3,15 +3,14 @@
 The leaderboard derives each agent's seed from its spec, so two variants of one agent draw
 different queries from the first step on, and a cell's difference carries both agents' draws.
 Here every spec of a run gets one agent seed, so variants that differ only in a budget's tail
-(``revisit_in="tail"``, ``tail_growth``, ...) share their whole steps and their difference is the
+(``restore``) share their whole steps and their difference is the
 tail's alone. It prints the first spec's mean regret (train-optimal test ACR minus the agent's)
 and each other spec's paired gain over it (+: better) ± SEM, also as a share of the first spec's
 regret. For tuning only (its seeds are not the leaderboard's); reports run through
 ``bench_challenger.py``.
 
-    IAPO_GYM_OFFLINE=1 IAPO_GYM_DATA=../shared/iapo-release python benchmarks/paired_screen.py \\
-        --task math --seed 80 --runs 800 --budgets 3000 5000 10000 \\
-        plugin_anytime@base "plugin_anytime:revisit=0.25,revisit_in=tail@rvt25"
+    IAPO_GYM_OFFLINE=1 IAPO_GYM_DATA=../shared/iapo-release python research/paired_screen.py \\
+        auto "auto:restore=0.25@r025" --task math --seed 90 --runs 200 --jobs 1 --budgets 3000 5000 10000
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ probability, so the parts of a row add up to the agent's regret. ``--top K`` als
 regret of a reference agent that picks uniformly among the K prompts best on the train split
 (each at its train-best N): how close a prompt choice must come to rank the prompts.
 
-Usage: ``python benchmarks/regret_parts.py results/challenger --task math --budget 3000 --top 1 3 8``
+Usage: ``python research/regret_parts.py results/challenger --task math --budget 3000 --top 1 3 8``
 """
 
 from __future__ import annotations

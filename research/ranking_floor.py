@@ -4,13 +4,13 @@ For each run of a task (the leaderboard's resplits and seeds), every prompt gets
 random train queries with ``n`` completions each (P * m * n completions in all); each context
 then takes the (p, N) of largest estimate, and its regret is the train-optimal policy's test ACR
 minus the pick's, as on the leaderboard. The estimators are ``PlugInEstimator`` settings
-(``alpha``, ``curve``, ``slope``, ``eb``, ``pretest``); ``exact`` reads the true outcome
+(``alpha``, ``curve``, ``slope``, ``pretest``); ``exact`` reads the true outcome
 distributions of the same m queries, so it is what the design's query sample alone costs, and
 the gap to it is what estimating each (prompt, query) distribution from n votes costs. A
 diagnosis of where an agent's regret comes from (docs/agents.md, rounds 4 and 5), not a speed
 figure:
 
-    IAPO_GYM_OFFLINE=1 IAPO_GYM_DATA=../shared/iapo-release python benchmarks/ranking_floor.py \\
+    IAPO_GYM_OFFLINE=1 IAPO_GYM_DATA=../shared/iapo-release python research/ranking_floor.py \\
         --task math --seed 77 --runs 100 --designs 1x120 2x60 4x30
 """
 
@@ -20,7 +20,7 @@ import argparse
 
 import numpy as np
 
-from agents.challenger import PlugInEstimator
+from agents.plugin import PlugInEstimator
 from iapo_gym import IAPOEnv
 from iapo_gym.leaderboard.run.runner import run_setup
 from iapo_gym.leaderboard.run.specs import resolve_task
@@ -30,11 +30,11 @@ from iapo_gym.seeding import derive_seed
 from iapo_gym.tables import OutcomeTable
 
 ESTIMATORS = {
-    "pooled prior (alpha 4)": {"alpha": 4.0},
-    "response curves (auto: alpha 32, curve 3)": {"alpha": 32.0, "curve": 3.0},
-    "curves, slopes fixed (slope 1e6)": {"alpha": 32.0, "curve": 3.0, "slope": 1e6},
-    "curves, empirical-Bayes ridges (eb 3)": {"alpha": 32.0, "curve": 3.0, "eb": 3},
-    "curves, slopes pretested (pretest 2, slope 1)": {"alpha": 32.0, "curve": 3.0, "slope": 1.0, "pretest": 2.0},
+    "pooled prior (alpha 4)": {"alpha": 4.0, "curve": 0.0},
+    "response curves, free slopes (alpha 32, curve 3, slope 3)": {"alpha": 32.0, "curve": 3.0, "slope": 3.0,
+                                                                  "pretest": 0.0},
+    "curves, slopes fixed (slope 1e6)": {"alpha": 32.0, "curve": 3.0, "slope": 1e6, "pretest": 0.0},
+    "curves, slopes pretested (auto: pretest 2, slope 1)": {"alpha": 32.0, "curve": 3.0, "slope": 1.0, "pretest": 2.0},
 }
 
 
