@@ -90,7 +90,7 @@ def test_every_round_pulls_live_prompts_on_common_fresh_queries(name: str) -> No
         used.append(np.unique(pulls.queries))
     pool = env.queries("train").size  # 160
     first_pass = np.cumsum([u.size for u in used]) <= pool
-    every = np.concatenate([u for u, first in zip(used, first_pass) if first])
+    every = np.concatenate([u for u, first in zip(used, first_pass, strict=True) if first])
     assert every.size >= 0.5 * pool
     assert np.unique(every).size == every.size  # no query reused before the split is used up
     assert np.isin(np.concatenate(used), env.queries("train")).all()
@@ -161,20 +161,31 @@ def test_plugin_halving_finds_the_best_prompt_with_enough_budget() -> None:
         assert agents.make("auto", seed=seed).train(env, 20_000) == best
 
 
+def _whole_steps_and_tail(table: OutcomeTable, budget: int,
+                          **params: Any) -> tuple[list[Pulls], list[Pulls], np.ndarray]:
+    """The batches of ``auto``'s whole steps and of its tail for ``budget`` (as ``train`` runs them), and
+    the prompts live in some context after the steps."""
+    env = RecordingEnv(table)
+    env.reset(seed=0)
+    agent = agents.make("plugin_anytime", seed=0, **params)
+    run = agent._new_run(env)  # type: ignore[attr-defined]
+    agent._advance(run, budget)  # type: ignore[attr-defined]
+    whole = len(env.batches)
+    live = np.flatnonzero(run.alive.any(axis=0))
+    agent._finish(run, budget)  # type: ignore[attr-defined]
+    return env.batches[:whole], env.batches[whole:], live
+
+
 def test_anytime_steps_do_not_depend_on_the_budget() -> None:
-    """The pulls of a smaller budget are a prefix of a larger one's, up to the smaller one's last step."""
-    batches = []
-    for budget in (2_000, 6_000):
-        env = RecordingEnv(tiny_mv_table(n_prompts=8, n_queries=200, n_max=8))
-        env.reset(seed=0)
-        agents.make("plugin_anytime", seed=0).train(env, budget)
-        batches.append(env.batches)
-    small, large = batches
+    """The whole steps of a smaller budget are a prefix of a larger one's; its tail is its own."""
+    table = tiny_mv_table(n_prompts=8, n_queries=200, n_max=8)
+    (small, small_tail, _), (large, _, _) = (_whole_steps_and_tail(table, budget) for budget in (2_000, 6_000))
     assert len(large) > len(small) >= 3
-    for a, b in zip(small[:-1], large):
+    for a, b in zip(small, large[:len(small)], strict=True):
         assert np.array_equal(a.prompts, b.prompts) and np.array_equal(a.queries, b.queries)
         assert np.array_equal(a.atoms, b.atoms)
-    assert not np.array_equal(small[-1].queries, large[len(small) - 1].queries)  # the branch: its own last step
+    assert not np.array_equal(small_tail[0].queries, large[len(small)].queries)  # the branch: its own tail
+    assert sum(p.completions for p in small) <= 1_000  # the whole steps spend at most half of T
 
 
 def test_mv_credit_rows_matches_the_exact_oracle() -> None:
@@ -401,43 +412,41 @@ def test_anytime_train_budgets_is_bit_identical_to_separate_runs_on_math(math_re
 
 
 def test_anytime_live_prompts_shrink_at_the_documented_pace() -> None:
-    env = RecordingEnv(tiny_mv_table(n_prompts=16, n_queries=400, n_max=8))
-    env.reset(seed=0)
-    agents.make("plugin_anytime", seed=0, q0=4, rate=1.0).train(env, 4_000)
+    table = tiny_mv_table(n_prompts=16, n_queries=400, n_max=8)
+    steps, _, _ = _whole_steps_and_tail(table, 8_000, q0=4, rate=1.0)
     s0 = 16 * 4 * 2
-    spent, whole = 0, 0
-    for pulls in env.batches:  # the whole steps: s0, then each as much as was spent before
-        if pulls.completions != (s0 if spent == 0 else spent):
-            break
+    assert steps[0].completions == s0 and np.unique(steps[0].prompts).size == 16
+    spent = 0
+    for pulls in steps:
         live = np.unique(pulls.prompts).size
         target = 16 if spent <= s0 else max(1, int(np.ceil(16 * s0 / spent)))  # per context
-        assert live <= min(16, env.n_contexts * target), (spent, live, target)
+        assert live <= min(16, table.n_contexts * target), (spent, live, target)
+        assert spent == 0 or pulls.completions <= spent  # each step at most what was spent before it
         spent += pulls.completions
-        whole += 1
-    assert whole >= 3 and np.unique(env.batches[0].prompts).size == 16
+    assert len(steps) >= 3 and spent <= 4_000
 
 
-def test_anytime_halving_tail_halves_each_context_on_what_is_left() -> None:
-    """After the whole steps, rounds whose live prompts never grow, ending with one per context, within
-    the budget and spending nearly all of it."""
+@pytest.mark.parametrize("restore", [0.0, 0.5, 100.0])
+def test_anytime_tail_readmits_early_trims_then_halves(restore: float) -> None:
+    """The tail first re-admits the prompts trimmed with fewer than restore T / P completions (none with
+    0, every one with a large ``restore``), then halves: its live prompts never grow again, end with few
+    per context, and the whole run keeps within the budget and spends nearly all of it."""
     table = tiny_mv_table(n_prompts=16, n_queries=400, n_max=8)
-    env = RecordingEnv(table)
-    env.reset(seed=0)
-    agents.make("plugin_anytime", seed=0, q0=2, rate=0.25).train(env, 5_000)
-    spent, whole = 0, 0
-    for pulls in env.batches:
-        if pulls.completions != (2 * 16 * 2 if spent == 0 else spent):
-            break
-        spent, whole = spent + pulls.completions, whole + 1
-    live = [np.unique(pulls.prompts).size for pulls in env.batches[whole:]]
-    assert len(live) >= 2 and all(b <= a for a, b in zip(live, live[1:])), live
-    assert live[-1] < live[0], live
-    assert 4_500 <= sum(pulls.completions for pulls in env.batches) <= 5_000
+    steps, tail, live_steps = _whole_steps_and_tail(table, 5_000, q0=2, rate=0.25, restore=restore)
+    live = [np.unique(pulls.prompts).size for pulls in tail]
+    assert len(live) >= 2 and all(b <= a for a, b in zip(live[1:-1], live[2:], strict=True)), live
+    assert np.isin(live_steps, tail[0].prompts).all()  # re-admission never drops a live prompt
+    if restore == 0.0:
+        assert live[0] == live_steps.size
+    elif restore == 100.0:
+        assert live[0] == 16  # every trimmed prompt is back
+    assert live[-1] < live[0]
+    assert 4_500 <= sum(p.completions for p in steps + tail) <= 5_000
 
 
 def test_anytime_rejects_bad_parameters() -> None:
     for bad in ({"q0": 0}, {"q0": 2.5}, {"rate": -1.0}, {"alpha": -1.0}, {"kappa": -1.0}, {"curve": -1.0},
-                {"slope": -1.0}, {"pretest": -1.0}, {"bon_prior": -1.0}, {"alpha": True}):
+                {"pretest": -1.0}, {"bon_prior": -1.0}, {"restore": -0.5}, {"alpha": True}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             agents.make("plugin_anytime", **bad)
     with pytest.raises(TypeError, match="revisit"):

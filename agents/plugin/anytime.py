@@ -24,6 +24,8 @@ from iapo_gym import Policy
 
 #: Completions per (prompt, query) at least: two draws show a query's spread, one does not.
 MIN_DRAWS = 2
+#: The share of a budget the whole steps may spend; the rest is the budget's tail (at least half of it).
+STEPS_SHARE = 0.5
 
 
 class _Run:
@@ -34,6 +36,8 @@ class _Run:
         self.est = est
         self.stream = QueryStream(base.queries(), rng)
         self.alive = np.ones(est.shape[:2], dtype=bool)
+        self.drawn = np.zeros(est.shape[1])  # completions of each prompt
+        self.trimmed_with = np.full(est.shape[:2], np.inf)  # a prompt's completions when a context trimmed it
         self.spent = 0
 
     def branch(self) -> _Run:
@@ -47,14 +51,16 @@ class AnytimePlugIn(Agent):
     """Plug-in elimination over prompts on common queries, paced by the completions spent (anytime).
 
     Whole steps: the first spends s0 = P q0 MIN_DRAWS completions, each later one as much as was
-    spent before it. A step of b completions gives every prompt live in some context the same m
-    train queries, n completions each: n = min(N_max, max(MIN_DRAWS, ceil(sqrt(b / (L kappa))),
-    ceil(b / (L |train|)))), m = floor(b / (L n)), L the live prompts. After a step, with s spent
-    in all, each context keeps its top max(1, ceil(P (s0 / s)^rate)) live prompts by max_N of the
-    estimate. A budget T takes the whole steps that fit in T; what is left (on a branch of the
-    trajectory in ``train_budgets``) goes into successive halving of each context's live prompts,
+    spent before it, while it fits in STEPS_SHARE T. A step of b completions gives every prompt live
+    in some context the same m train queries, n completions each: n = min(N_max, max(MIN_DRAWS,
+    ceil(sqrt(b / (L kappa))), ceil(b / (L |train|)))), m = floor(b / (L n)), L the live prompts.
+    After a step, with s spent in all, each context keeps its top max(1, ceil(P (s0 / s)^rate)) live
+    prompts by max_N of the estimate. The budget's tail (on a branch of the trajectory in
+    ``train_budgets``) first re-admits, per context, every prompt it trimmed while that prompt had
+    fewer than restore T / P completions (so every early trim is re-examined once T is large enough:
+    consistency), then runs successive halving of each context's live prompts on what is left:
     max(1, floor(log2 largest live set)) rounds of equal shares by the step rule, each context
-    halving its live set after each; the policy is, per context, the best (p, N) of its live prompts.
+    halving its live set after each. The policy is, per context, the best (p, N) of its live prompts.
 
     :param seed: the agent's generator (query order, ties).
     :param q0: common queries of the first step (its spend s0 = P q0 MIN_DRAWS).
@@ -62,29 +68,30 @@ class AnytimePlugIn(Agent):
     :param kappa: completions per (prompt, query) grow as sqrt(step / (live kappa)) (0: MIN_DRAWS).
     :param alpha: pseudo-votes of the majority-vote prior per (prompt, query).
     :param curve: ridge on the response curves' offsets (majority vote; 0: the pooled answers as prior).
-    :param slope: ridge on the response curves' slopes (majority vote).
     :param pretest: posterior SDs from the median slope beyond which a prompt keeps its own (0: all do).
     :param bon_prior: Best-of-N: the pooled reading's weight, in a query's own completions per unit of N.
+    :param restore: a budget's tail re-admits the prompts a context trimmed with < restore T / P completions.
     """
 
     anytime = True
 
     def __init__(self, seed: int | None = None, q0: int = 8, rate: float = 0.5, kappa: float = 12.0,
-                 alpha: float = 32.0, curve: float = 3.0, slope: float = 1.0, pretest: float = 2.0,
-                 bon_prior: float = 1.0) -> None:
+                 alpha: float = 32.0, curve: float = 3.0, pretest: float = 2.0, bon_prior: float = 1.0,
+                 restore: float = 0.5) -> None:
         """Check and keep the hyper-parameters (the class docstring says what each does)."""
         super().__init__(seed)
         if isinstance(q0, bool) or not isinstance(q0, (int, np.integer)) or q0 < 1:
             raise ValueError(f"q0 must be an integer >= 1, got {q0!r}")
         self.q0 = int(q0)
         self.rate, self.kappa = check_nonnegative(rate=rate, kappa=kappa)
-        self.prior = dict(zip(("alpha", "curve", "slope", "pretest", "bon_prior"), check_nonnegative(
-            alpha=alpha, curve=curve, slope=slope, pretest=pretest, bon_prior=bon_prior), strict=True))
+        self.prior = dict(zip(("alpha", "curve", "pretest", "bon_prior"), check_nonnegative(
+            alpha=alpha, curve=curve, pretest=pretest, bon_prior=bon_prior), strict=True))
+        (self.restore,) = check_nonnegative(restore=restore)
         _credit_jit.warm_up()
 
     def params(self) -> dict[str, Any]:
         """Hyper-parameters recorded with results."""
-        return {"q0": self.q0, "rate": self.rate, "kappa": self.kappa, **self.prior}
+        return {"q0": self.q0, "rate": self.rate, "kappa": self.kappa, **self.prior, "restore": self.restore}
 
     def train(self, env: Any, budget: int) -> Policy:
         """Spend at most ``budget`` completions of ``env``; the best live arm per context.
@@ -130,12 +137,15 @@ class AnytimePlugIn(Agent):
         while True:
             live = int(run.alive.any(axis=0).sum())
             step = s0 if run.spent == 0 else max(MIN_DRAWS * live, run.spent)
-            if step > budget - run.spent:
+            if step > math.floor(STEPS_SHARE * budget) - run.spent:
                 return
             self._pull(run, step)
             if run.spent > s0:
+                before = run.alive.copy()
                 keep_top(run.alive, run.est, max(1, math.ceil(n_prompts * (s0 / run.spent) ** self.rate)),
                          run.stream.rng)
+                gone = before & ~run.alive
+                run.trimmed_with[gone] = np.broadcast_to(run.drawn, gone.shape)[gone]
 
     def _pull(self, run: _Run, b: int) -> None:
         """One step of at most ``b`` completions on common queries (nothing if not one per live prompt)."""
@@ -152,11 +162,13 @@ class AnytimePlugIn(Agent):
         queries = np.tile(run.stream.take(m), live.size)
         pulls = run.base.pull(np.repeat(live, m), np.full(live.size * m, n), queries=queries)
         run.spent += pulls.completions
+        run.drawn[live] += m * n
         run.est.update(pulls)
 
     def _finish(self, run: _Run, budget: int) -> Policy:
         """The budget's tail: successive halving of each context's live prompts on what is left, then
         the read-out. Stops early if a round cannot give one completion to every live prompt."""
+        run.alive |= run.trimmed_with < self.restore * budget / run.alive.shape[1]
         rounds = max(1, rounds_to_one(int(run.alive.sum(axis=1).max())))
         for r in range(rounds):
             b = (budget - run.spent) // (rounds - r)

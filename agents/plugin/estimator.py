@@ -86,7 +86,7 @@ class PlugInEstimator:
 
     def __init__(self, env: Any, alpha: float = 32.0, curve: float = 3.0, slope: float = 1.0,
                  pretest: float = 2.0, bon_prior: float = 1.0) -> None:
-        """Bind to ``env``; the prior's strength (see the module docstring and ``AnytimePlugIn``):
+        """Bind to ``env``; the prior's strength (see the module docstring):
         ``alpha`` pseudo-votes, ``curve`` and ``slope`` the response curves' ridges, ``pretest`` the
         sparse-slope test, ``bon_prior`` the pooled Best-of-N reading's weight in completions per N."""
         self.alpha, self.curve, self.slope, self.pretest, self.bon_prior = check_nonnegative(
@@ -118,6 +118,9 @@ class PlugInEstimator:
             n_rows = self._objectives.shape[0]
             self._own = np.zeros((n_rows, self.n_prompts, self.n_max))  # sum_q w_pqN V_own(p, q, N)
             self._own_weight = np.zeros((self.n_prompts, self.n_max))  # sum_q w_pqN
+            self._slot = np.full((self.n_prompts, table.n_queries), -1, dtype=np.int64)  # (p, q) -> row of _own_values
+            self._own_values = np.zeros((0, n_rows, self.n_max))  # V_own of every pulled (p, q), by slot
+            self._slots_used = 0
 
     # ---- reading ----------------------------------------------------------------------
     def mean(self, unseen: float = np.nan) -> np.ndarray:
@@ -141,9 +144,8 @@ class PlugInEstimator:
         prompts_c, queries_c = pulls.prompts[rep], pulls.queries[rep]  # per completion
         if self.aggregator == "bon":
             cell = prompts_c * self._completions.shape[1] + queries_c
-            pairs = np.unique(cell)
-            pp, qq = np.divmod(pairs, self._completions.shape[1])
-            self._add_own(pp, qq, sign=-1.0)  # their old share of the per-query reading
+            pp, qq = np.divmod(np.unique(cell), self._completions.shape[1])
+            old_weight = self._own_weight_of(self._completions[pp, qq])
         np.add.at(self.atom_counts, (prompts_c, queries_c, pulls.atoms), 1)
         if self.aggregator == "mv":
             gold = self.env.table.gold
@@ -159,7 +161,7 @@ class PlugInEstimator:
             for k in range(vectors.shape[1]):
                 flat[:, k] += np.bincount(cell, weights=vectors[:, k], minlength=flat.shape[0])
             self._completions += np.bincount(cell, minlength=flat.shape[0]).reshape(self._completions.shape)
-            self._add_own(pp, qq, sign=1.0)
+            self._add_own(pp, qq, old_weight)
         fresh = ~self._seen[pulls.prompts, pulls.queries]
         new = np.unique(np.column_stack([pulls.prompts[fresh], pulls.queries[fresh]]), axis=0)
         self._seen[new[:, 0], new[:, 1]] = True
@@ -313,30 +315,38 @@ class PlugInEstimator:
         with np.errstate(invalid="ignore"):
             return np.where(n > 0, n / (n + self.bon_prior * scale), 0.0)
 
-    def _add_own(self, pp: np.ndarray, qq: np.ndarray, sign: float) -> None:
-        """Add (``sign`` 1) or take back (-1) the (prompt, query) pairs' weighted own readings w V_own to the
-        per-prompt sums, from their current counts (pairs never pulled hold nothing)."""
-        n = self._completions[pp, qq]
-        has = n > 0
-        if not has.any():
-            return
-        pp, qq, n = pp[has], qq[has], n[has]
+    def _add_own(self, pp: np.ndarray, qq: np.ndarray, old_weight: np.ndarray) -> None:
+        """Replace, in the per-prompt sums, the just-pulled (prompt, query) pairs' weighted own readings
+        w V_own: take back each pair's last one (weight ``old_weight``, (pairs, N_max); 0 if never
+        pulled) and add the one of its counts now. Each pair's V_own is kept by slot for the next time."""
         atoms = self.env.table.atoms
         assert atoms is not None
+        fresh = self._slot[pp, qq] < 0
+        if fresh.any():
+            need = self._slots_used + int(fresh.sum())
+            if need > self._own_values.shape[0]:
+                grown = np.zeros((max(need, 2 * self._own_values.shape[0]),) + self._own_values.shape[1:])
+                grown[:self._slots_used] = self._own_values[:self._slots_used]
+                self._own_values = grown
+            self._slot[pp[fresh], qq[fresh]] = np.arange(self._slots_used, need)
+            self._slots_used = need
+        slot = self._slot[pp, qq]
         counts = self.atom_counts[pp, qq]  # (pairs, atoms)
         row, a = np.nonzero(counts)
         sizes = np.bincount(row, minlength=pp.size)
-        slot = np.arange(row.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        place = np.arange(row.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
         weight = np.zeros((pp.size, int(sizes.max())))
-        weight[row, slot] = counts[row, a]
+        weight[row, place] = counts[row, a]
         vectors = atoms[pp[row], qq[row], a]  # (entries, K)
-        w = self._own_weight_of(n)  # (pairs, N)
+        new_weight = self._own_weight_of(self._completions[pp, qq])  # (pairs, N)
         for i, objective in enumerate(self._objectives):
             scores = np.zeros(weight.shape)
-            scores[row, slot] = vectors @ objective
-            contribution = sign * w * bon_values(scores, weight, self.n_max)
-            np.add.at(self._own[i], pp, contribution)
-        np.add.at(self._own_weight, pp, sign * w)
+            scores[row, place] = vectors @ objective
+            value = bon_values(scores, weight, self.n_max)
+            change = new_weight * value - old_weight * self._own_values[slot, i]
+            self._own_values[slot, i] = value
+            np.add.at(self._own[i], pp, change)
+        np.add.at(self._own_weight, pp, new_weight - old_weight)
 
     def _bon_value(self, prompts: np.ndarray) -> np.ndarray:
         """(C, len(prompts), N_max) the prompts' Best-of-N task value: per query, the shrunk own reading.
