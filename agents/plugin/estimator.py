@@ -70,10 +70,10 @@ def mv_credit_rows(probs: np.ndarray, gold: np.ndarray, n_max: int) -> np.ndarra
 
 
 def bon_values(scores: np.ndarray, counts: np.ndarray, n_max: int) -> np.ndarray:
-    """(rows, n_max) expected max of N = 1..n_max draws from each row's outcomes, ``scores`` (rows, width)
-    weighted by ``counts`` (rows, width); entries of count 0 are padding (at least one count per row)."""
+    """(..., rows, n_max) expected max of N = 1..n_max draws from each row's outcomes, ``scores`` (..., rows,
+    width) weighted by ``counts`` (same shape); entries of count 0 are padding (at least one count per row)."""
     padded = np.where(counts > 0, scores, np.inf)
-    padded = np.where(np.isinf(padded), padded.min(axis=1, keepdims=True), padded)  # weight 0
+    padded = np.where(np.isinf(padded), padded.min(axis=-1, keepdims=True), padded)  # weight 0
     return bon_expected_max(padded, counts.astype(np.float64), n_max)
 
 
@@ -339,14 +339,14 @@ class PlugInEstimator:
         weight[row, place] = counts[row, a]
         vectors = atoms[pp[row], qq[row], a]  # (entries, K)
         new_weight = self._own_weight_of(self._completions[pp, qq])  # (pairs, N)
-        for i, objective in enumerate(self._objectives):
-            scores = np.zeros(weight.shape)
-            scores[row, place] = vectors @ objective
-            value = bon_values(scores, weight, self.n_max)
-            change = new_weight * value - old_weight * self._own_values[slot, i]
-            self._own_values[slot, i] = value
-            np.add.at(self._own[i], pp, change)
-        np.add.at(self._own_weight, pp, new_weight - old_weight)
+        scores = np.zeros((self._objectives.shape[0],) + weight.shape)
+        scores[:, row, place] = (vectors @ self._objectives.T).T
+        value = bon_values(scores, np.broadcast_to(weight, scores.shape), self.n_max)  # (W, pairs, N)
+        change = new_weight[None] * value - old_weight[None] * self._own_values[slot].transpose(1, 0, 2)
+        self._own_values[slot] = value.transpose(1, 0, 2)
+        first = np.flatnonzero(np.r_[True, pp[1:] != pp[:-1]])  # pairs come sorted by prompt
+        self._own[:, pp[first]] += np.add.reduceat(change, first, axis=1)
+        self._own_weight[pp[first]] += np.add.reduceat(new_weight - old_weight, first, axis=0)
 
     def _bon_value(self, prompts: np.ndarray) -> np.ndarray:
         """(C, len(prompts), N_max) the prompts' Best-of-N task value: per query, the shrunk own reading.
@@ -370,14 +370,13 @@ class PlugInEstimator:
         vectors = atoms[prompts[row], q, a]  # (entries, K)
         offsets = self.query_offsets()
         n_queries = self._seen[prompts].sum(axis=1).astype(np.float64)[:, None]
-        w = self._own_weight_of(self._completions[prompts])  # (prompts, Q, N)
-        out = np.empty((self._objectives.shape[0], prompts.size, self.n_max))
-        for i, objective in enumerate(self._objectives):
-            scores = np.zeros(weight.shape)
-            scores[row, slot] = vectors @ objective - offsets[i, q]
-            pooled = bon_values(scores, weight, self.n_max)
-            own = self._own[i, prompts] - np.einsum("pqn,q->pn", w, offsets[i]) - self._own_weight[prompts] * pooled
-            out[i] = pooled + own / n_queries
+        cols = np.flatnonzero(self._seen[prompts].any(axis=0))  # w is 0 on the other queries
+        w = self._own_weight_of(self._completions[prompts][:, cols])  # (prompts, cols, N)
+        scores = np.zeros((self._objectives.shape[0],) + weight.shape)
+        scores[:, row, slot] = (vectors @ self._objectives.T).T - offsets[:, q]
+        pooled = bon_values(scores, np.broadcast_to(weight, scores.shape), self.n_max)  # (W, prompts, N)
+        own = self._own[:, prompts] - np.einsum("pqn,wq->wpn", w, offsets[:, cols]) - self._own_weight[prompts] * pooled
+        out = pooled + own / n_queries
         result: np.ndarray = out[self._objective_row]
         return result
 
