@@ -512,3 +512,23 @@ def test_auto_finds_the_train_optimal_policy_where_psst_does(family: str) -> Non
         assert agents.make("psst", seed=seed).train(env, budget) == best, (family, seed)  # the premise
         env.reset(seed=seed)
         assert agents.make("auto", seed=seed).train(env, budget) == best, (family, seed)
+
+
+def test_binned_pooled_reading_is_within_a_bin_of_the_exact_one() -> None:
+    """Once a row has more than ``bins`` outcomes the pooled readings are merged into bins; every expected max
+    of N moves by less than one bin width of its row's score range; with fewer outcomes they are exact."""
+    from agents.plugin.estimator import pooled_values
+
+    rng = np.random.default_rng(0)
+    sizes = np.array([5000, 300, 1200])
+    row = np.repeat(np.arange(3), sizes)
+    values = rng.normal(0.0, 1.0, (2, row.size)) * np.array([[1.0], [3.0]])
+    counts = rng.integers(1, 5, row.size)
+    exact = pooled_values(values, counts, row, 3, 32)
+    binned = pooled_values(values, counts, row, 3, 32, bins=1024)
+    alone = pooled_values(values[:, 5000:5300], counts[5000:5300], row[5000:5300] - 1, 1, 32, 1024)
+    np.testing.assert_allclose(alone, exact[:, 1:2], rtol=0, atol=1e-12)  # 300 outcomes alone: not binned
+    assert not np.array_equal(binned, exact)
+    for r in range(3):
+        span = values[:, row == r].max(axis=1) - values[:, row == r].min(axis=1)
+        assert (np.abs(binned[:, r] - exact[:, r]).max(axis=1) < span / 1024).all()

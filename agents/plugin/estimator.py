@@ -34,6 +34,8 @@ CURVE_ITERATIONS, CURVE_HALVINGS = 25, 30
 RIDGE_MAX = 1e6
 #: Alternating least-squares sweeps of ``PlugInEstimator.query_offsets``.
 OFFSET_SWEEPS = 8
+#: Bins of a prompt's pooled Best-of-N reading once it has more distinct outcomes (``pooled_values``).
+POOL_BINS = 2048
 
 
 def check_nonnegative(**values: Any) -> tuple[float, ...]:
@@ -75,6 +77,39 @@ def bon_values(scores: np.ndarray, counts: np.ndarray, n_max: int) -> np.ndarray
     padded = np.where(counts > 0, scores, np.inf)
     padded = np.where(np.isinf(padded), padded.min(axis=-1, keepdims=True), padded)  # weight 0
     return bon_expected_max(padded, counts.astype(np.float64), n_max)
+
+
+def pooled_values(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows: int, n_max: int,
+                  bins: int | None = None) -> np.ndarray:
+    """(W, n_rows, n_max) expected max of N of each row's pooled outcomes: ``values`` (W, entries) scored
+    outcomes, ``counts`` (entries,) their counts, ``row`` (entries,) their rows, sorted (every row has one).
+
+    With ``bins``, once some row has more than ``bins`` entries, every row is first merged into ``bins``
+    equal-width bins of its score range, each at the mean score of its outcomes: the sort and the N
+    passes then cost ``bins`` per row instead of the entries, and each expected maximum moves by less
+    than one bin width.
+    """
+    sizes = np.bincount(row, minlength=n_rows)
+    if bins is None or int(sizes.max()) <= bins:
+        slot = np.arange(row.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        weight = np.zeros((n_rows, int(sizes.max())))
+        weight[row, slot] = counts
+        scores = np.zeros((values.shape[0],) + weight.shape)
+        scores[:, row, slot] = values
+        return bon_values(scores, np.broadcast_to(weight, scores.shape), n_max)
+    starts = np.cumsum(sizes) - sizes
+    low = np.minimum.reduceat(values, starts, axis=1)  # (W, n_rows)
+    width = np.maximum.reduceat(values, starts, axis=1) - low
+    scaled = (values - low[:, row]) / np.where(width > 0, width, 1.0)[:, row]
+    cell = np.minimum((scaled * bins).astype(np.int64), bins - 1)  # (W, entries)
+    flat = ((np.arange(values.shape[0])[:, None] * n_rows + row[None, :]) * bins + cell).ravel()
+    size = values.shape[0] * n_rows * bins
+    weights = np.broadcast_to(counts.astype(np.float64), values.shape)
+    mass = np.bincount(flat, weights=weights.ravel(), minlength=size)
+    total = np.bincount(flat, weights=(values * weights).ravel(), minlength=size)
+    mean = np.where(mass > 0, total / np.where(mass > 0, mass, 1.0), 0.0)
+    shape = (values.shape[0], n_rows, bins)
+    return bon_values(mean.reshape(shape), mass.reshape(shape), n_max)
 
 
 class PlugInEstimator:
@@ -363,18 +398,12 @@ class PlugInEstimator:
         assert atoms is not None
         counts = self.atom_counts[prompts]
         row, q, a = np.nonzero(counts)
-        sizes = np.bincount(row, minlength=prompts.size)
-        slot = np.arange(row.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-        weight = np.zeros((prompts.size, int(sizes.max())))
-        weight[row, slot] = counts[row, q, a]
-        vectors = atoms[prompts[row], q, a]  # (entries, K)
         offsets = self.query_offsets()
+        values = (atoms[prompts[row], q, a] @ self._objectives.T).T - offsets[:, q]  # (W, entries)
+        pooled = pooled_values(values, counts[row, q, a], row, prompts.size, self.n_max, POOL_BINS)
         n_queries = self._seen[prompts].sum(axis=1).astype(np.float64)[:, None]
         cols = np.flatnonzero(self._seen[prompts].any(axis=0))  # w is 0 on the other queries
         w = self._own_weight_of(self._completions[prompts][:, cols])  # (prompts, cols, N)
-        scores = np.zeros((self._objectives.shape[0],) + weight.shape)
-        scores[:, row, slot] = (vectors @ self._objectives.T).T - offsets[:, q]
-        pooled = bon_values(scores, np.broadcast_to(weight, scores.shape), self.n_max)  # (W, prompts, N)
         own = self._own[:, prompts] - np.einsum("pqn,wq->wpn", w, offsets[:, cols]) - self._own_weight[prompts] * pooled
         out = pooled + own / n_queries
         result: np.ndarray = out[self._objective_row]
