@@ -1,0 +1,66 @@
+"""The size distribution of the generated families and the time to build a level with its exact tensor.
+
+    python research/generated_sizes.py --levels 0:199            # sizes (fast)
+    python research/generated_sizes.py --levels 0:49 --timing    # also build + exact seconds per level
+
+Prints one Markdown row per family: median [10th - 90th percentile] of prompts, train queries, N_max, atoms,
+objectives and contexts over the levels (and, with --timing, the median and largest seconds per level).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from iapo_gym.exact import exact_reward
+from iapo_gym.tasks.generated import families, level_table, parse_levels
+
+
+def _q(values: list[float]) -> str:
+    a = np.asarray(values, dtype=float)
+    lo, mid, hi = np.quantile(a, [0.1, 0.5, 0.9])
+    return f"{mid:g} [{lo:g} - {hi:g}]"
+
+
+def main() -> None:
+    """Print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--levels", default="0:199", help="A:B, both included")
+    parser.add_argument("--timing", action="store_true", help="also time building each level and its exact tensor")
+    parser.add_argument("--families", nargs="+", default=list(families()))
+    args = parser.parse_args()
+    levels = parse_levels(args.levels)
+    head = "| family | prompts | train queries | N_max | atoms | objectives | contexts | paper contexts | length costs |"
+    if args.timing:
+        head += " seconds (median / max) |"
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
+    for family in args.families:
+        stats: dict[str, list[float]] = {k: [] for k in ("P", "Q", "N", "M", "K", "C", "paper", "length", "s")}
+        for level in levels:
+            start = time.perf_counter()
+            table = level_table(family, level)
+            if args.timing:
+                exact_reward(table)
+                stats["s"].append(time.perf_counter() - start)
+            params = json.loads(table.attrs["params"])
+            stats["P"].append(table.n_prompts)
+            stats["Q"].append(table.split_indices("train").size)
+            stats["N"].append(table.n_max)
+            stats["M"].append(table.n_atoms)
+            stats["K"].append(table.n_objectives)
+            stats["C"].append(table.n_contexts)
+            stats["paper"].append(params["contexts"] == "paper")
+            stats["length"].append(params["cost_mode"] == "length")
+        row = (f"| {family} | {_q(stats['P'])} | {_q(stats['Q'])} | {_q(stats['N'])} | {_q(stats['M'])} | "
+               f"{_q(stats['K'])} | {_q(stats['C'])} | {np.mean(stats['paper']):.0%} | {np.mean(stats['length']):.0%} |")
+        if args.timing:
+            row += f" {np.median(stats['s']):.2f} / {np.max(stats['s']):.2f} |"
+        print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
