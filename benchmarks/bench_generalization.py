@@ -15,7 +15,7 @@ Writes OUT/generalization.md, OUT/generalization.csv, OUT/levels.csv and OUT/gen
 the median share, families x budgets, one panel per agent). Held-out levels are for reports only::
 
     nice -n 10 python benchmarks/bench_generalization.py --levels 1000000:1000049 --budgets 3000 10000 40000 100000 \\
-        --agents psst "psst_topk:k=4,rho=0.2@psst+K4" plugin_halving auto --resplits 10 --jobs 1 \\
+        --agents psst "psst_topk:k=4,rho=0.2@psst+K4" plugin_halving auto --resplits 20 --jobs 1 \\
         --out results/generalization
 """
 
@@ -239,7 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--families", nargs="+", default=["all"], help=f"default: all ({', '.join(families())})")
     parser.add_argument("--levels", default="1000000:1000049", help="A:B, both included (default: 50 held-out levels)")
     parser.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS))
-    parser.add_argument("--resplits", type=int, default=10, help="paired resplits per level (default 10)")
+    parser.add_argument("--resplits", type=int, default=20,
+                        help="paired resplits per level (default 20; Holm over L levels needs about log2(40 L) to "
+                             "declare any level worse)")
     parser.add_argument("--jobs", "-j", type=int, default=1, help="worker processes (results do not depend on it)")
     parser.add_argument("--seed", type=int, default=0, help="root seed of the splits, env streams and agents")
     parser.add_argument("--out", default="results/generalization")
@@ -253,6 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = parse_agent_spec(base)
         if spec.key not in keys:
             specs.insert(0, spec)
+    smallest_p = 2.0 ** (1 - args.resplits)  # the two-sided Wilcoxon's smallest p-value with that many pairs
+    if smallest_p * len(levels) >= ALPHA:
+        print(f"note: with {args.resplits} resplits and Holm over {len(levels)} levels no level can be significantly "
+              f"worse than PSST (smallest adjusted p {smallest_p * len(levels):.3g} >= {ALPHA})", file=sys.stderr)
     out = Path(args.out)
     start = time.monotonic()
     if not args.report_only:

@@ -21,7 +21,7 @@ from iapo_gym.tasks.generated import families, level_table, parse_levels
 
 def _q(values: list[float]) -> str:
     a = np.asarray(values, dtype=float)
-    lo, mid, hi = np.quantile(a, [0.1, 0.5, 0.9])
+    lo, mid, hi = np.quantile(a, [0.1, 0.5, 0.9], method="nearest")
     return f"{mid:g} [{lo:g} - {hi:g}]"
 
 

@@ -125,3 +125,35 @@ def test_data_generate_writes_ordinary_tables(tmp_path: Path, capsys: pytest.Cap
     assert "families: " in capsys.readouterr().err
     assert main(["data", "generate", "bon_flat", "--levels", "20000", "--out", str(tmp_path)]) == 1
     assert "held out" in capsys.readouterr().err
+
+
+def _best_prompts(table) -> tuple[int, int]:
+    """The best prompt at N = 1 and at N_max on the train split, costs left out."""
+    from iapo_gym.oracle import q_table
+
+    train = table.split_indices("train")
+    q = q_table(table, train)[0]
+    mean_cost = table.cost_matrix()[:, train].mean(axis=1)
+    reward = q - table.context_weights[0, -1] * mean_cost[:, None] * np.arange(1, table.n_max + 1)[None, :]
+    return int(np.argmax(reward[:, 0])), int(np.argmax(reward[:, -1]))
+
+
+@pytest.mark.parametrize("family", [f for f in families() if f != "math_like"])
+def test_some_levels_have_a_prompt_that_wins_at_one_and_loses_at_large_n(family: str) -> None:
+    def cheap(t) -> bool:  # exact in well under a second
+        return t.n_prompts * t.n_queries * t.n_atoms <= 40_000 and t.n_prompts * t.n_queries * t.n_atoms * t.n_max ** 2 <= 3e7
+
+    small = [lv for lv in range(80) if cheap(level_table(family, lv))]
+    reversed_ = sum(a != b for a, b in (_best_prompts(level_table(family, lv)) for lv in small[:12]))
+    assert reversed_ >= 2, (family, small[:12])
+
+
+def test_readme_shows_a_generated_task_in_three_lines() -> None:
+    readme = (REPO / "README.md").read_text()
+    block = next(b for b in readme.split("```python")[1:] if "IAPO-Generated-v0" in b).split("```")[0]
+    lines = [line for line in block.strip().splitlines() if line.strip() and not line.startswith(("import", "from"))]
+    assert len(lines) == 3
+    import agents
+
+    namespace: dict[str, object] = {"gym": gym, "iapo_gym": iapo_gym, "agents": agents}  # imported above it
+    exec(compile(block, "README.md", "exec"), namespace)  # the README's own code

@@ -178,14 +178,19 @@ class MVRanges:
     skill_sd: tuple[float, float] = (0.2, 1.2)  # spread of prompt skill (logit)
     difficulty_sd: tuple[float, float] = (0.5, 2.5)  # spread of query difficulty (logit)
     sensitivity_sd: tuple[float, float] = (0.0, 0.6)  # spread of log difficulty-sensitivity across prompts
-    deceiver_share: tuple[float, float] = (0.0, 0.5)  # share of prompts that win on easy queries, lose on hard
-    deceiver_boost: tuple[float, float] = (0.5, 1.5)  # their extra skill (logit)
-    deceiver_sensitivity: tuple[float, float] = (1.5, 3.0)  # their difficulty-sensitivity factor
+    deceiver_share: tuple[float, float] = (0.1, 0.5)  # share of deceiving prompts: win single-shot, lose large votes
+    deceiver_boost: tuple[float, float] = (1.0, 2.5)  # their extra skill off the trap queries (logit)
+    trap_share: tuple[float, float] = (0.1, 0.4)  # share of queries that trap the deceivers (at random)
+    trap_depth: tuple[float, float] = (0.3, 1.5)  # a deceiver's accuracy on a trap query is expit(-depth + noise)
     interaction_sd: tuple[float, float] = (0.0, 1.0)  # prompt x query interaction (rank-2 latent factors, logit)
     noise_sd: tuple[float, float] = (0.1, 0.5)  # independent prompt x query noise (logit)
     distractor_concentration: tuple[float, float] = (0.2, 2.0)  # Dirichlet concentration of a query's wrong answers
     temper_sd: tuple[float, float] = (0.0, 0.7)  # spread of log tempering: how much a prompt favours the main distractor
     cost_scale: tuple[float, float] = (0.001, 0.03)  # per-completion cost scale (log-uniform)
+    difficulty_skew: tuple[float, float] = (0.0, 0.0)  # skew-normal shape of query difficulty (> 0: a tail of hard queries)
+    broken_share: tuple[float, float] = (0.0, 0.0)  # share of prompts that mostly fail (rounded to a count)
+    broken_penalty: tuple[float, float] = (0.0, 0.0)  # their lost skill (logit)
+    query_answers_min: int = 2  # fewest answer categories of a query
     prompts: tuple[int, int] = PROMPTS_RANGE
     train_queries: tuple[int, int] = TRAIN_QUERIES_RANGE
     n_max: tuple[int, int] = N_MAX_RANGE
@@ -200,10 +205,11 @@ def _mv_build(rng: np.random.Generator, ranges: MVRanges, binary: bool) -> tuple
     """A majority-vote level: accuracy from a logit model, wrong answers split by each query's distractor profile.
 
     logit P(correct | p, q) = skill_p - sensitivity_p * difficulty_q + interaction_sd * u_p . v_q / sqrt(2)
-    + noise_sd * e_pq; deceivers (a drawn share of prompts) get extra skill and a larger sensitivity, so
-    they win single-shot but their votes go wrong on hard queries. A query has 2..answers categories, its
-    gold at a random position; the wrong mass is split by the query's Dirichlet profile w_q raised to the
-    prompt's tempering tau_p (tau > 1: the prompt's errors gather on the query's main distractor).
+    + noise_sd * e_pq. Deceivers (a drawn share of prompts) get extra skill, except on the trap queries (a random
+    trap_share of them), where their logit is -trap_depth + noise and their wrong answers all go to the
+    query's main distractor: they win single-shot, and their large votes go wrong on every trap. A query has
+    2..answers categories, its gold at a random position; the wrong mass is split by the query's Dirichlet
+    profile w_q raised to the prompt's tempering tau_p (tau > 1: the errors gather on the main distractor).
     """
     params: dict[str, Any] = {}
     n_answers = 2 if binary else int(rng.integers(ranges.answers[0], ranges.answers[1] + 1))
@@ -212,15 +218,31 @@ def _mv_build(rng: np.random.Generator, ranges: MVRanges, binary: bool) -> tuple
     n_p, n_q = sizes.n_prompts, sizes.n_queries
     draw = {name: _uniform(rng, getattr(ranges, name)) for name in (
         "skill_mean", "skill_sd", "difficulty_sd", "sensitivity_sd", "deceiver_share", "deceiver_boost",
-        "deceiver_sensitivity", "interaction_sd", "noise_sd")}
+        "trap_share", "trap_depth", "interaction_sd", "noise_sd")}
     params.update(n_prompts=n_p, n_train=sizes.n_train, n_test=sizes.n_test, n_max=sizes.n_max, answers=n_answers, **draw)
     deceiving = rng.random(n_p) < draw["deceiver_share"]
-    skill = rng.normal(draw["skill_mean"], draw["skill_sd"], n_p) + draw["deceiver_boost"] * deceiving
-    sensitivity = np.exp(rng.normal(0.0, draw["sensitivity_sd"], n_p)) * np.where(deceiving, draw["deceiver_sensitivity"], 1.0)
+    skill = rng.normal(draw["skill_mean"], draw["skill_sd"], n_p)
+    sensitivity = np.exp(rng.normal(0.0, draw["sensitivity_sd"], n_p))
     difficulty = rng.normal(0.0, draw["difficulty_sd"], n_q)
     u, v = rng.normal(size=(n_p, 2)), rng.normal(size=(n_q, 2))
+    if ranges.difficulty_skew != (0.0, 0.0):  # standardised skew-normal difficulty (extra draws only here)
+        params["difficulty_skew"] = shape = _uniform(rng, ranges.difficulty_skew)
+        delta = shape / math.sqrt(1.0 + shape ** 2)
+        skewed = delta * np.abs(rng.normal(size=n_q)) + math.sqrt(1.0 - delta ** 2) * difficulty / draw["difficulty_sd"]
+        standard = (skewed - delta * math.sqrt(2.0 / math.pi)) / math.sqrt(1.0 - 2.0 * delta ** 2 / math.pi)
+        difficulty = draw["difficulty_sd"] * standard
+    if ranges.broken_share != (0.0, 0.0):
+        params["broken_share"] = broken_share = _uniform(rng, ranges.broken_share)
+        params["broken_penalty"] = penalty = _uniform(rng, ranges.broken_penalty)
+        broken = np.zeros(n_p, dtype=bool)
+        broken[rng.permutation(n_p)[: int(round(broken_share * n_p))]] = True
+        skill = skill - penalty * broken
+    noise = draw["noise_sd"] * rng.normal(size=(n_p, n_q))
     logit = (skill[:, None] - sensitivity[:, None] * difficulty[None, :]
-             + draw["interaction_sd"] * (u @ v.T) / math.sqrt(2.0) + draw["noise_sd"] * rng.normal(size=(n_p, n_q)))
+             + draw["interaction_sd"] * (u @ v.T) / math.sqrt(2.0) + noise)
+    trap = rng.random(n_q) < draw["trap_share"]
+    trapped = deceiving[:, None] & trap[None, :]
+    logit = np.where(trapped, -draw["trap_depth"] + noise, logit + draw["deceiver_boost"] * deceiving[:, None])
     p_gold = expit(logit)
     if binary:
         probs = np.stack([1.0 - p_gold, p_gold], axis=2)
@@ -229,7 +251,7 @@ def _mv_build(rng: np.random.Generator, ranges: MVRanges, binary: bool) -> tuple
         concentration = _uniform(rng, ranges.distractor_concentration)
         temper_sd = _uniform(rng, ranges.temper_sd)
         params.update(distractor_concentration=concentration, temper_sd=temper_sd)
-        categories = rng.integers(2, n_answers + 1, n_q)  # answers with mass, per query
+        categories = rng.integers(min(ranges.query_answers_min, n_answers), n_answers + 1, n_q)  # answers with mass
         gold = rng.integers(0, categories).astype(np.int64)
         slots = np.arange(n_answers - 1)
         profile = np.maximum(rng.gamma(concentration, size=(n_q, n_answers - 1)), 1e-12)
@@ -238,6 +260,8 @@ def _mv_build(rng: np.random.Generator, ranges: MVRanges, binary: bool) -> tuple
         temper = np.exp(rng.normal(0.0, temper_sd, n_p))
         shares = profile[None, :, :] ** temper[:, None, None]
         shares /= shares.sum(axis=2, keepdims=True)
+        main = (slots[None, :] == profile.argmax(axis=1)[:, None]).astype(np.float64)  # (Q, answers - 1)
+        shares = np.where(trapped[:, :, None], main[None, :, :], shares)
         wrong = (1.0 - p_gold)[:, :, None] * shares  # (P, Q, answers - 1)
         bucket = slots[None, :] + (slots[None, :] >= gold[:, None])  # wrong slot j -> bucket, skipping gold
         probs = np.zeros((n_p, n_q, n_answers))
@@ -255,6 +279,20 @@ def _mv_build(rng: np.random.Generator, ranges: MVRanges, binary: bool) -> tuple
         "context_names": names, "context_probs": cprobs, "objective_names": ("correct",), "gold": gold,
         "prompts": tuple(f"p{i}-{k}" for i, k in enumerate(kinds)), "split": _split(rng, sizes),
     }
+
+
+#: ``math_like``: majority vote calibrated to the MATH release table (research/calibrate_math_like.py fits the
+#: accuracy model's centres; each range is its fitted value +- about 15 %). MATH's shape: 25 prompts, 316 queries,
+#: 5 answer buckets, N_max 32, the paper's three cost contexts, costs 0.005-0.01 per completion.
+MATH_LIKE = MVRanges(
+    answers=(5, 5), query_answers_min=5, prompts=(20, 32), train_queries=(200, 320), n_max=(32, 32),
+    paper_contexts_only=True, cost_scale=(0.005, 0.008),
+    skill_mean=(1.447, 1.957), skill_sd=(0.303, 0.409), difficulty_sd=(1.662, 2.248), difficulty_skew=(1.893, 2.561),
+    noise_sd=(0.405, 0.547), interaction_sd=(0.841, 1.137), distractor_concentration=(0.212, 0.287), temper_sd=(0.689, 0.933),
+    sensitivity_sd=(0.1, 0.3), deceiver_share=(0.0, 0.2), deceiver_boost=(0.3, 0.8), trap_share=(0.05, 0.2),
+    trap_depth=(0.3, 1.0),
+    broken_share=(0.04, 0.12), broken_penalty=(2.5, 3.5),
+)
 
 
 # ---- Best-of-N -----------------------------------------------------------------------------------
@@ -355,6 +393,8 @@ FAMILIES: dict[str, Family] = {
                "prompt x query interaction, deceiving prompts", lambda rng: _mv_build(rng, _MV, binary=False)),
         Family("mv_binary", "mv", "majority vote over right/wrong outcomes; the same accuracy model",
                lambda rng: _mv_build(rng, _MV, binary=True)),
+        Family("math_like", "mv", "majority vote calibrated to the MATH release table's statistics (5 answers, "
+               "N_max 32, the paper's contexts)", lambda rng: _mv_build(rng, MATH_LIKE, binary=False)),
         Family("bon_shift", "bon", "Best-of-N, 1-3 objectives; queries shift every prompt's scores alike",
                lambda rng: _bon_build(rng, "shift", _BON)),
         Family("bon_shape", "bon", "Best-of-N, 1-3 objectives; queries change the spread and skew of the scores, "
@@ -434,3 +474,32 @@ def level_table(family: str, level: int) -> OutcomeTable:
 def level_params(family: str, level: int) -> dict[str, Any]:
     """The parameters level ``level`` of ``family`` drew (what its table's ``params`` attribute records)."""
     return dict(json.loads(level_table(family, level).attrs["params"]))
+
+
+# ---- statistics of a majority-vote table (the calibration of ``math_like``) ----------------------------
+
+
+def mv_statistics(table: OutcomeTable) -> dict[str, float]:
+    """What ``math_like`` is calibrated on, for any majority-vote table (all queries).
+
+    Per-query accuracy (mean over prompts of P(gold)) at its 10th / 50th / 90th percentile; per-prompt
+    accuracy (mean over queries) at its minimum / median / maximum; answers per (prompt, query) with
+    probability >= 1 %; and how often the majority answer is wrong at N = 1 and at N_max (one minus the
+    exact mean vote credit, ties shared).
+    """
+    from iapo_gym.exact import exact_reward
+
+    if table.aggregator != "mv" or table.gold is None:
+        raise ValueError(f"mv_statistics needs a majority-vote table, got aggregator {table.aggregator!r}")
+    p_gold = table.probs[:, np.arange(table.n_queries), table.gold]
+    by_query, by_prompt = p_gold.mean(axis=0), p_gold.mean(axis=1)
+    credit = exact_reward(table).reward[0]  # (P, Q, N_max)
+    q10, q50, q90 = np.quantile(by_query, [0.1, 0.5, 0.9])
+    return {
+        "query_acc_p10": float(q10), "query_acc_median": float(q50), "query_acc_p90": float(q90),
+        "prompt_acc_min": float(by_prompt.min()), "prompt_acc_median": float(np.median(by_prompt)),
+        "prompt_acc_max": float(by_prompt.max()),
+        "answers": float((table.probs >= 0.01).sum(axis=2).mean()),
+        "majority_wrong_n1": float(1.0 - credit[:, :, 0].mean()),
+        "majority_wrong_nmax": float(1.0 - credit[:, :, -1].mean()),
+    }
