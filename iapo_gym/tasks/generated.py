@@ -37,8 +37,8 @@ PROMPTS_RANGE = (4, 64)
 TRAIN_QUERIES_RANGE = (20, 1000)
 N_MAX_RANGE = (8, 64)
 #: Work caps that keep a level's exact computation near a second (sizes are redrawn until they hold).
-#: Majority vote: rows x Gauss nodes x other answers x N_max^3 (the exact vote kernel's work).
-MV_WORK_LIMIT = 1.2e10
+#: Majority vote: rows x Gauss nodes x other answers x (N_max^3 + 16 N_max^2) (the exact vote kernel's work).
+MV_WORK_LIMIT = 1.0e10
 #: Best-of-N: objective weightings x P x Q x atoms x N_max (the exact max-of-N kernel's work),
 #: the exact tensor's entries (objective weightings x P x Q x N_max) and the atoms' entries (P x Q x M x K).
 BON_WORK_LIMIT = 1.0e9
@@ -164,9 +164,9 @@ def _bon_contexts(rng: np.random.Generator, n_objectives: int,
 
 
 def _mv_work(sizes: _Sizes, n_answers: int) -> float:
-    """The exact majority-vote kernel's work: rows x Gauss nodes x other answers x N_max^3."""
-    others = n_answers - 1
-    return sizes.n_prompts * sizes.n_queries * ((others + 2) // 2) * others * float(sizes.n_max) ** 3
+    """The exact majority-vote kernel's work: rows x Gauss nodes x other answers x (N_max^3 + 16 N_max^2)."""
+    others, n = n_answers - 1, float(sizes.n_max)
+    return sizes.n_prompts * sizes.n_queries * ((others + 2) // 2) * others * (n ** 3 + 16.0 * n ** 2)
 
 
 @dataclass(frozen=True)
