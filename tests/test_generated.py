@@ -157,3 +157,19 @@ def test_readme_shows_a_generated_task_in_three_lines() -> None:
 
     namespace: dict[str, object] = {"gym": gym, "iapo_gym": iapo_gym, "agents": agents}  # imported above it
     exec(compile(block, "README.md", "exec"), namespace)  # the README's own code
+
+
+MATH_RELEASE = REPO / ".." / "shared" / "iapo-release" / "MATH_final.pkl"
+
+
+@pytest.mark.skipif(not MATH_RELEASE.is_file(), reason="the MATH release file is not at ../shared/iapo-release/")
+def test_math_like_is_calibrated_to_math() -> None:
+    from iapo_gym.data.release import read_release
+    from iapo_gym.tasks.generated import mv_statistics
+
+    math_stats = mv_statistics(read_release(MATH_RELEASE, task="math")[0])
+    levels = [mv_statistics(level_table("math_like", level)) for level in range(6)]
+    tolerance = {"answers": 0.4, "prompt_acc_min": 0.2, "query_acc_p10": 0.15}
+    for key, target in math_stats.items():
+        median = float(np.median([s[key] for s in levels]))
+        assert abs(median - target) <= tolerance.get(key, 0.06), (key, median, target)
