@@ -217,8 +217,9 @@ def heatmap(cells: Sequence[Cell], agents: Sequence[AgentSpec], fams: Sequence[s
                 if c is None:
                     continue
                 grid[i, j] = c.median_share_removed
+                dark = math.isfinite(c.median_share_removed) and abs(c.median_share_removed) > 0.6
                 ax.text(j, i, f"{_pct(c.median_share_removed)}\n{c.n_worse_than_psst}/{c.n_levels} worse",
-                        ha="center", va="center", fontsize=7)
+                        ha="center", va="center", fontsize=7, color="white" if dark else "black")
         image = ax.imshow(np.clip(grid, -1, 1), cmap="RdBu", vmin=-1, vmax=1, aspect="auto")
         ax.set_xticks(range(len(budgets)), [f"{b // 1000}K" if b % 1000 == 0 else str(b) for b in budgets])
         ax.set_yticks(range(len(fams)), list(fams))
