@@ -173,3 +173,11 @@ def test_math_like_is_calibrated_to_math() -> None:
     for key, target in math_stats.items():
         median = float(np.median([s[key] for s in levels]))
         assert abs(median - target) <= tolerance.get(key, 0.06), (key, median, target)
+
+
+def test_the_docs_example_runs_as_written() -> None:
+    text = (REPO / "docs" / "tasks.md").read_text()
+    block = next(b for b in text.split("```python")[1:] if "IAPO-Generated-v0" in b).split("```")[0]
+    namespace: dict[str, object] = {}
+    exec(compile(block, "docs/tasks.md", "exec"), namespace)  # the docs' own code
+    assert namespace["table"].attrs["family"] == "math_like"  # type: ignore[attr-defined]
