@@ -20,11 +20,10 @@ register("triple_n1", "agents.triple:Triple", n_mode="one")
 register("triple_random_n", "agents.triple:Triple", n_mode="random")
 register("sequential_halving", "agents.sequential_halving:SequentialHalving")
 register("sb3", "agents.sb3:SB3Agent")
-register("psst_cq", "agents.challenger:CommonQueryPSST")
-register("plugin_halving", "agents.challenger:PlugInHalving")
-register("plugin_anytime", "agents.challenger:AnytimePlugIn")
+register("plugin_halving", "agents.plugin:PlugInHalving")
+register("plugin_anytime", "agents.plugin:AnytimePlugIn")
 #: The recommended agent: the strongest measured one (docs/agents.md, "auto").
-register("auto", "agents.challenger:AnytimePlugIn")
+register("auto", "agents.plugin:AnytimePlugIn")
 register_entry_points()  # third-party agents (entry-point group ``iapo_gym.agents``)
 
 __all__ = ["REGISTRY", "Agent", "AgentLike", "AnytimeAgent", "available", "make", "register"]

@@ -59,6 +59,8 @@ def register_envs() -> None:
     for spec in TASKS.values():
         if spec.env_id not in gym.registry:
             gym.register(id=spec.env_id, entry_point="iapo_gym.env:IAPOEnv", kwargs={"task": spec.name})
+    if "IAPO-Generated-v0" not in gym.registry:  # a level of a generated family (docs/tasks.md)
+        gym.register(id="IAPO-Generated-v0", entry_point="iapo_gym.env:generated_env")
     if "IAPO-Live-v0" not in gym.registry:  # a live endpoint (docs/collect.md); needs the [llm] extra when stepped
         gym.register(id="IAPO-Live-v0", entry_point="iapo_gym.llm.live:LiveEnv")
 

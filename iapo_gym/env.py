@@ -378,6 +378,15 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
                                np.random.default_rng(seed))
 
 
+def generated_env(family: str | None = None, level: int | None = None, split: str = "train") -> IAPOEnv:
+    """Level ``level`` of a generated family as an env (``gym.make("IAPO-Generated-v0", family=..., level=...)``)."""
+    from iapo_gym.tasks.generated import FamilyError, families, level_table
+
+    if family is None or level is None:
+        raise FamilyError(f"IAPO-Generated-v0 needs family=NAME and level=K; families: {', '.join(families())}")
+    return IAPOEnv(table=level_table(family, level), split=split)
+
+
 def base_env(env: Any, needs: str = "expected") -> IAPOEnv:
     """The IAPOEnv under any wrappers; else a TypeError: "``needs`` an IAPOEnv (or a wrapper of one), got ..."."""
     base = getattr(env, "unwrapped", env)

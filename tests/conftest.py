@@ -72,3 +72,40 @@ def query_shifted_bon_table(shift_sd: float = 1.5) -> tuple[OutcomeTable, np.nda
     shift = np.random.default_rng(9).normal(0.0, shift_sd, base.n_queries)
     atoms = np.repeat(base.atoms[:, :1], base.n_queries, axis=1) + shift[None, :, None, None]
     return dataclasses.replace(base, probs=np.repeat(base.probs[:, :1], base.n_queries, axis=1), atoms=atoms), shift
+
+
+def shape_bon_table(seed: int = 0, n_prompts: int = 6, n_queries: int = 50, n_max: int = 32,
+                    n_objectives: int = 1) -> OutcomeTable:
+    """A Best-of-N table whose queries differ in the *shape* of every prompt's score distribution, not by a
+    shift: on each query a prompt's scores on a 13-point grid are a discretised normal whose mean and spread
+    are the prompt's own times query factors (each query widens or narrows, and moves, the prompts' spreads
+    differently); prompts trade a high mean for a high spread, so N decides the best. 80/20 stored split,
+    3 cost contexts per objective weighting, costs uniform in [0.01, 0.05]."""
+    rng = np.random.default_rng(seed)
+    grid = np.linspace(-3.0, 3.0, 13)
+    mean = rng.uniform(-0.5, 0.8, n_prompts)
+    spread = np.clip(0.9 - mean + rng.normal(0.0, 0.2, n_prompts), 0.2, 2.0)
+    q_mean, q_spread = rng.normal(0.0, 0.5, (n_queries, n_objectives)), rng.lognormal(0.0, 0.5, (n_queries, n_objectives))
+    inter = rng.normal(0.0, 0.3, (n_prompts, n_queries, n_objectives))
+    mu = mean[:, None, None] * q_spread + inter + 0.0 * q_mean[None]
+    sd = spread[:, None, None] / q_spread[None] ** 0.5
+    logits = -0.5 * ((grid - mu[..., None]) / sd[..., None]) ** 2
+    marg = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    marg /= marg.sum(axis=-1, keepdims=True)  # (P, Q, K, 13)
+    if n_objectives == 1:
+        probs, atoms = marg[:, :, 0], np.broadcast_to(grid[:, None], (n_prompts, n_queries, grid.size, 1))
+        weights = np.array([[1.0, -0.1], [1.0, -0.5], [1.0, -1.0]])
+    else:
+        probs = (marg[:, :, 0, :, None] * marg[:, :, 1, None, :]).reshape(n_prompts, n_queries, -1)
+        pts = np.stack(np.meshgrid(grid, grid, indexing="ij"), axis=-1).reshape(-1, 2)
+        atoms = np.broadcast_to(pts, (n_prompts, n_queries) + pts.shape)
+        weights = np.array([[w, 1.0 - w, -c] for c in (0.1, 1.0) for w in (0.2, 0.5, 0.8)])
+    split = np.zeros(n_queries, dtype=np.uint8)
+    split[rng.permutation(n_queries)[: n_queries // 5]] = 1
+    return OutcomeTable(
+        task="shape_bon", aggregator="bon", probs=probs, atoms=np.ascontiguousarray(atoms, dtype=float),
+        cost=rng.uniform(0.01, 0.05, n_prompts), n_max=n_max, context_weights=weights,
+        context_names=tuple(f"c{i}" for i in range(weights.shape[0])),
+        context_probs=np.full(weights.shape[0], 1.0 / weights.shape[0]),
+        objective_names=tuple(f"o{k}" for k in range(n_objectives)), split=split,
+    )

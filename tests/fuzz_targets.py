@@ -12,7 +12,7 @@ byte-level ones (flips, truncation, junk). ``run_one`` feeds the result to the p
 - ``failed``: anything else (another exception, a message without the file name, a file left
   behind, or more memory than the target's bound, measured by ``tracemalloc``).
 
-Used by ``tests/test_fuzz_parsers.py`` (a short run per target) and ``benchmarks/fuzz.py``.
+Used by ``tests/test_fuzz_parsers.py`` (a short run per target) and ``tools/fuzz.py``.
 """
 
 from __future__ import annotations
@@ -1066,7 +1066,7 @@ def _register_all() -> None:
     register(Target("release_pickle", ".pkl", (ReleaseError,), release_seeds, parse_release, (release_mutator,)))
     register(Target("hdf5_table", ".h5", (TableError,), table_seeds, parse_table, (h5_mutator,), byte_level=0.0))
     # Byte-level corruption of HDF5 files can make the HDF5 library itself loop (seen with HDF5 2.0.0):
-    # run in forked children with a time limit, by benchmarks/fuzz.py only.
+    # run in forked children with a time limit, by tools/fuzz.py only.
     register(Target("hdf5_table_bytes", ".h5", (TableError,), table_seeds, parse_table_checked, BYTE_MUTATORS,
                     byte_level=0.0, isolate=True))
     register(Target("policy_json", ".json", (PolicyError,), policy_seeds, parse_policy, (json_mutator,)))

@@ -1,4 +1,4 @@
-"""The tuning rule of benchmarks/bench_challenger.py: choosing a candidate from one or several tuning stores."""
+"""The tuning rule of research/bench_challenger.py: choosing a candidate from one or several tuning stores."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from iapo_gym.leaderboard.run.store import ResultStore, RunResult
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "research"))
 from bench_challenger import select  # noqa: E402
 
 TRAIN_OPTIMAL, PSST_ACR, TOPK_ACR = 0.6, 0.5, 0.4  # PSST is the better reference: regret 0.1

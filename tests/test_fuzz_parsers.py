@@ -1,4 +1,4 @@
-"""Every parser of outside input, fuzzed from valid seeds (short run; ``benchmarks/fuzz.py`` runs 10,000 each).
+"""Every parser of outside input, fuzzed from valid seeds (short run; ``tools/fuzz.py`` runs 10,000 each).
 
 Each mutated input must be accepted or refused with the parser's documented error naming the file,
 with nothing left in the output folder and within the target's memory bound (``tests/fuzz_targets.py``).

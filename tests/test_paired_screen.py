@@ -1,4 +1,4 @@
-"""benchmarks/paired_screen.py: common random numbers, whatever the number of worker processes."""
+"""research/paired_screen.py: common random numbers, whatever the number of worker processes."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "research"))
 from paired_screen import report, screen  # noqa: E402
 
-SPECS = ["plugin_anytime:revisit=0.0@a", "plugin_anytime:revisit=0.0@b", "plugin_anytime:revisit=0.25@c", "psst@d"]
+SPECS = ["plugin_anytime@a", "plugin_anytime@b", "plugin_anytime:pretest=0.0@c", "psst@d"]
 
 
 def test_paired_screen_shares_the_draws_and_ignores_the_worker_count() -> None:
     """Two specs with the same settings get the same regrets run by run (one agent seed per run); a
-    variant that changes only the tail differs somewhere; one or two workers give the same array."""
+    variant with another prior differs somewhere; one or two workers give the same array."""
     one = screen("synthetic_bernoulli", 3, 3, [2000, 1000], SPECS, jobs=1)
     assert one.shape == (3, 4, 2)
     np.testing.assert_array_equal(one[:, 0], one[:, 1])

@@ -1,4 +1,4 @@
-"""The issue-7 ceiling (benchmarks/rb_ceiling.py): PSST reading every pull as exact per-query means."""
+"""The issue-7 ceiling (research/rb_ceiling.py): PSST reading every pull as exact per-query means."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from iapo_gym import IAPOEnv
 from iapo_gym.oracle import q_table
 from tests.conftest import tiny_bon_table, tiny_mv_table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "research"))
 from rb_ceiling import QueryOracleEstimator, QueryOraclePSST  # noqa: E402
 
 TABLES = {"mv": tiny_mv_table, "bon": tiny_bon_table}

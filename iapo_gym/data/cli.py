@@ -199,6 +199,22 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Write levels of a generated family as ordinary table files DIR/FAMILY-LEVEL.h5."""
+    from iapo_gym.tables import write_table
+    from iapo_gym.tasks.generated import get_family, level_table, parse_levels
+
+    family = get_family(args.family).name
+    levels = parse_levels(args.levels)
+    out = Path(args.out)
+    for level in levels:
+        table = level_table(family, level)
+        path = write_table(table, out / f"{family}-{level}.h5", exact=not args.no_exact)
+        print(f"{path}: {table.n_prompts} prompts x {table.n_queries} queries x {table.n_atoms} atoms, "
+              f"N_max {table.n_max} ({table.aggregator})")
+    return 0
+
+
 def add_commands(subparsers: Any) -> None:
     """Add the ``data`` command group to the ``iapo-gym`` parser."""
     data = subparsers.add_parser("data", help="list, fetch, import, show and build outcome tables",
@@ -234,6 +250,14 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("files", nargs="+", help=".h5 table files")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a file may take to read (default 60)")
     p.set_defaults(func=_guarded(cmd_check))
+
+    p = sub.add_parser("generate", help="write levels of a generated task family as .h5 tables (docs/tasks.md)",
+                       description="Levels 0-9999 are for tuning, levels from 1000000 on are held out.")
+    p.add_argument("family", help="family name (iapo_gym.tasks.generated.families())")
+    p.add_argument("--levels", required=True, help="A, A:B or A-B (both ends included), e.g. 0:9")
+    p.add_argument("--out", required=True, help="output folder; files are FAMILY-LEVEL.h5")
+    p.add_argument("--no-exact", action="store_true", help="do not store the exact expectations (smaller files)")
+    p.set_defaults(func=_guarded(cmd_generate))
 
     p = sub.add_parser("build", help="build a table from samples: a completion log, a columnar sample set "
                                      "(Parquet, Arrow, CSV, JSON lines) or an lm-eval --log_samples run",

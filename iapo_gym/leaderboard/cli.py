@@ -57,7 +57,9 @@ def add_commands(subparsers: Any) -> None:
                     "OUT/results.sqlite. Rerunning the same command continues an interrupted sweep.",
         epilog="Agent specs: 'psst', 'psst_topk:k=4,rho=0.2', 'pkg.module:Class', 'pkg.module:Class:k=4'; "
                "append '@label' for a display label. Tasks: short names, titles, Gymnasium ids or their middle part "
-               "(SyntheticBernoulli), release file stems (MATH_final), case-insensitive, or .h5 table files.")
+               "(SyntheticBernoulli), release file stems (MATH_final), case-insensitive, .h5 table files, or generated "
+               "levels: generated:FAMILY:A-B (one level per run, as many runs as levels) or generated:FAMILY:K "
+               "(one level, resplit per run); see docs/tasks.md.")
     lb.add_argument("--tasks", nargs="+", metavar="TASK", help=f"default: all six ({', '.join(TASKS)}); "
                     "tasks whose table is missing are skipped")
     lb.add_argument("--agents", nargs="+", metavar="SPEC", help="default: the paper's ten agents")

@@ -25,6 +25,7 @@ from iapo_gym.leaderboard.report.model import (
     budgets_of,
     cells_by_label,
     display_path,
+    file_stem,
     labels_by_rank,
     optimal_means,
 )
@@ -90,8 +91,8 @@ def _task_view(report: Report, task: str) -> dict[str, Any]:
     return {
         "name": task, "title": info.title if info else task, "budgets": budgets, "rows": rows,
         "labels": labels, "matrix": matrix, "optimal": _fmt(optimal), "train_optimal": _fmt(train_opt),
-        "n_runs": max(s.n_runs for s in task_cells), "plot": f"assets/acr_vs_budget_{task}.png", "plot_alt": alt,
-        "matrix_plot": f"assets/pairwise_{task}.png",
+        "n_runs": max(s.n_runs for s in task_cells), "plot": f"assets/acr_vs_budget_{file_stem(task)}.png", "plot_alt": alt,
+        "matrix_plot": f"assets/pairwise_{file_stem(task)}.png",
         "aggregator": info.aggregator if info else "", "digests": report.meta.get("checksums", {}).get(task, []),
     }
 
@@ -139,12 +140,12 @@ def write_site(report: Report, out_dir: str | Path, site_dir: str | Path,
         views = []
         for task in tasks:
             sub = dataclasses.replace(report, summary=[s for s in report.summary if s.task == task])
-            plot_acr_vs_budget(sub, assets / f"acr_vs_budget_{task}.png")
+            plot_acr_vs_budget(sub, assets / f"acr_vs_budget_{file_stem(task)}.png")
             drawn = (pairwise or {}).get(task)
             if drawn is not None:
-                shutil.copyfile(drawn, assets / f"pairwise_{task}.png")
+                shutil.copyfile(drawn, assets / f"pairwise_{file_stem(task)}.png")
             else:
-                plot_win_matrices(report, task, assets / f"pairwise_{task}.png")
+                plot_win_matrices(report, task, assets / f"pairwise_{file_stem(task)}.png")
             views.append(_task_view(report, task))
         for name in ASSETS:
             shutil.copyfile(TEMPLATES / name, assets / name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,7 +42,8 @@ def build_report(out_dir: str | Path, test: str = "wilcoxon", correction: str = 
     """Read ``out_dir``'s results and compute summary, pairwise tests and ranking."""
     with ResultStore(out_dir, create=False) as store:
         results = store.results()
-        infos = {t.task: t for t in store.tasks()}
+        all_infos = store.tasks()
+        infos = {t.task: t for t in all_infos}
         meta: dict[str, Any] = {"root_seed": store.get_meta("root_seed"), "train_fraction": store.get_meta("train_fraction"),
                 "database": display_path(store.path)}
     if tasks:
@@ -52,7 +54,18 @@ def build_report(out_dir: str | Path, test: str = "wilcoxon", correction: str = 
     meta["versions"] = sorted({r.version for r in results})
     meta["n_runs"] = len(results)
     meta["checksums"] = {t: sorted({r.table_sha256 for r in results if r.task == t}) for t in sorted({r.task for r in results})}
+    shapes: dict[str, set[tuple[int, int, tuple[str, ...]]]] = defaultdict(set)
+    for info in all_infos:
+        shapes[info.task].add((info.n_prompts, info.n_max, info.context_names))
+    #: Tasks whose runs' tables differ in prompts, N_max or contexts (generated level ranges): no per-context policy view.
+    meta["mixed_shapes"] = sorted(task for task, seen in shapes.items() if len(seen) > 1)
     return Report(results, infos, summary, pairs, rank_agents(summary, pairs), test, correction, alpha, meta)
+
+
+def file_stem(task: str) -> str:
+    """A task name as a file-name part: characters other than letters, digits, ``_``, ``.`` and ``-`` become ``_``
+    (``generated:bon_shape:1000000-1000099`` -> ``generated_bon_shape_1000000-1000099``)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", task)
 
 
 def display_path(path: str | Path) -> str:

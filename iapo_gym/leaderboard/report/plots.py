@@ -103,8 +103,8 @@ def plot_best_policy(report: Report, task: str, path: Path) -> Path | None:
     per context over the runs, with the most frequent test-optimal arm marked (white ring)."""
     labels = labels_by_rank(report, task)
     info = report.tasks.get(task)
-    if not labels or info is None:
-        return None
+    if not labels or info is None or task in report.meta.get("mixed_shapes", ()):
+        return None  # runs on tables of different shapes (generated levels) have no common per-context view
     best, budget = labels[0], budgets_of(report, task)[-1]
     chosen, optimal = modal_arms(report.results, task, best, budget)
     n_ctx = len(chosen)

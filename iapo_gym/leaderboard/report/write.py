@@ -10,7 +10,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from iapo_gym.leaderboard.report.model import Report, build_report, modal_arms, optimal_means
+from iapo_gym.leaderboard.report.model import Report, build_report, file_stem, modal_arms, optimal_means
 from iapo_gym.leaderboard.report.stats import DEFAULT_ALPHA, PairwiseRow, SummaryRow
 from iapo_gym.leaderboard.run.store import TaskInfo
 
@@ -55,7 +55,10 @@ def markdown(report: Report, policies: bool = True) -> str:
             row += [f"{r.regret_mean_over_budgets:.4f}", f"{r.wins}/{r.losses}"]
             lines.append("| " + " | ".join(row) + " |")
         best = ranks[0].label if ranks else None
-        if policies and best is not None and info is not None:
+        if task in report.meta.get("mixed_shapes", ()):
+            lines += ["", "The runs' tables differ in prompts, N_max or contexts (one generated level per run): "
+                      "no per-context policy table."]
+        elif policies and best is not None and info is not None:
             lines += ["", f"Policy of `{best}` at T={budgets[-1]} over the runs (prompt index p, completions N; "
                       "synthetic runs are different instances, so compare the last column there):", ""]
             lines += _policy_table(report, task, best, budgets[-1], info)
@@ -134,8 +137,8 @@ def write_report(out_dir: str | Path, report_dir: str | Path | None = None, *, p
 
         written["acr_vs_budget"] = plot_acr_vs_budget(report, target / "acr_vs_budget.png")
         for task in sorted({s.task for s in report.summary}):
-            written[f"pairwise_{task}"] = plot_win_matrices(report, task, target / f"pairwise_{task}.png")
-            path = plot_best_policy(report, task, target / f"best_policy_{task}.png")
+            written[f"pairwise_{task}"] = plot_win_matrices(report, task, target / f"pairwise_{file_stem(task)}.png")
+            path = plot_best_policy(report, task, target / f"best_policy_{file_stem(task)}.png")
             if path is not None:
                 written[f"best_policy_{task}"] = path
     if html:

@@ -4,8 +4,9 @@ Work is grouped into units of one (task, run): the unit loads (or reuses) the ru
 makes the run's 80/20 split and its exact train/test Q-tables once, then trains every
 pending (agent, budget) on a fresh train-split env. Seeds (``iapo_gym.seeding``):
 
-- split seed  ``derive_seed(root, "split", task, run)``  (data-backed tasks; synthetic
-  tasks use instance ``run`` and its stored split);
+- split seed  ``derive_seed(root, "split", task, run)``  (data-backed tasks and single generated
+  levels; synthetic tasks use instance ``run`` and its stored split, generated level ranges level
+  first + ``run`` and its stored split);
 - env seed    ``derive_seed(root, "env", task, run)``    the same for every agent and budget
   of a run (common random numbers: paired comparisons see the same query/completion stream);
 - agent seed  ``derive_seed(root, "agent", task, run, agent key)``  (name + canonical params,
@@ -319,7 +320,7 @@ def plan_units(tasks: Sequence[TaskRef], agents: Sequence[AgentSpec], budgets: S
     """Units of the (task, agent, budget, run) grid not in ``done``, in (task, run) order."""
     units = []
     for task in tasks:
-        for run in range(runs):
+        for run in range(task.run_count(runs)):
             jobs = tuple((spec, int(b)) for spec in agents for b in budgets
                          if (task.name, spec.name, spec.params_json, int(b), run) not in done)
             if jobs:
@@ -431,7 +432,7 @@ def run_sweep(out_dir: str | os.PathLike[str], tasks: Sequence[TaskRef], agents:
         done = store.done_keys()
         units = plan_units(ready, agents, budgets, runs, done, root_seed, train_fraction)
         pending = sum(len(u.jobs) for u in units)
-        summary.planned = len(ready) * len(agents) * len(budgets) * runs
+        summary.planned = sum(task.run_count(runs) for task in ready) * len(agents) * len(budgets)
         summary.skipped = summary.planned - pending
         if summary.skipped:
             print(f"{summary.skipped} of {summary.planned} runs already in {store.path}; skipping them", file=log)

@@ -180,24 +180,71 @@ def check_unique_labels(specs: list[AgentSpec]) -> None:
 
 @dataclass(frozen=True)
 class TaskRef:
-    """A task of the sweep: a registered task name or an explicit table file (resplit per run)."""
+    """A task of the sweep: a registered task name, an explicit table file (resplit per run) or generated levels.
+
+    Generated levels (``family`` and ``levels``, first and last included): a range gives one level per run index
+    (run r is level first + r, with its stored split); a single level is one table, resplit per run.
+    """
 
     name: str
     synthetic: bool = False
     path: str | None = None
     title: str = ""
+    family: str | None = None
+    levels: tuple[int, int] | None = None
 
     def load(self, run: int) -> OutcomeTable:
-        """The table of run ``run``: instance ``run`` of a synthetic family, else the task's one table."""
+        """The table of run ``run``: instance ``run`` of a synthetic family, level first + ``run`` of a generated
+        range, else the task's one table."""
         if self.path is not None:
             return read_table(self.path)
+        if self.family is not None and self.levels is not None:
+            from iapo_gym.tasks.generated import level_table
+
+            first, last = self.levels
+            if self.synthetic and not 0 <= run <= last - first:
+                raise ValueError(f"task {self.name!r} has {last - first + 1} levels: run {run} does not exist")
+            return level_table(self.family, first + run if self.synthetic else first)
         from iapo_gym.data import load_task_table
 
         return load_task_table(self.name, instance=run if self.synthetic else 0)
 
+    def run_count(self, runs: int) -> int:
+        """Run indices of this task in a sweep of ``runs``: one per level of a generated range, else ``runs``."""
+        if self.synthetic and self.levels is not None:
+            return self.levels[1] - self.levels[0] + 1
+        return runs
+
+
+GENERATED_PREFIX = "generated:"
+
+
+def resolve_generated(text: str) -> TaskRef:
+    """``generated:FAMILY:LEVELS``: LEVELS ``A-B`` (or ``A:B``, both included) gives one level per run index;
+    a single level ``A`` is one table resplit per run. A FamilyError lists the families or the level ranges."""
+    from iapo_gym.tasks.generated import FamilyError, get_family, parse_levels
+
+    family_text, sep, levels_text = text[len(GENERATED_PREFIX):].partition(":")
+    if not sep or not levels_text.strip():
+        raise FamilyError(f"task {text!r} must look like generated:FAMILY:LEVELS, e.g. "
+                          "generated:bon_shape:1000000-1000099 (one level per run) or generated:bon_shape:5 "
+                          "(one level, resplit per run)")
+    family = get_family(family_text).name
+    levels = parse_levels(levels_text)
+    first, last = levels[0], levels[-1]
+    is_range = any(mark in levels_text.strip().lstrip("-") for mark in ":-")
+    if not is_range:
+        return TaskRef(name=f"{GENERATED_PREFIX}{family}:{first}", title=f"{family} level {first}",
+                       family=family, levels=(first, first))
+    return TaskRef(name=f"{GENERATED_PREFIX}{family}:{first}-{last}", synthetic=True,
+                   title=f"{family} levels {first}-{last}", family=family, levels=(first, last))
+
 
 def resolve_task(text: str) -> TaskRef:
-    """A TaskRef from a task short name / title / Gymnasium id, or a path to an ``.h5`` table file."""
+    """A TaskRef from a task short name / title / Gymnasium id, ``generated:FAMILY:LEVELS``, or a path to an
+    ``.h5`` table file."""
+    if text.strip().lower().startswith(GENERATED_PREFIX):
+        return resolve_generated(text.strip())
     candidate = Path(os.path.expanduser(text))
     if candidate.suffix in (".h5", ".hdf5") or candidate.is_file():
         if not candidate.is_file():
@@ -210,7 +257,7 @@ def resolve_task(text: str) -> TaskRef:
 def task_available(ref: TaskRef) -> str | None:
     """None if the task's table can be had here (found, or fetched now when downloads are allowed),
     else the data layer's message saying why not and how to get it."""
-    if ref.path is not None or ref.synthetic:
+    if ref.path is not None or ref.synthetic or ref.family is not None:
         return None
     from iapo_gym.data import MissingTableError, resolve_table
     from iapo_gym.data.download import DownloadError

@@ -148,6 +148,22 @@ def _release_blob(task: str, digests: set[str]) -> str | None:
         return None
 
 
+def _generated_entry(task: str) -> dict[str, Any] | None:
+    """What rebuilds a generated task's levels: family, first and last level, generator version (None otherwise)."""
+    from iapo_gym.leaderboard.run.specs import GENERATED_PREFIX, resolve_generated
+    from iapo_gym.tasks.generated import GENERATOR_VERSION
+
+    if not task.startswith(GENERATED_PREFIX):
+        return None
+    try:
+        ref = resolve_generated(task)
+    except ValueError:
+        return None
+    assert ref.family is not None and ref.levels is not None
+    return {"family": ref.family, "levels": list(ref.levels), "one_level_per_run": ref.synthetic,
+            "generator_version": GENERATOR_VERSION}
+
+
 # ---- building --------------------------------------------------------------------------------
 
 
@@ -169,11 +185,15 @@ def build_manifest(results: list[RunResult], tasks: list[TaskInfo], meta: dict[s
         digests = sorted({r.table_sha256 for r in rows})
         info = infos.get(task)
         synthetic = all(r.split_seed is None for r in rows)
-        task_entries.append({
+        entry: dict[str, Any] = {
             "name": task, "title": info.title if info else task, "synthetic": synthetic,
             "table_sha256": digests, "release_git_blob": _release_blob(task, set(digests)),
             "runs": sorted({r.run for r in rows}), "budgets": sorted({r.budget for r in rows}), "n_results": len(rows),
-        })
+        }
+        generated = _generated_entry(task)
+        if generated is not None:
+            entry["generated"] = generated
+        task_entries.append(entry)
     agent_entries = []
     for name, params, label in sorted({(r.agent, r.params, r.label) for r in results}):
         spec = AgentSpec(name, json.loads(params), label)

@@ -1,0 +1,429 @@
+"""``PlugInEstimator``: Q(c, p, N) for every N read off per-(prompt, query) outcome distributions.
+
+The oracle's exact formulas (``mv_expected_credit``, ``bon_expected_max``) are applied to smoothed
+empirical distributions, one per (prompt, query) the agent pulled. A few completions per (prompt,
+query) say little, so each is read together with a prior that shares what the other queries and
+prompts show; the prior's weight falls as the (prompt, query)'s own completions grow, so on a
+finite train split every estimate converges to the train-split Q as the budget grows.
+
+* Majority vote: per (prompt, query), its votes plus ``alpha`` pseudo-votes of a prior whose gold
+  share is the prompt's response curve over query difficulty (``curve`` > 0), or the query's
+  answers pooled over every prompt (``curve`` = 0); each (prompt, query)'s credit is averaged over
+  the prompt's queries.
+* Best-of-N: per (prompt, query), the expected maximum of its own outcomes, shrunk towards the
+  prompt's outcomes pooled over its queries, each scored relative to its query's fitted offset
+  (score ~ prompt level + query offset): the pooled reading weighs as ``bon_prior`` x N of the
+  query's own completions at scale N (a maximum of N reads the top of a distribution, which
+  few own draws cannot show).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from agents.estimator import Estimator
+from agents.plugin import _credit_jit
+from iapo_gym import Policy, Pulls
+from iapo_gym.utility import bon_expected_max, mv_expected_credit
+
+#: Newton steps of a response-curve fit at most, and halvings of one step at most.
+CURVE_ITERATIONS, CURVE_HALVINGS = 25, 30
+#: The ridge on the slope of the curves whose slope is held at the median (``pretest``).
+RIDGE_MAX = 1e6
+#: Alternating least-squares sweeps of ``PlugInEstimator.query_offsets``.
+OFFSET_SWEEPS = 8
+#: Bins of a prompt's pooled Best-of-N reading once it has more distinct outcomes (``pooled_values``).
+POOL_BINS = 2048
+
+
+def check_nonnegative(**values: Any) -> tuple[float, ...]:
+    """The values as floats, in order; one below 0 (or not a number) raises ValueError naming it."""
+    out = []
+    for key, value in values.items():
+        if isinstance(value, bool) or not float(value) >= 0.0:
+            raise ValueError(f"{key} must be a number >= 0, got {value!r}")
+        out.append(float(value))
+    return tuple(out)
+
+
+def mv_credit_rows(probs: np.ndarray, gold: np.ndarray, n_max: int) -> np.ndarray:
+    """``mv_expected_credit`` of each row, computed with only the buckets of positive probability.
+
+    A bucket of probability 0 never receives a vote, so dropping it leaves the credit unchanged
+    (up to rounding: fewer quadrature nodes); the exact kernel's cost grows with the number of
+    buckets, and the plug-in rows of a query often have only a few.
+    """
+    n_rows = probs.shape[0]
+    p_gold = probs[np.arange(n_rows), gold]
+    others = probs.copy()
+    others[np.arange(n_rows), gold] = -1.0
+    others = -np.sort(-others, axis=1)[:, :-1]  # the other buckets, largest first
+    width = (others > 0).sum(axis=1)
+    if _credit_jit.available():
+        return _credit_jit.credit_rows(p_gold, others, width, n_max)
+    out = np.empty((n_rows, n_max))
+    for w in np.unique(width):
+        rows = np.flatnonzero(width == w)
+        reduced = np.column_stack([p_gold[rows], others[rows, :max(int(w), 1)]])
+        out[rows] = mv_expected_credit(reduced, np.zeros(rows.size, np.int64), n_max)
+    return out
+
+
+def bon_values(scores: np.ndarray, counts: np.ndarray, n_max: int) -> np.ndarray:
+    """(..., rows, n_max) expected max of N = 1..n_max draws from each row's outcomes, ``scores`` (..., rows,
+    width) weighted by ``counts`` (same shape); entries of count 0 are padding (at least one count per row)."""
+    padded = np.where(counts > 0, scores, np.inf)
+    padded = np.where(np.isinf(padded), padded.min(axis=-1, keepdims=True), padded)  # weight 0
+    return bon_expected_max(padded, counts.astype(np.float64), n_max)
+
+
+def pooled_values(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows: int, n_max: int,
+                  bins: int | None = None) -> np.ndarray:
+    """(W, n_rows, n_max) expected max of N of each row's pooled outcomes: ``values`` (W, entries) scored
+    outcomes, ``counts`` (entries,) their counts, ``row`` (entries,) their rows, sorted (every row has one).
+
+    With ``bins``, once some row has more than ``bins`` entries, every row is first merged into ``bins``
+    equal-width bins of its score range, each at the mean score of its outcomes: the sort and the N
+    passes then cost ``bins`` per row instead of the entries, and each expected maximum moves by less
+    than one bin width.
+    """
+    sizes = np.bincount(row, minlength=n_rows)
+    if bins is None or int(sizes.max()) <= bins:
+        slot = np.arange(row.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        weight = np.zeros((n_rows, int(sizes.max())))
+        weight[row, slot] = counts
+        scores = np.zeros((values.shape[0],) + weight.shape)
+        scores[:, row, slot] = values
+        return bon_values(scores, np.broadcast_to(weight, scores.shape), n_max)
+    starts = np.cumsum(sizes) - sizes
+    low = np.minimum.reduceat(values, starts, axis=1)  # (W, n_rows)
+    width = np.maximum.reduceat(values, starts, axis=1) - low
+    scaled = (values - low[:, row]) / np.where(width > 0, width, 1.0)[:, row]
+    cell = np.minimum((scaled * bins).astype(np.int64), bins - 1)  # (W, entries)
+    flat = ((np.arange(values.shape[0])[:, None] * n_rows + row[None, :]) * bins + cell).ravel()
+    size = values.shape[0] * n_rows * bins
+    weights = np.broadcast_to(counts.astype(np.float64), values.shape)
+    mass = np.bincount(flat, weights=weights.ravel(), minlength=size)
+    total = np.bincount(flat, weights=(values * weights).ravel(), minlength=size)
+    mean = np.where(mass > 0, total / np.where(mass > 0, mass, 1.0), 0.0)
+    shape = (values.shape[0], n_rows, bins)
+    return bon_values(mean.reshape(shape), mass.reshape(shape), n_max)
+
+
+class PlugInEstimator:
+    """Q(c, p, N) of every context, prompt and N, recomputed for the pulled prompts at each ``update``.
+
+    The estimates live in an ``Estimator`` (``self.table``: its sums hold them, its counts mark the
+    prompts read), so ``mean`` and ``best_arms`` are the shared estimator's.
+    """
+
+    def __init__(self, env: Any, alpha: float = 32.0, curve: float = 3.0, slope: float = 1.0,
+                 pretest: float = 2.0, bon_prior: float = 1.0) -> None:
+        """Bind to ``env``; the prior's strength (see the module docstring):
+        ``alpha`` pseudo-votes, ``curve`` and ``slope`` the response curves' ridges, ``pretest`` the
+        sparse-slope test, ``bon_prior`` the pooled Best-of-N reading's weight in completions per N."""
+        self.alpha, self.curve, self.slope, self.pretest, self.bon_prior = check_nonnegative(
+            alpha=alpha, curve=curve, slope=slope, pretest=pretest, bon_prior=bon_prior)
+        self.table = Estimator(env)
+        self.env = self.table.env
+        table = self.env.table
+        self.aggregator = table.aggregator
+        self.n_contexts, self.n_prompts, self.n_max = self.table.sums.shape
+        self.shape = self.table.sums.shape
+        self._weights = table.context_weights  # (C, K + 1), the last the cost's
+        self._cost = table.cost_matrix()  # (P, Q)
+        self._cost_sum = np.zeros(self.n_prompts)  # sum over the prompt's seen queries of cost[p, q]
+        self.atom_counts = np.zeros((self.n_prompts, table.n_queries, table.n_atoms), dtype=np.int64)
+        self._seen = np.zeros((self.n_prompts, table.n_queries), dtype=bool)
+        if self.aggregator == "mv":
+            self._credit = np.zeros((self.n_prompts, table.n_queries, self.n_max))  # per (p, q), cached
+            self._votes = np.zeros((self.n_prompts, table.n_queries), dtype=np.int64)
+            self._gold_votes = np.zeros((self.n_prompts, table.n_queries), dtype=np.int64)
+            self._pooled = np.zeros((table.n_queries, table.n_atoms), dtype=np.int64)  # votes over prompts
+            self._curves = np.column_stack([np.zeros(self.n_prompts), np.ones(self.n_prompts)])  # (a_p, b_p)
+            self._offsets = np.zeros(self.n_prompts)  # a_p last fitted with b_p held at the median slope
+        else:
+            self._objectives, row = np.unique(self._weights[:, :-1], axis=0, return_inverse=True)
+            self._objective_row = row.reshape(-1)
+            assert table.atoms is not None
+            self._reward_sum = np.zeros((self.n_prompts, table.n_queries, table.atoms.shape[-1]))
+            self._completions = np.zeros((self.n_prompts, table.n_queries))
+            n_rows = self._objectives.shape[0]
+            self._own = np.zeros((n_rows, self.n_prompts, self.n_max))  # sum_q w_pqN V_own(p, q, N)
+            self._own_weight = np.zeros((self.n_prompts, self.n_max))  # sum_q w_pqN
+            self._slot = np.full((self.n_prompts, table.n_queries), -1, dtype=np.int64)  # (p, q) -> row of _own_values
+            self._own_values = np.zeros((0, n_rows, self.n_max))  # V_own of every pulled (p, q), by slot
+            self._slots_used = 0
+
+    # ---- reading ----------------------------------------------------------------------
+    def mean(self, unseen: float = np.nan) -> np.ndarray:
+        """Estimated Q (C, P, N_max); prompts never pulled get ``unseen``."""
+        return self.table.mean(unseen)
+
+    def best_arms(self, rng: np.random.Generator, mask: np.ndarray | None = None) -> Policy:
+        """Per context, the arm of highest estimate among ``mask`` (``Estimator.best_arms``)."""
+        return self.table.best_arms(rng, mask)
+
+    def seen(self, prompts: np.ndarray) -> np.ndarray:
+        """(len(prompts), Q) whether each prompt has been pulled on each query."""
+        return self._seen[prompts]
+
+    # ---- updates ----------------------------------------------------------------------
+    def update(self, pulls: Pulls) -> None:
+        """Add the pulls' completions and recompute every pulled prompt's estimates at every N and context."""
+        if len(pulls) == 0:
+            return
+        rep = np.repeat(np.arange(len(pulls)), pulls.ns)
+        prompts_c, queries_c = pulls.prompts[rep], pulls.queries[rep]  # per completion
+        if self.aggregator == "bon":
+            cell = prompts_c * self._completions.shape[1] + queries_c
+            pp, qq = np.divmod(np.unique(cell), self._completions.shape[1])
+            old_weight = self._own_weight_of(self._completions[pp, qq])
+        np.add.at(self.atom_counts, (prompts_c, queries_c, pulls.atoms), 1)
+        if self.aggregator == "mv":
+            gold = self.env.table.gold
+            assert gold is not None
+            np.add.at(self._votes, (pulls.prompts, pulls.queries), pulls.ns)
+            np.add.at(self._gold_votes, (prompts_c, queries_c), pulls.atoms == gold[queries_c])
+            np.add.at(self._pooled, (queries_c, pulls.atoms), 1)
+        else:
+            atoms = self.env.table.atoms
+            assert atoms is not None
+            vectors = atoms[prompts_c, queries_c, pulls.atoms]  # (completions, K)
+            flat = self._reward_sum.reshape(-1, vectors.shape[1])
+            for k in range(vectors.shape[1]):
+                flat[:, k] += np.bincount(cell, weights=vectors[:, k], minlength=flat.shape[0])
+            self._completions += np.bincount(cell, minlength=flat.shape[0]).reshape(self._completions.shape)
+            self._add_own(pp, qq, old_weight)
+        fresh = ~self._seen[pulls.prompts, pulls.queries]
+        new = np.unique(np.column_stack([pulls.prompts[fresh], pulls.queries[fresh]]), axis=0)
+        self._seen[new[:, 0], new[:, 1]] = True
+        self._cost_sum += np.bincount(new[:, 0], weights=self._cost[new[:, 0], new[:, 1]], minlength=self.n_prompts)
+        prompts = np.unique(pulls.prompts)
+        n_queries = self._seen[prompts].sum(axis=1).astype(np.float64)
+        if self.aggregator == "mv":
+            credit = self._mv_credit_curve(prompts) if self.curve > 0 else self._mv_credit_pooled(pulls, prompts)
+            task = self._weights[:, :1, None] * credit[None]
+        else:
+            task = self._bon_value(prompts)
+        scale = np.arange(1, self.n_max + 1, dtype=np.float64)
+        cost = self._weights[:, -1:, None] * (self._cost_sum[prompts] / n_queries)[None, :, None] * scale
+        self.table.sums[:, prompts, :] = task + cost
+        self.table.counts[:, prompts, :] = 1.0
+
+    # ---- majority vote ----------------------------------------------------------------
+    def _mv_credit_pooled(self, pulls: Pulls, prompts: np.ndarray) -> np.ndarray:
+        """(len(prompts), N_max) mean credit over each prompt's queries with the query's pooled answers as
+        prior (``curve`` = 0), refreshing the pulled queries' rows of ``prompts``."""
+        gold = self.env.table.gold
+        assert gold is not None
+        queries = np.unique(pulls.queries)
+        pooled = self._pooled[queries].astype(np.float64)
+        prior = pooled / pooled.sum(axis=1, keepdims=True)
+        p_pos, q_pos = np.nonzero(self._seen[prompts][:, queries])
+        p_idx = prompts[p_pos]
+        counts = self.atom_counts[p_idx, queries[q_pos]].astype(np.float64)
+        probs = (counts + self.alpha * prior[q_pos]) / (counts.sum(axis=1, keepdims=True) + self.alpha)
+        self._credit[p_idx, queries[q_pos]] = mv_credit_rows(probs, gold[queries[q_pos]], self.n_max)
+        return self._credit[prompts].sum(axis=1) / self._seen[prompts].sum(axis=1)[:, None]
+
+    def _mv_credit_curve(self, prompts: np.ndarray) -> np.ndarray:
+        """(len(prompts), N_max) mean credit over each prompt's queries, every row of ``prompts`` refreshed.
+
+        The prior of (p, q) gives gold the share sigmoid(a_p + b_p z_q), z_q the logit of q's gold
+        rate pooled over every prompt (the query's difficulty) and (a_p, b_p) the prompt's
+        response curve: a binomial logistic fit to its own gold votes, ridge-penalised by
+        ``curve`` (offset) and ``slope`` towards (0, 1), the pooled curve; with ``pretest``, only
+        the slopes far from the others' stay the prompts' own (``_pretest_slopes``). The other
+        buckets share the rest as q's pooled wrong answers do (one wrong bucket takes all of it
+        while q has no wrong answer). The curves move with every pull, so every row is recomputed.
+        """
+        gold = self.env.table.gold
+        assert gold is not None
+        seen = self._seen[prompts]
+        p_idx, q_idx = np.nonzero(seen)
+        cols = np.flatnonzero(seen.any(axis=0))  # the queries any of ``prompts`` has seen
+        g_all, n_all = self._gold_votes[:, cols].sum(axis=0), self._votes[:, cols].sum(axis=0)
+        z = np.zeros(self._votes.shape[1])
+        z[cols] = np.log((g_all + 0.5) / (n_all - g_all + 0.5))
+        theta, variance = self._fit_curves(prompts, cols, z[cols], (self.curve, self.slope), self._curves[prompts])
+        self._curves[prompts] = theta
+        if self.pretest > 0:
+            theta = self._pretest_slopes(prompts, cols, z[cols], theta, variance)
+        share = 1.0 / (1.0 + np.exp(-np.clip(theta[p_idx, 0] + theta[p_idx, 1] * z[q_idx], -30.0, 30.0)))
+        rows = np.arange(q_idx.size)
+        wrong = self._pooled[q_idx].astype(np.float64)
+        wrong[rows, gold[q_idx]] = 0.0
+        unseen = wrong.sum(axis=1) == 0  # no wrong answer yet: one wrong bucket takes the rest
+        wrong[rows[unseen], (gold[q_idx[unseen]] + 1) % wrong.shape[1]] = 1.0
+        prior = wrong / wrong.sum(axis=1, keepdims=True) * (1.0 - share)[:, None]
+        prior[rows, gold[q_idx]] = share
+        rows_p = prompts[p_idx]
+        counts = self.atom_counts[rows_p, q_idx].astype(np.float64)
+        probs = (counts + self.alpha * prior) / (counts.sum(axis=1, keepdims=True) + self.alpha)
+        self._credit[rows_p, q_idx] = mv_credit_rows(probs, gold[q_idx], self.n_max)
+        # unseen rows hold 0: sum only the columns any of them has seen
+        return self._credit[prompts[:, None], cols[None, :]].sum(axis=1) / seen.sum(axis=1)[:, None]
+
+    def _fit_curves(self, prompts: np.ndarray, cols: np.ndarray, z: np.ndarray, ridge: tuple[float, float],
+                    start: np.ndarray, slope: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        """(len(prompts), 2) response curves (a_p, b_p) and their posterior variances: the maximum of
+        the binomial log-likelihood of each prompt's gold votes on the queries ``cols`` of difficulty
+        ``z``, ridge-penalised by ``ridge`` = (on a_p towards 0, on b_p towards ``slope``).
+
+        Newton steps from ``start`` (the prompt's last fit; at first (0, 1)), each halved until the
+        penalised likelihood does not fall (to rounding); a prompt's fit ends once its step is below
+        1e-9. The objective is strictly concave, so this converges whatever the votes (full steps
+        alone can overshoot without end on a prompt far from the pool). The variances are the
+        inverse Hessian's diagonal at each prompt's last step's start.
+        """
+        g = self._gold_votes[prompts][:, cols].astype(np.float64)
+        n = self._votes[prompts][:, cols].astype(np.float64)
+        lam_a, lam_b = ridge
+
+        def objective(theta: np.ndarray, rows: np.ndarray) -> np.ndarray:
+            x = theta[:, :1] + theta[:, 1:] * z[None, :]
+            loglik = -(n[rows] * np.logaddexp(0.0, -x) + (n[rows] - g[rows]) * x).sum(axis=1)
+            return loglik - 0.5 * (lam_a * theta[:, 0] ** 2 + lam_b * (theta[:, 1] - slope) ** 2)
+
+        def newton(theta: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            mu = 1.0 / (1.0 + np.exp(-np.clip(theta[:, :1] + theta[:, 1:] * z[None, :], -30.0, 30.0)))
+            r, w = g[rows] - n[rows] * mu, n[rows] * mu * (1.0 - mu)
+            grad_a = r.sum(axis=1) - lam_a * theta[:, 0]
+            grad_b = (r * z).sum(axis=1) - lam_b * (theta[:, 1] - slope)
+            h00, h01, h11 = w.sum(axis=1) + lam_a, (w * z).sum(axis=1), (w * z * z).sum(axis=1) + lam_b
+            det = h00 * h11 - h01 * h01
+            step = np.column_stack([h11 * grad_a - h01 * grad_b, h00 * grad_b - h01 * grad_a]) / det[:, None]
+            return step, np.column_stack([h11 / det, h00 / det])
+
+        theta = start.copy()
+        value = objective(theta, np.arange(prompts.size))
+        variance = np.zeros_like(theta)
+        active = np.arange(prompts.size)  # the prompts whose fit has not converged
+        for _ in range(CURVE_ITERATIONS):
+            step, variance[active] = newton(theta[active], active)
+            size = np.ones(active.size)
+            pending = np.arange(active.size)  # steps not yet accepted, each halved until it ascends
+            for _ in range(CURVE_HALVINGS):
+                rows = active[pending]
+                trial = objective(theta[rows] + size[pending, None] * step[pending], rows)
+                ascends = trial >= value[rows] - 1e-12 * np.abs(value[rows])  # to rounding
+                value[rows[ascends]] = trial[ascends]
+                pending = pending[~ascends]
+                if not pending.size:
+                    break
+                size[pending] *= 0.5
+            size[pending] = 0.0  # no ascent left along the step: at the maximum to rounding
+            moved = size[:, None] * step
+            theta[active] += moved
+            active = active[np.abs(moved).max(axis=1) >= 1e-9]
+            if not active.size:
+                break
+        return theta, variance
+
+    def _pretest_slopes(self, prompts: np.ndarray, cols: np.ndarray, z: np.ndarray, theta: np.ndarray,
+                        variance: np.ndarray) -> np.ndarray:
+        """``theta`` with the curve of every prompt whose slope is within ``pretest`` posterior SDs of the
+        median slope of ``prompts`` replaced by its fit with the slope held at that median: a sparse
+        prior on the slopes, so the prompts far from the others keep theirs while small, noisy
+        departures do not move the ranking (the median, not 1: z_q is the logit of the pooled gold
+        rate, so a typical prompt's slope on it is not 1; on MATH about 1.25)."""
+        centre = float(np.median(theta[:, 1]))
+        free = np.abs(theta[:, 1] - centre) >= self.pretest * np.sqrt(variance[:, 1])
+        if free.all():
+            return theta
+        held = prompts[~free]
+        start = np.column_stack([self._offsets[held], np.full(held.size, centre)])
+        fixed, _ = self._fit_curves(held, cols, z, (self.curve, RIDGE_MAX), start, centre)
+        self._offsets[held] = fixed[:, 0]
+        out = theta.copy()
+        out[~free] = fixed
+        return out
+
+    # ---- Best-of-N --------------------------------------------------------------------
+    def _own_weight_of(self, completions: np.ndarray) -> np.ndarray:
+        """(..., N_max) the weight n / (n + bon_prior N) of a query's own reading at each N, for n completions."""
+        n = completions[..., None]
+        scale = np.arange(1, self.n_max + 1, dtype=np.float64)
+        with np.errstate(invalid="ignore"):
+            return np.where(n > 0, n / (n + self.bon_prior * scale), 0.0)
+
+    def _add_own(self, pp: np.ndarray, qq: np.ndarray, old_weight: np.ndarray) -> None:
+        """Replace, in the per-prompt sums, the just-pulled (prompt, query) pairs' weighted own readings
+        w V_own: take back each pair's last one (weight ``old_weight``, (pairs, N_max); 0 if never
+        pulled) and add the one of its counts now. Each pair's V_own is kept by slot for the next time."""
+        atoms = self.env.table.atoms
+        assert atoms is not None
+        fresh = self._slot[pp, qq] < 0
+        if fresh.any():
+            need = self._slots_used + int(fresh.sum())
+            if need > self._own_values.shape[0]:
+                grown = np.zeros((max(need, 2 * self._own_values.shape[0]),) + self._own_values.shape[1:])
+                grown[:self._slots_used] = self._own_values[:self._slots_used]
+                self._own_values = grown
+            self._slot[pp[fresh], qq[fresh]] = np.arange(self._slots_used, need)
+            self._slots_used = need
+        slot = self._slot[pp, qq]
+        counts = self.atom_counts[pp, qq]  # (pairs, atoms)
+        row, a = np.nonzero(counts)
+        sizes = np.bincount(row, minlength=pp.size)
+        place = np.arange(row.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        weight = np.zeros((pp.size, int(sizes.max())))
+        weight[row, place] = counts[row, a]
+        vectors = atoms[pp[row], qq[row], a]  # (entries, K)
+        new_weight = self._own_weight_of(self._completions[pp, qq])  # (pairs, N)
+        scores = np.zeros((self._objectives.shape[0],) + weight.shape)
+        scores[:, row, place] = (vectors @ self._objectives.T).T
+        value = bon_values(scores, np.broadcast_to(weight, scores.shape), self.n_max)  # (W, pairs, N)
+        change = new_weight[None] * value - old_weight[None] * self._own_values[slot].transpose(1, 0, 2)
+        self._own_values[slot] = value.transpose(1, 0, 2)
+        first = np.flatnonzero(np.r_[True, pp[1:] != pp[:-1]])  # pairs come sorted by prompt
+        self._own[:, pp[first]] += np.add.reduceat(change, first, axis=1)
+        self._own_weight[pp[first]] += np.add.reduceat(new_weight - old_weight, first, axis=0)
+
+    def _bon_value(self, prompts: np.ndarray) -> np.ndarray:
+        """(C, len(prompts), N_max) the prompts' Best-of-N task value: per query, the shrunk own reading.
+
+        Read relative to the fitted query offsets o_q: the pooled reading V_pool(p, N) is the expected
+        max of N of the prompt's outcomes over all its queries, each scored minus its query's offset;
+        each seen query q adds w_pqN (V_own(p, q, N) - o_q - V_pool(p, N)), and the sum is divided by
+        the prompt's number of queries. With w = 0 it is the pooled reading; as every query's own
+        completions grow, w -> 1 and it is the mean over the queries of their own readings less the
+        mean offset, which is 0 once every prompt has seen every train query (as the common-query
+        agents' prompts do at large budgets).
+        """
+        atoms = self.env.table.atoms
+        assert atoms is not None
+        counts = self.atom_counts[prompts]
+        row, q, a = np.nonzero(counts)
+        offsets = self.query_offsets()
+        values = (atoms[prompts[row], q, a] @ self._objectives.T).T - offsets[:, q]  # (W, entries)
+        pooled = pooled_values(values, counts[row, q, a], row, prompts.size, self.n_max, POOL_BINS)
+        n_queries = self._seen[prompts].sum(axis=1).astype(np.float64)[:, None]
+        cols = np.flatnonzero(self._seen[prompts].any(axis=0))  # w is 0 on the other queries
+        w = self._own_weight_of(self._completions[prompts][:, cols])  # (prompts, cols, N)
+        own = self._own[:, prompts] - np.einsum("pqn,wq->wpn", w, offsets[:, cols]) - self._own_weight[prompts] * pooled
+        out = pooled + own / n_queries
+        result: np.ndarray = out[self._objective_row]
+        return result
+
+    def query_offsets(self) -> np.ndarray:
+        """(objective rows, Q) each query's offset in the Best-of-N score, 0 where unseen: the least-squares
+        fit of every seen (prompt, query) mean score to prompt level + query offset, weighted by the
+        completions behind it (``OFFSET_SWEEPS`` alternating sweeps from zero offsets; exact in one sweep
+        when every prompt saw the same queries equally often), centred to mean 0 over the seen queries."""
+        n = self._completions  # (P, Q)
+        score_sum = np.einsum("pqk,wk->wpq", self._reward_sum, self._objectives)  # (W, P, Q) summed scores
+        seen_q = n.sum(axis=0) > 0
+        per_prompt = np.maximum(n.sum(axis=1), 1.0)
+        per_query = np.maximum(n.sum(axis=0), 1.0)
+        offsets = np.zeros((self._objectives.shape[0], n.shape[1]))
+        for _ in range(OFFSET_SWEEPS):
+            level = (score_sum - n * offsets[:, None, :]).sum(axis=2) / per_prompt  # (W, P)
+            offsets = (score_sum - n * level[:, :, None]).sum(axis=1) / per_query
+            offsets[:, ~seen_q] = 0.0
+            if seen_q.any():
+                offsets[:, seen_q] -= offsets[:, seen_q].mean(axis=1, keepdims=True)
+        return offsets

@@ -1,0 +1,534 @@
+"""The plug-in agents (``agents.plugin``): the estimator, plug-in halving and the anytime agent ``auto``."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import agents
+from agents.plugin import PlugInEstimator
+from agents.plugin.common import QueryStream
+from iapo_gym import IAPOEnv, OutcomeTable, Pulls
+from tests.conftest import query_shifted_bon_table, shape_bon_table, tiny_bon_table, tiny_mv_table
+
+NAMES = ["plugin_halving", "plugin_anytime", "auto"]
+
+
+class RecordingEnv(IAPOEnv):
+    """An IAPOEnv that keeps every batch of pulls it served."""
+
+    def __init__(self, table: OutcomeTable) -> None:
+        super().__init__(table=table)
+        self.batches: list[Pulls] = []
+
+    def pull(self, prompts: Any, ns: Any, queries: Any = None) -> Pulls:
+        pulls = super().pull(prompts, ns, queries)
+        self.batches.append(pulls)
+        return pulls
+
+
+def test_auto_is_plugin_anytime_with_its_defaults() -> None:
+    auto, plugin = agents.make("auto", seed=0), agents.make("plugin_anytime", seed=0)
+    assert type(auto) is type(plugin) and auto.params() == plugin.params()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_budget_on_math_and_seeded_reruns(name: str, math_release: Path) -> None:
+    from iapo_gym.data.release import read_release
+
+    env = IAPOEnv(table=read_release(str(math_release))[0])
+    for budget in (0, 1, 24, 799, 3_000, 20_000):
+        env.reset(seed=budget)
+        policy = agents.make(name, seed=2).train(env, budget)
+        assert env.budget_used <= budget, (name, budget, env.budget_used)
+        assert len(policy) == env.n_contexts
+        if budget >= 3_000:
+            assert env.budget_used >= 0.9 * budget
+    runs = []
+    for _ in range(2):
+        env.reset(seed=7)
+        runs.append((agents.make(name, seed=3).train(env, 5_000), env.budget_used))
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tiny_budgets_and_tables(name: str) -> None:
+    for table in (tiny_mv_table(), tiny_bon_table()):
+        env = IAPOEnv(table=table)
+        for budget in (0, 1, 2, 5, 50, 600):
+            env.reset(seed=budget)
+            policy = agents.make(name, seed=0).train(env, budget)
+            assert env.budget_used <= budget
+            assert len(policy) == env.n_contexts
+
+
+def test_query_stream_draws_without_replacement_then_reshuffles() -> None:
+    pool = np.arange(10, 30)
+    stream = QueryStream(pool, np.random.default_rng(0))
+    first = np.concatenate([stream.take(7), stream.take(13)])
+    assert np.array_equal(np.sort(first), pool)  # one full pass: every query exactly once
+    second = stream.take(20)
+    assert np.array_equal(np.sort(second), pool) and not np.array_equal(first, second)
+    with pytest.raises(ValueError, match="no queries"):
+        QueryStream(np.zeros(0, np.int64), np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("name", ["plugin_halving", "plugin_anytime"])
+def test_every_round_pulls_live_prompts_on_common_fresh_queries(name: str) -> None:
+    env = RecordingEnv(tiny_mv_table(n_prompts=6, n_queries=200, n_max=8))
+    env.reset(seed=0)
+    agents.make(name, seed=0).train(env, 2_000)
+    used: list[np.ndarray] = []
+    for pulls in env.batches:
+        per_prompt = {int(p): np.sort(pulls.queries[pulls.prompts == p]) for p in np.unique(pulls.prompts)}
+        reference = next(iter(per_prompt.values()))
+        assert all(np.array_equal(q, reference) for q in per_prompt.values())  # common queries
+        used.append(np.unique(pulls.queries))
+    pool = env.queries("train").size  # 160
+    first_pass = np.cumsum([u.size for u in used]) <= pool
+    every = np.concatenate([u for u, first in zip(used, first_pass, strict=True) if first])
+    assert every.size >= 0.5 * pool
+    assert np.unique(every).size == every.size  # no query reused before the split is used up
+    assert np.isin(np.concatenate(used), env.queries("train")).all()
+
+
+def _pull_every_train_query(env: IAPOEnv, est: PlugInEstimator, pulls_per_query: int) -> None:
+    """``pulls_per_query`` pulls of N_max completions of every (prompt, train query), in one update."""
+    train = env.queries("train")
+    prompts = np.repeat(np.arange(env.n_prompts), train.size * pulls_per_query)
+    queries = np.tile(np.repeat(train, pulls_per_query), env.n_prompts)
+    est.update(env.pull(prompts, np.full(prompts.size, env.n_max), queries=queries))
+
+
+@pytest.mark.parametrize(("alpha", "curve"), [(0.0, 0.0), (4.0, 0.0), (4.0, 3.0)])
+def test_plug_in_majority_vote_converges_to_the_exact_train_q_table(alpha: float, curve: float) -> None:
+    table = tiny_mv_table(seed=1, n_prompts=4, n_queries=30, n_buckets=3, n_max=6)
+    env = IAPOEnv(table=table)
+    env.reset(seed=0)
+    est = PlugInEstimator(env, alpha=alpha, curve=curve)
+    for _ in range(4):  # 4 x 1002 completions of every (prompt, train query), in several updates
+        _pull_every_train_query(env, est, 167)
+    exact = env.q_table("train")
+    assert np.abs(est.mean() - exact).max() < 0.02
+
+
+def test_plug_in_best_of_n_is_exact_when_queries_share_one_distribution() -> None:
+    base = tiny_bon_table(seed=2, n_prompts=3, n_queries=10, n_atoms=4, n_max=6)
+    same = dataclasses.replace(base, probs=np.repeat(base.probs[:, :1], 10, axis=1),
+                               atoms=np.repeat(base.atoms[:, :1], 10, axis=1))
+    env = IAPOEnv(table=same)
+    env.reset(seed=0)
+    est = PlugInEstimator(env)
+    _pull_every_train_query(env, est, 3_334)
+    assert np.abs(est.mean() - env.q_table("train")).max() < 0.03
+
+
+def test_query_offsets_recover_an_additive_query_shift() -> None:
+    table, shift = query_shifted_bon_table()
+    env = IAPOEnv(table=table)
+    env.reset(seed=0)
+    est = PlugInEstimator(env)
+    _pull_every_train_query(env, est, 500)
+    train = env.queries("train")
+    offsets = est.query_offsets()
+    for row, w in enumerate(est._objectives):
+        expected = shift[train] * w.sum()
+        assert np.allclose(offsets[row, train], expected - expected.mean(), atol=0.05)
+        assert np.all(offsets[row, env.queries("test")] == 0.0)  # never seen
+
+
+def test_plugin_halving_finds_the_best_prompt_with_enough_budget() -> None:
+    """Prompt 1 is right on every query with probability 0.8 (others 0.4 / 0.45 / 0.3)."""
+    n_prompts, n_queries = 4, 50
+    correct = np.array([0.4, 0.8, 0.45, 0.3])
+    probs = np.stack([correct, (1 - correct) / 2, (1 - correct) / 2], axis=-1)[:, None, :].repeat(n_queries, axis=1)
+    split = np.zeros(n_queries, dtype=np.uint8)
+    split[:10] = 1
+    table = OutcomeTable(
+        task="easy_mv", aggregator="mv", probs=probs, cost=np.full(n_prompts, 0.05), n_max=8,
+        context_weights=np.array([[1.0, 0.0], [1.0, -1.0]]), context_names=("free", "costly"),
+        context_probs=np.array([0.5, 0.5]), objective_names=("correct",), gold=np.zeros(n_queries, np.int64),
+        split=split,
+    )
+    env = IAPOEnv(table=table)
+    best = env.optimal_policy("train")
+    for seed in range(3):
+        env.reset(seed=seed)
+        assert agents.make("auto", seed=seed).train(env, 20_000) == best
+
+
+def _whole_steps_and_tail(table: OutcomeTable, budget: int,
+                          **params: Any) -> tuple[list[Pulls], list[Pulls], np.ndarray]:
+    """The batches of ``auto``'s whole steps and of its tail for ``budget`` (as ``train`` runs them), and
+    the prompts live in some context after the steps."""
+    env = RecordingEnv(table)
+    env.reset(seed=0)
+    agent = agents.make("plugin_anytime", seed=0, **params)
+    run = agent._new_run(env)  # type: ignore[attr-defined]
+    agent._advance(run, budget)  # type: ignore[attr-defined]
+    whole = len(env.batches)
+    live = np.flatnonzero(run.alive.any(axis=0))
+    agent._finish(run, budget)  # type: ignore[attr-defined]
+    return env.batches[:whole], env.batches[whole:], live
+
+
+def test_anytime_steps_do_not_depend_on_the_budget() -> None:
+    """The whole steps of a smaller budget are a prefix of a larger one's; its tail is its own."""
+    table = tiny_mv_table(n_prompts=8, n_queries=200, n_max=8)
+    (small, small_tail, _), (large, _, _) = (_whole_steps_and_tail(table, budget) for budget in (2_000, 6_000))
+    assert len(large) > len(small) >= 3
+    for a, b in zip(small, large[:len(small)], strict=True):
+        assert np.array_equal(a.prompts, b.prompts) and np.array_equal(a.queries, b.queries)
+        assert np.array_equal(a.atoms, b.atoms)
+    assert not np.array_equal(small_tail[0].queries, large[len(small)].queries)  # the branch: its own tail
+    assert sum(p.completions for p in small) <= 1_000  # the whole steps spend at most half of T
+
+
+def test_mv_credit_rows_matches_the_exact_oracle() -> None:
+    from agents.plugin import _credit_jit
+    from agents.plugin.estimator import mv_credit_rows
+    from iapo_gym.utility import mv_expected_credit
+
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.full(5, 0.5), size=300)
+    probs[probs < 0.08] = 0.0  # rows with 0-4 other buckets of positive probability
+    probs[:20] = np.eye(5)[rng.integers(5, size=20)]
+    probs /= probs.sum(axis=1, keepdims=True)
+    gold = rng.integers(5, size=300)
+    exact = mv_expected_credit(probs, gold, 16)
+    assert np.abs(mv_credit_rows(probs, gold, 16) - exact).max() < 1e-12
+    if _credit_jit.available():
+        others = np.sort(np.where(np.eye(5, dtype=bool)[gold], -1.0, probs), axis=1)[:, ::-1][:, :4]
+        width = (others > 0).sum(axis=1)
+        compiled = _credit_jit.credit_rows(probs[np.arange(300), gold], others, width, 16)
+        assert np.abs(compiled - exact).max() < 1e-12
+        for block_rows in (1, 7):  # a row's lane never reads another row's: any block gives the same bits
+            assert np.array_equal(_credit_jit.credit_rows(probs[np.arange(300), gold], others, width, 16, block_rows),
+                                  compiled)
+        with pytest.raises(ValueError, match="block_rows"):
+            _credit_jit.credit_rows(probs[np.arange(300), gold], others, width, 16, 0)
+
+
+def test_response_curve_prior_separates_a_steep_prompt_from_a_flat_one() -> None:
+    """Prompt 0 is right with 0.95 on easy and 0.3 on hard queries, prompt 1 with 0.65 on both.
+
+    At N = 15 prompt 1 wins (majority votes: about 0.87 against 0.5 * 1 + 0.5 * 0.05). With two
+    votes per (prompt, query) the pooled prior pulls both towards the same per-query accuracy;
+    the response curves keep the difference, so their large-N estimate is closer to the truth.
+    """
+    n_queries = 400
+    easy = np.arange(n_queries) % 2 == 0
+    correct = np.stack([np.where(easy, 0.95, 0.3), np.full(n_queries, 0.65), np.where(easy, 0.9, 0.45)])
+    probs = np.stack([correct, 1 - correct], axis=-1)
+    table = OutcomeTable(
+        task="steep_flat", aggregator="mv", probs=probs, cost=np.full(3, 0.0), n_max=15,
+        context_weights=np.array([[1.0, 0.0]]), context_names=("free",), context_probs=np.array([1.0]),
+        objective_names=("correct",), gold=np.zeros(n_queries, np.int64),
+        split=(np.arange(n_queries) >= n_queries - 4).astype(np.uint8),
+    )
+    env = IAPOEnv(table=table)
+    exact = env.q_table("train")[0, :, -1]
+    errors, gaps = {}, {}
+    for curve in (0.0, 3.0):
+        env.reset(seed=0)
+        est = PlugInEstimator(env, alpha=32.0, curve=curve)
+        train = env.queries("train")
+        prompts = np.repeat(np.arange(3), train.size)
+        est.update(env.pull(prompts, np.full(prompts.size, 2), queries=np.tile(train, 3)))
+        errors[curve] = np.abs(est.mean()[0, :, -1] - exact).max()
+        gaps[curve] = est.mean()[0, 1, -1] - est.mean()[0, 0, -1]  # truth: about 0.36
+    assert errors[3.0] < 0.8 * errors[0.0], errors
+    assert gaps[3.0] > 0.1 and gaps[3.0] > 3 * gaps[0.0], gaps
+
+
+def _curve_table(a: np.ndarray, b: np.ndarray, z: np.ndarray) -> OutcomeTable:
+    """A two-answer majority-vote table whose prompt p is right on query q with sigmoid(a_p + b_p z_q)."""
+    correct = 1.0 / (1.0 + np.exp(-(a[:, None] + b[:, None] * z[None, :])))
+    return OutcomeTable(
+        task="curves", aggregator="mv", probs=np.stack([correct, 1 - correct], axis=-1), cost=np.zeros(a.size),
+        n_max=5, context_weights=np.array([[1.0, 0.0]]), context_names=("free",), context_probs=np.array([1.0]),
+        objective_names=("correct",), gold=np.zeros(z.size, np.int64),
+        split=(np.arange(z.size) >= z.size - 2).astype(np.uint8),
+    )
+
+
+def test_response_curve_fit_of_a_prompt_far_from_the_pool_stays_finite_and_low() -> None:
+    """Two prompts right 0.15 of the time among 23 right 0.95 of the time on mostly easy queries.
+
+    Their likelihood's maximum is far from the pooled curve (0, 1) where the fit starts; full
+    Newton steps from there overshoot more each time and call them nearly always right at large N
+    (an estimate of about 1). The safeguarded steps reach the maximum: a low share.
+    """
+    rng = np.random.default_rng(2)
+    n_queries, n_prompts = 240, 25
+    easy = rng.random(n_queries) < 0.95
+    correct = np.vstack([np.tile(np.where(easy, 0.95, 0.5), (23, 1)), np.full((2, n_queries), 0.15)])
+    buckets = np.stack([correct, (1 - correct) * 0.5, (1 - correct) * 0.3, (1 - correct) * 0.2], axis=-1)
+    table = OutcomeTable(
+        task="far_prompt", aggregator="mv", probs=buckets, cost=np.zeros(n_prompts), n_max=32,
+        context_weights=np.array([[1.0, 0.0]]), context_names=("free",), context_probs=np.array([1.0]),
+        objective_names=("correct",), gold=np.zeros(n_queries, np.int64),
+        split=(np.arange(n_queries) >= n_queries - 4).astype(np.uint8),
+    )
+    env = IAPOEnv(table=table)
+    env.reset(seed=2)
+    est = PlugInEstimator(env, alpha=32.0, curve=3.0)
+    queries = env.queries("train")[:30]
+    prompts = np.repeat(np.arange(n_prompts), queries.size)
+    est.update(env.pull(prompts, np.full(prompts.size, 4), queries=np.tile(queries, n_prompts)))
+    estimate = est.mean()[0, :, -1]
+    assert np.all(np.isfinite(estimate))
+    assert estimate[23:].max() < 0.5, estimate[23:]  # exact: about 0.01
+    assert estimate[:23].min() > 0.8, estimate[:23]
+
+
+def _difficulty(est: PlugInEstimator) -> tuple[np.ndarray, np.ndarray]:
+    """The queries ``est`` has seen and their difficulty z_q as the estimator computes it (the logit
+    of the gold rate pooled over every prompt)."""
+    seen = np.flatnonzero(est._seen.any(axis=0))
+    g, n = est._gold_votes[:, seen].sum(axis=0), est._votes[:, seen].sum(axis=0)
+    return seen, np.log((g + 0.5) / (n - g + 0.5))
+
+
+def test_slope_ridge_holds_every_slope_at_the_pooled_one() -> None:
+    """``slope`` penalises the slope alone: a huge one fixes every b_p at 1, the offsets still fit."""
+    rng = np.random.default_rng(5)
+    a, b = rng.normal(0.0, 0.6, 8), rng.normal(1.0, 0.4, 8)
+    env = IAPOEnv(table=_curve_table(a, b, rng.normal(0.0, 1.5, 200)))
+    env.reset(seed=0)
+    fits = {}
+    for slope in (3.0, 1e6):
+        est = PlugInEstimator(env, alpha=32.0, curve=3.0, slope=slope)
+        _pull_every_train_query(env, est, 20)
+        seen, z = _difficulty(est)
+        fits[slope], _ = est._fit_curves(np.arange(8), seen, z, (est.curve, est.slope), est._curves[:8])
+    assert np.abs(fits[1e6][:, 1] - 1.0).max() < 0.01
+    assert np.abs(fits[3.0][:, 1] - 1.0).max() > 0.2  # the free slopes do move
+    assert np.corrcoef(fits[1e6][:, 0], a)[0, 1] > 0.9
+
+
+def test_pretest_frees_only_the_slopes_far_from_the_median() -> None:
+    """Two prompts of slope 0.2 and 2.5 among six of slope 1: ``pretest`` = 2 keeps the two fitted
+    slopes and holds the six at one common slope, the fitted slopes' median (their offsets refitted),
+    where the free fit spreads them."""
+    rng = np.random.default_rng(6)
+    a, b = rng.normal(0.0, 0.5, 8), np.array([0.2, 2.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    env = IAPOEnv(table=_curve_table(a, b, rng.normal(0.0, 1.5, 200)))
+    env.reset(seed=0)
+    est = PlugInEstimator(env, alpha=32.0, curve=3.0, slope=0.3, pretest=2.0)
+    _pull_every_train_query(env, est, 8)
+    seen, z = _difficulty(est)
+    theta, variance = est._fit_curves(np.arange(8), seen, z, (3.0, 0.3), est._curves)
+    held = est._pretest_slopes(np.arange(8), seen, z, theta, variance)
+    np.testing.assert_array_equal(held[:2], theta[:2])  # far from the median by many SDs: free
+    assert abs(theta[0, 1] - 0.2) < 0.3 and abs(theta[1, 1] - 2.5) < 0.6, theta[:2]
+    assert np.abs(held[2:, 1] - np.median(theta[:, 1])).max() < 1e-4
+    assert np.ptp(theta[2:, 1]) > 0.05  # the free fit spreads them
+    assert np.corrcoef(held[2:, 0], a[2:])[0, 1] > 0.9
+
+
+def test_best_of_n_reads_each_query_s_own_maximum_once_it_has_the_draws() -> None:
+    """On queries that differ in the shape of the prompts' score distributions, the pooled (query-centred)
+    reading keeps an error no number of draws removes; the per-query reading it is shrunk towards
+    converges to the train-split Q, and with few draws per query stays near the pooled one."""
+    table = shape_bon_table(seed=1, n_prompts=4, n_queries=30, n_max=16)
+    env = IAPOEnv(table=table)
+    env.reset(seed=0)
+    exact = env.q_table("train")
+    shrunk, pooled, light = PlugInEstimator(env), PlugInEstimator(env, bon_prior=1e9), PlugInEstimator(env, bon_prior=0.5)
+    few = env.pull(np.repeat(np.arange(4), 24), np.full(96, 2), queries=np.tile(env.queries("train"), 4))
+    for est in (shrunk, pooled, light):
+        est.update(few)
+    # 2 draws per query: the stronger the prior, the nearer the pooled reading
+    assert 0 < np.abs(shrunk.mean() - pooled.mean()).max() < np.abs(light.mean() - pooled.mean()).max()
+    for _ in range(3):
+        train = env.queries("train")
+        prompts = np.repeat(np.arange(4), train.size * 100)
+        pulls = env.pull(prompts, np.full(prompts.size, 16), queries=np.tile(np.repeat(train, 100), 4))
+        shrunk.update(pulls)
+        pooled.update(pulls)
+    assert np.abs(shrunk.mean() - exact).max() < 0.02
+    assert np.abs(pooled.mean() - exact).max() > 0.05
+
+
+def test_best_of_n_own_sums_match_a_fresh_recount() -> None:
+    """The per-prompt sums of the shrunk own readings, kept by taking back and adding each pulled (prompt,
+    query)'s share, equal a fresh estimator's fed the same completions in one update."""
+    table = shape_bon_table(seed=2, n_prompts=5, n_queries=20, n_max=8, n_objectives=2)
+    env = IAPOEnv(table=table)
+    env.reset(seed=3)
+    rng = np.random.default_rng(0)
+    stepwise, batches = PlugInEstimator(env), []
+    for _ in range(6):
+        prompts = rng.integers(0, 5, 30)
+        pulls = env.pull(prompts, rng.integers(1, 9, 30), queries=rng.choice(env.queries("train"), 30))
+        stepwise.update(pulls)
+        batches.append(pulls)
+    once = PlugInEstimator(env)
+    ns = np.concatenate([b.ns for b in batches])
+    once.update(Pulls(prompts=np.concatenate([b.prompts for b in batches]), ns=ns,
+                      queries=np.concatenate([b.queries for b in batches]),
+                      atoms=np.concatenate([b.atoms for b in batches]), offsets=np.concatenate([[0], np.cumsum(ns)])))
+    np.testing.assert_allclose(stepwise._own, once._own, atol=1e-9)
+    np.testing.assert_allclose(stepwise._own_weight, once._own_weight, atol=1e-12)
+    np.testing.assert_allclose(stepwise.mean(), once.mean(), atol=1e-9)
+
+
+BIT_IDENTITY_TABLES = {
+    "mv": lambda: tiny_mv_table(seed=3, n_prompts=8, n_queries=60, n_max=8),
+    "bon": lambda: shape_bon_table(seed=3, n_prompts=6, n_queries=40, n_max=16, n_objectives=2),
+}
+
+
+def _budgets_match_separate_runs(table: OutcomeTable, name: str, budgets: list[int]) -> None:
+    env = IAPOEnv(table=table)
+    separate = []
+    for budget in budgets:
+        env.reset(seed=11)
+        separate.append((agents.make(name, seed=5).train(env, budget), env.budget_used))
+    env.reset(seed=11)
+    agent = agents.make(name, seed=5)
+    assert agent.anytime  # type: ignore[attr-defined]
+    shared = list(agent.train_budgets(env, reversed(budgets)))  # type: ignore[attr-defined]
+    assert [b for b, _ in shared] == budgets
+    assert [p for _, p in shared] == [p for p, _ in separate]
+    assert all(used <= b for (_, used), b in zip(separate, budgets, strict=True))
+    assert env.budget_used == separate[-1][1]  # the env continues the largest budget's trajectory
+
+
+@pytest.mark.parametrize("aggregator", ["mv", "bon"])
+def test_anytime_train_budgets_is_bit_identical_to_separate_runs(aggregator: str) -> None:
+    _budgets_match_separate_runs(BIT_IDENTITY_TABLES[aggregator](), "auto", [0, 7, 900, 3_000, 5_000, 10_000])
+
+
+def test_anytime_train_budgets_is_bit_identical_to_separate_runs_on_math(math_release: Path) -> None:
+    from iapo_gym.data.release import read_release
+
+    _budgets_match_separate_runs(read_release(str(math_release))[0], "auto", [0, 7, 900, 3_000, 5_000, 10_000])
+
+
+def test_anytime_live_prompts_shrink_at_the_documented_pace() -> None:
+    table = tiny_mv_table(n_prompts=16, n_queries=400, n_max=8)
+    steps, _, _ = _whole_steps_and_tail(table, 8_000, q0=4, rate=1.0)
+    s0 = 16 * 4 * 2
+    assert steps[0].completions == s0 and np.unique(steps[0].prompts).size == 16
+    spent = 0
+    for pulls in steps:
+        live = np.unique(pulls.prompts).size
+        target = 16 if spent <= s0 else max(1, int(np.ceil(16 * s0 / spent)))  # per context
+        assert live <= min(16, table.n_contexts * target), (spent, live, target)
+        assert spent == 0 or pulls.completions <= spent  # each step at most what was spent before it
+        spent += pulls.completions
+    assert len(steps) >= 3 and spent <= 4_000
+
+
+@pytest.mark.parametrize("restore", [0.0, 0.5, 100.0])
+def test_anytime_tail_readmits_early_trims_then_halves(restore: float) -> None:
+    """The tail first re-admits the prompts trimmed with fewer than restore T / P completions (none with
+    0, every one with a large ``restore``), then halves: its live prompts never grow again, end with few
+    per context, and the whole run keeps within the budget and spends nearly all of it."""
+    table = tiny_mv_table(n_prompts=16, n_queries=400, n_max=8)
+    steps, tail, live_steps = _whole_steps_and_tail(table, 5_000, q0=2, rate=0.25, restore=restore)
+    live = [np.unique(pulls.prompts).size for pulls in tail]
+    assert len(live) >= 2 and all(b <= a for a, b in zip(live[1:-1], live[2:], strict=True)), live
+    assert np.isin(live_steps, tail[0].prompts).all()  # re-admission never drops a live prompt
+    if restore == 0.0:
+        assert live[0] == live_steps.size
+    elif restore == 100.0:
+        assert live[0] == 16  # every trimmed prompt is back
+    assert live[-1] < live[0]
+    assert 4_500 <= sum(p.completions for p in steps + tail) <= 5_000
+
+
+def test_anytime_rejects_bad_parameters() -> None:
+    for bad in ({"q0": 0}, {"q0": 2.5}, {"rate": -1.0}, {"alpha": -1.0}, {"kappa": -1.0}, {"curve": -1.0},
+                {"pretest": -1.0}, {"bon_prior": -1.0}, {"restore": -0.5}, {"alpha": True}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            agents.make("plugin_anytime", **bad)
+    with pytest.raises(TypeError, match="revisit"):
+        agents.make("plugin_anytime", revisit=0.25)  # earlier rounds' options live in the git tag, not here
+
+
+def test_plugin_halving_rejects_bad_parameters() -> None:
+    for bad in ({"m_min": 0}, {"alpha": -1.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            agents.make("plugin_halving", **bad)
+
+
+def test_auto_has_at_most_eight_documented_hyper_parameters() -> None:
+    from agents.plugin import AnytimePlugIn
+
+    params = agents.make("auto").params()  # type: ignore[attr-defined]
+    assert len(params) <= 8
+    doc = AnytimePlugIn.__doc__ or ""
+    for name in params:
+        assert doc.count(f":param {name}:") == 1, name
+
+
+def _binary_mv_table(seed: int) -> OutcomeTable:
+    """A right/wrong majority-vote table: prompt p right on query q with sigmoid(a_p + b_p z_q)."""
+    rng = np.random.default_rng(seed)
+    a, b, z = rng.normal(0.0, 0.8, 4), rng.uniform(0.5, 1.5, 4), rng.normal(0.0, 1.5, 40)
+    correct = 1.0 / (1.0 + np.exp(-(a[:, None] + b[:, None] * z[None, :])))
+    return OutcomeTable(
+        task="binary_mv", aggregator="mv", probs=np.stack([correct, 1 - correct], axis=-1),
+        cost=rng.uniform(0.0, 0.02, 4), n_max=8, context_weights=np.array([[1.0, 0.0], [1.0, -1.0]]),
+        context_names=("free", "costly"), context_probs=np.array([0.5, 0.5]), objective_names=("correct",),
+        gold=np.zeros(40, np.int64), split=(np.arange(40) >= 32).astype(np.uint8),
+    )
+
+
+def _flat_bon_table(seed: int) -> OutcomeTable:
+    """Best-of-N with no query structure: every query shares each prompt's distribution."""
+    base = tiny_bon_table(seed=seed, n_prompts=4, n_queries=30, n_atoms=5, n_max=8)
+    return dataclasses.replace(base, probs=np.repeat(base.probs[:, :1], 30, axis=1),
+                               atoms=np.repeat(base.atoms[:, :1], 30, axis=1))
+
+
+#: One small table of every kind the generated families cover: majority vote (categorical, binary) and
+#: Best-of-N whose queries shift the scores, change their shape, or do nothing.
+FAMILY_TABLES = {
+    "mv_categorical": lambda: tiny_mv_table(seed=2, n_prompts=4, n_queries=40, n_buckets=4, n_max=8),
+    "mv_binary": lambda: _binary_mv_table(1),
+    "bon_shift": lambda: query_shifted_bon_table()[0],
+    "bon_shape": lambda: shape_bon_table(seed=4, n_prompts=4, n_queries=30, n_max=8),
+    "bon_flat": lambda: _flat_bon_table(0),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_TABLES))
+def test_auto_finds_the_train_optimal_policy_where_psst_does(family: str) -> None:
+    """Consistency: at a budget where PSST finds the train-optimal policy on every seed, ``auto`` finds it too."""
+    table = FAMILY_TABLES[family]()
+    env = IAPOEnv(table=table)
+    best = env.optimal_policy("train")
+    budget = 200_000
+    for seed in range(3):
+        env.reset(seed=seed)
+        assert agents.make("psst", seed=seed).train(env, budget) == best, (family, seed)  # the premise
+        env.reset(seed=seed)
+        assert agents.make("auto", seed=seed).train(env, budget) == best, (family, seed)
+
+
+def test_binned_pooled_reading_is_within_a_bin_of_the_exact_one() -> None:
+    """Once a row has more than ``bins`` outcomes the pooled readings are merged into bins; every expected max
+    of N moves by less than one bin width of its row's score range; with fewer outcomes they are exact."""
+    from agents.plugin.estimator import pooled_values
+
+    rng = np.random.default_rng(0)
+    sizes = np.array([5000, 300, 1200])
+    row = np.repeat(np.arange(3), sizes)
+    values = rng.normal(0.0, 1.0, (2, row.size)) * np.array([[1.0], [3.0]])
+    counts = rng.integers(1, 5, row.size)
+    exact = pooled_values(values, counts, row, 3, 32)
+    binned = pooled_values(values, counts, row, 3, 32, bins=1024)
+    alone = pooled_values(values[:, 5000:5300], counts[5000:5300], row[5000:5300] - 1, 1, 32, 1024)
+    np.testing.assert_allclose(alone, exact[:, 1:2], rtol=0, atol=1e-12)  # 300 outcomes alone: not binned
+    assert not np.array_equal(binned, exact)
+    for r in range(3):
+        span = values[:, row == r].max(axis=1) - values[:, row == r].min(axis=1)
+        assert (np.abs(binned[:, r] - exact[:, r]).max(axis=1) < span / 1024).all()
