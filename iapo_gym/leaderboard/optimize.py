@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from iapo_gym.leaderboard.run.specs import AgentSpec, parse_agent_spec, resolve_task
+from iapo_gym.llm.prices import spend_report
 from iapo_gym.policyfile import PolicyFile, describe
 from iapo_gym.progress import Progress
 from iapo_gym.seeding import derive_rng, derive_seed
@@ -100,7 +101,7 @@ def optimize(target: str, agent: str | AgentSpec, budget: int, out: str | Path, 
     policy_path = pf.save(out / "policy.json")
     report_path = out / "report.md"
     tmp = report_path.with_suffix(".md.tmp")
-    tmp.write_text(render_report(pf), encoding="utf-8")
+    tmp.write_text(render_report(pf) + spend_report(pf, target), encoding="utf-8")
     tmp.replace(report_path)
     return OptimizeResult(pf, policy_path, report_path, spend)
 
