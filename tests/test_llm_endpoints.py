@@ -121,7 +121,8 @@ def test_collect_sends_each_arm_to_its_own_host_with_its_own_key_and_costs_money
         tmp_path: Path, hosts: dict[str, int], keys: dict[str, str]) -> None:
     from iapo_gym.llm.collect import collect
 
-    spec_path = two_endpoint_spec(tmp_path / "spec", hosts)
+    contexts = [{"name": "thrifty", "value_per_quality": 0.001}, {"name": "lavish", "cost_weight": -10}]
+    spec_path = two_endpoint_spec(tmp_path / "spec", hosts, extra={"contexts": contexts})
     spec = load_spec(spec_path)
     assert [p.id for p in spec.prompts] == ["a/plain", "a/short", "b/plain", "b/short"]
     result = collect(spec, tmp_path / "out", progress=False)
@@ -144,6 +145,9 @@ def test_collect_sends_each_arm_to_its_own_host_with_its_own_key_and_costs_money
     table = read_table(result.table)
     assert table.cost_unit == "USD" and read_metadata(result.table)["cost_unit"] == "USD"
     assert table.prompts == ("a/plain", "a/short", "b/plain", "b/short")
+    assert table.context_names == ("thrifty", "lavish")  # the spec's contexts, the cost weight from the value
+    np.testing.assert_array_equal(table.context_weights, [[1.0, -1000.0], [1.0, -10.0]])
+    np.testing.assert_array_equal(table.context_probs, [0.5, 0.5])
     for i, arm in enumerate(table.prompts):  # the mean price per completion, recomputed from the log
         price_in, price_out = PRICES[arm.split("/")[0]]
         mine = [r for r in lines if r["prompt"] == arm]

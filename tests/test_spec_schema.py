@@ -185,3 +185,57 @@ def test_the_example_specs_are_valid() -> None:
     root = Path(__file__).resolve().parent.parent
     for path in sorted((root / "examples").glob("*.toml")):
         assert load_spec(path).prompts
+
+
+def test_the_two_model_spec_of_docs_collect_md_is_valid_and_has_the_arms_it_names(tmp_path: Path) -> None:
+    import re
+    import shutil
+
+    root = Path(__file__).resolve().parent.parent
+    doc = (root / "docs" / "collect.md").read_text(encoding="utf-8")
+    section = doc.split("## Several models as arms", 1)[1]
+    text = re.search(r"```toml\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    shutil.copy(root / "examples" / "collect_llamacpp_queries.jsonl", tmp_path / "collect_llamacpp_queries.jsonl")
+    (tmp_path / "two.toml").write_text(text, encoding="utf-8")
+    spec = load_spec(tmp_path / "two.toml")
+    arms = [p.id for p in spec.prompts]
+    assert arms == ["small/direct", "small/steps", "large/direct", "large/steps"]
+    assert ", ".join(f"`{a}`" for a in arms) in " ".join(section.split())
+    routes = spec.llm_routes({"EXAMPLE_API_KEY": "k"})
+    assert [r.key_env for r in routes] == [None, "EXAMPLE_API_KEY"] and spec.cost_unit == "USD"
+
+
+def test_contexts_take_a_cost_weight_or_a_value_of_quality(tmp_path: Path) -> None:
+    contexts = [{"name": "cheap", "value_per_quality": 0.002, "probability": 0.25},
+                {"name": "dear", "cost_weight": -3, "objective_weights": [2.0], "probability": 0.75}]
+    spec = load_spec(write(tmp_path, TWO | {"contexts": contexts}))
+    weights, names, probs = spec.context_arrays()  # type: ignore[misc]
+    assert names == ("cheap", "dear") and weights.tolist() == [[1.0, -500.0], [2.0, -3.0]]
+    assert probs.tolist() == [0.25, 0.75]
+    assert load_spec(write(tmp_path, BASE)).context_arrays() is None
+
+
+@pytest.mark.parametrize("contexts, words", [
+    ([{"name": "x", "cost_weight": 0.5}], "field 'contexts[0].cost_weight' must be a finite number <= 0 (the weight"),
+    ([{"name": "x"}], "field 'contexts[0].cost_weight' or 'value_per_quality' must be given (exactly one"),
+    ([{"name": "x", "cost_weight": -1, "value_per_quality": 1}], "'contexts[0].cost_weight' or 'value_per_quality'"),
+    ([{"name": "x", "value_per_quality": 0}], "field 'contexts[0].value_per_quality' must be a finite number > 0"),
+    ([{"name": "x", "cost_weight": -1}, {"name": "x", "cost_weight": 0}], "'contexts[1].name' repeats context name"),
+    ([{"name": "x", "cost_weight": -1, "objective_weights": [1, 2]}],
+     "field 'contexts[0].objective_weights' must list one weight per objective (1), got [1.0, 2.0]"),
+    ([{"name": "x", "cost_weight": -1, "probability": 0.4}, {"name": "y", "cost_weight": 0, "probability": 0.4}],
+     "field 'contexts' probabilities sum to 0.8"),
+    ([{"name": "x", "cost_weight": -1, "probability": 1}, {"name": "y", "cost_weight": 0}],
+     "field 'contexts[1].probability' is missing: give a probability for every context or for none"),
+])
+def test_bad_contexts_are_refused(tmp_path: Path, contexts: list[dict[str, Any]], words: str) -> None:
+    assert words in refused(tmp_path, BASE | {"contexts": contexts})
+
+
+def test_cost_weight_is_minus_one_over_the_value_of_a_unit_of_quality() -> None:
+    from iapo_gym.llm.prices import cost_weight
+
+    assert cost_weight(0.01) == -100.0 and cost_weight(4.0) == -0.25
+    for bad in (0.0, -1.0, float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="value_per_quality must be a finite number > 0"):
+            cost_weight(bad)  # type: ignore[arg-type]

@@ -340,6 +340,14 @@ class Collector:
         attrs = {**table.attrs, "collected": f"iapo-gym collect, model{'s' if len(spec.endpoints) > 1 else ''} "
                                              f"{models} ({spec.endpoint.api} API), sampling "
                                              f"{json.dumps(spec.sampling.as_dict())}"}
+        contexts = spec.context_arrays()
+        if contexts is not None:
+            weights, names, probs = contexts
+            if weights.shape[1] != table.n_objectives + 1:
+                raise SpecError(f"{spec.path}: field 'contexts' weighs {weights.shape[1] - 1} objective(s), the table "
+                                f"has {table.n_objectives} {list(table.objective_names)}")
+            table = dataclasses.replace(table, context_weights=weights, context_names=names, context_probs=probs)
+            attrs["contexts"] = "the spec's [[contexts]]"
         if not spec.priced:
             return dataclasses.replace(table, attrs=attrs)
         cost = log_costs(spec, [rec for _, rec in lines], table.prompts, self.log)

@@ -60,7 +60,7 @@ def _schema_table(spec: Spec) -> TableSchema:
                                         "build": "iapo_gym.llm.live (outcome distributions unknown: live samples only)"}}
     if spec.aggregator == "mv":
         n_m = spec.n_max + 2
-        weights, names, cprobs = mv_cost_contexts()
+        weights, names, cprobs = spec.context_arrays() or mv_cost_contexts()
         return TableSchema(aggregator="mv", shape=(n_p, n_q, n_m), context_weights=weights,
                            context_names=names, context_probs=cprobs, objective_names=("correct",),
                            gold=np.zeros(n_q, dtype=np.int64), **common)
@@ -72,7 +72,7 @@ def _schema_table(spec: Spec) -> TableSchema:
     k = len(sc.objectives)
     grid = np.array(list(itertools.product(points, repeat=k)))  # (G^K, K)
     atoms = np.broadcast_to(grid, (n_p, n_q, *grid.shape))
-    weights, names, cprobs = bon_contexts(k)
+    weights, names, cprobs = spec.context_arrays() or bon_contexts(k)
     return TableSchema(aggregator="bon", shape=(n_p, n_q, grid.shape[0]),
                        atoms=atoms, context_weights=weights, context_names=names, context_probs=cprobs,
                         objective_names=sc.objectives, **common)

@@ -4,7 +4,8 @@ With prices in the collection spec (``input_price_per_million``, ``output_price_
 endpoint), a collected table's cost of an arm is its mean price per completion from the tokens
 actually used (prompt plus completion), in the spec's currency, so the utility's cost term
 ``w_cost * N * cost`` is money. ``cost_weight`` turns "one unit of quality is worth V of money" into
-that ``w_cost`` (docs/deploy.md, "Cost weight from a spend target").
+that ``w_cost`` (docs/deploy.md, "Cost weight from a spend target"; it lives in ``iapo_gym.llm.spec``, which
+applies it to a spec's ``[[contexts]]``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from iapo_gym.llm.spec import Spec, SpecError, load_spec
+from iapo_gym.llm.spec import Spec, SpecError, cost_weight, load_spec
+
+__all__ = ["cost_weight", "live_costs", "log_costs", "prompt_bytes", "spend_per_request", "spend_report"]
 
 
 def log_costs(spec: Spec, records: Sequence[dict[str, Any]], prompt_ids: Sequence[str],
@@ -119,16 +122,3 @@ def spend_report(policy: Any, target: str) -> str:
     mean = sum(c.probability * s for c, s in zip(policy.contexts, spend, strict=True))
     lines += ["", f"Over the contexts' distribution: {mean:.6g} {label} per request.", ""]
     return "\n".join(lines)
-
-
-def cost_weight(value_per_quality: float, quality_weight: float = 1.0) -> float:
-    """The cost weight at which one unit of quality (at weight ``quality_weight``) is worth ``value_per_quality``.
-
-    The utility ``quality_weight * quality + w_cost * N * cost`` prefers spending d more money per
-    request exactly when it buys more than d / value_per_quality of quality, so
-    ``w_cost = -quality_weight / value_per_quality``.
-    """
-    if not (np.isfinite(value_per_quality) and value_per_quality > 0):
-        raise ValueError(f"value_per_quality must be a finite number > 0 (money per unit of quality), "
-                         f"got {value_per_quality!r}")
-    return -float(quality_weight) / float(value_per_quality)

@@ -194,6 +194,28 @@ class Route:
 
 
 @dataclass(frozen=True)
+class Context:
+    """A user context of the spec's tables and envs: objective weights, the cost weight (<= 0), its probability."""
+
+    name: str
+    objective_weights: tuple[float, ...]
+    cost_weight: float
+    probability: float
+
+
+def cost_weight(value_per_quality: float) -> float:
+    """The cost weight at which one unit of quality (the weighted objective score) is worth ``value_per_quality``.
+
+    The utility ``quality + w_cost * N * cost`` prefers spending d more per request exactly when
+    that buys more than ``d / value_per_quality`` of quality, so ``w_cost = -1 / value_per_quality``.
+    """
+    if isinstance(value_per_quality, bool) or not (math.isfinite(value_per_quality) and value_per_quality > 0):
+        raise ValueError(f"value_per_quality must be a finite number > 0 (money per unit of quality), "
+                         f"got {value_per_quality!r}")
+    return -1.0 / float(value_per_quality)
+
+
+@dataclass(frozen=True)
 class Build:
     """Options passed to the table builder (``iapo_gym.data.build``)."""
 
@@ -229,6 +251,16 @@ class Spec:
     endpoints: tuple[Endpoint, ...] = ()
     templates: tuple[Prompt, ...] = ()
     currency: str | None = None
+    contexts: tuple[Context, ...] | None = None  # None: the task's default contexts
+
+    def context_arrays(self) -> tuple[Any, tuple[str, ...], Any] | None:
+        """The spec's ``[[contexts]]`` as (weights (C, K + 1), names, probabilities) numpy arrays, or None."""
+        if self.contexts is None:
+            return None
+        import numpy as np
+
+        weights = np.array([[*c.objective_weights, c.cost_weight] for c in self.contexts], dtype=np.float64)
+        return weights, tuple(c.name for c in self.contexts), np.array([c.probability for c in self.contexts])
 
     def __post_init__(self) -> None:
         """A spec built with one endpoint and its prompts is the single-endpoint form."""
@@ -485,10 +517,46 @@ def parse_spec(data: Any, path: Path) -> Spec:
     elif currency is not None:
         _fail(where, "currency", "names the unit of the endpoints' prices, but no endpoint gives "
                                  "input_price_per_million and output_price_per_million")
+    contexts = _contexts(where, data["contexts"], aggregator, scorer) if "contexts" in data else None
     return Spec(path=path, task=task, aggregator=aggregator, n_max=data["n_max"], endpoint=endpoints[0],
                 sampling=sampling, budget=budget, prompts=prompts, queries=queries, scorer=scorer, build=build,
                 cache=(path.parent / cache) if cache else None, live_cost=live_cost, endpoints=endpoints,
-                templates=templates, currency=currency)
+                templates=templates, currency=currency, contexts=contexts)
+
+
+def _contexts(where: str, items: list[dict[str, Any]], aggregator: str, scorer: Scorer) -> tuple[Context, ...]:
+    """The ``[[contexts]]``: distinct names, one weight per objective, a cost weight, probabilities summing to 1."""
+    k = 1 if aggregator == "mv" else len(scorer.objectives)
+    given = ["probability" in item for item in items]
+    if any(given) and not all(given):
+        _fail(where, f"contexts[{given.index(False)}].probability", "is missing: give a probability for every "
+                                                                    "context or for none (then they are uniform)")
+    out: list[Context] = []
+    for i, item in enumerate(items):
+        name = f"contexts[{i}]"
+        if any(c.name == item["name"] for c in out):
+            _fail(where, f"{name}.name", f"repeats context name {item['name']!r}")
+        if ("cost_weight" in item) == ("value_per_quality" in item):
+            _fail(where, f"{name}.cost_weight", "or 'value_per_quality' must be given (exactly one of them)")
+        if "objective_weights" in item:
+            weights = tuple(float(w) for w in item["objective_weights"])
+            if k and len(weights) != k:
+                _fail(where, f"{name}.objective_weights", f"must list one weight per objective ({k}), got "
+                                                          f"{list(weights)}")
+        elif k:
+            weights = (1.0 / k,) * k
+        else:
+            _fail(where, f"{name}.objective_weights", "is needed: the scorer names no objectives "
+                                                      "(give scorer.objectives or the weights)")
+        wc = float(item["cost_weight"]) if "cost_weight" in item else cost_weight(float(item["value_per_quality"]))
+        prob = float(item.get("probability", 1.0 / len(items)))
+        out.append(Context(item["name"], weights, wc + 0.0, prob))
+    if len({len(c.objective_weights) for c in out}) > 1:
+        _fail(where, "contexts", "must give every context the same number of objective weights")
+    total = sum(c.probability for c in out)
+    if abs(total - 1.0) > 1e-6:
+        _fail(where, "contexts", f"probabilities sum to {total!r}, expected 1")
+    return tuple(out)
 
 
 def _optional_float(value: Any) -> float | None:
