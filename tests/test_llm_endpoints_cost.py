@@ -89,3 +89,18 @@ def test_the_worked_example_of_deploy_md_is_what_the_exact_oracle_gives(tmp_path
     assert "| thrifty | small/direct | 1 | 2e-05 | 2e-05 |" in report
     assert "| quality | large/direct | 1 | 0.0004 | 0.0004 |" in report
     assert "Over the contexts' distribution: 0.00021 USD per request." in report
+
+
+def test_optimize_on_a_synthetic_task_reports_the_spend_of_its_run_instance(tmp_path: Path) -> None:
+    from iapo_gym.data import load_task_table
+    from iapo_gym.leaderboard.optimize import optimize
+
+    result = optimize("synthetic_bernoulli", "uniform", 300, tmp_path / "out", seed=0, run=1)
+    table = load_task_table("synthetic_bernoulli", instance=1)  # run 1 trains on instance 1
+    cost = table.cost_matrix().mean(axis=1)
+    index = {p: i for i, p in enumerate(table.prompts)}
+    report = result.report_path.read_text(encoding="utf-8")
+    assert "in normalized cost units" in report
+    for c in result.policy.contexts:
+        assert f"| {c.name} | {c.prompt} | {c.n} | {cost[index[c.prompt]]:.6g} | {c.n * cost[index[c.prompt]]:.6g} |" \
+            in report

@@ -99,10 +99,13 @@ def _target_costs(policy: Any, target: str) -> tuple[np.ndarray, str | None, str
 
     if Path(target).is_file():
         table = read_table(target)
-    else:
+    else:  # a task name: the table of the policy's run (a synthetic task has one instance per run)
         from iapo_gym.data import load_task_table
+        from iapo_gym.tasks import get_task
 
-        table = load_task_table(str(policy.learned.get("target") or target))
+        name = str(policy.learned.get("target") or target)
+        instance = int(policy.learned.get("run") or 0) if get_task(name).synthetic else 0
+        table = load_task_table(name, instance=instance)
     if list(table.prompts) != [p.id for p in policy.prompts]:
         raise ValueError(f"the table's prompts {list(table.prompts)} are not the policy's")
     return table.cost_matrix().mean(axis=1), table.cost_unit, "the table's cost, averaged over its queries"
