@@ -80,8 +80,8 @@ def keys(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     return KEYS
 
 
-def two_endpoint_spec(folder: Path, ports: dict[str, int], *, n_max: int = 3, prices: bool = True,
-                      extra: dict | None = None) -> Path:
+def two_endpoint_spec(folder: Path, ports: dict[str, int], *, n_max: int = 3,
+                      prices: dict[str, tuple[float, float]] | None = PRICES, extra: dict | None = None) -> Path:
     """A majority-vote spec of 2 endpoints x 2 prompts x 3 queries (JSON)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUERIES), encoding="utf-8")
@@ -91,7 +91,7 @@ def two_endpoint_spec(folder: Path, ports: dict[str, int], *, n_max: int = 3, pr
               "api_key_env": f"KEY_{name.upper()}", "concurrency": 2, "timeout": 20, "backoff": 0.05,
               "max_backoff": 0.5}
         if prices:
-            ep["input_price_per_million"], ep["output_price_per_million"] = PRICES[name]
+            ep["input_price_per_million"], ep["output_price_per_million"] = prices[name]
         endpoints.append(ep)
     doc = {"task": "two-models", "aggregator": "mv", "n_max": n_max, "endpoints": endpoints,
            "sampling": {"temperature": 0.8, "max_tokens": 5, "seed": 3},
@@ -229,10 +229,14 @@ def test_live_env_pulls_each_arm_from_its_endpoint_and_prices_the_pull(
 def test_one_spending_cap_covers_every_endpoint(tmp_path: Path, hosts: dict[str, int], keys: dict[str, str]) -> None:
     from iapo_gym.llm.collect import collect
 
-    spec = load_spec(two_endpoint_spec(tmp_path / "spec", hosts, extra={"budget": {"max_requests": 7}}))
+    # each request reserves max_tokens + 3 = 8 completion tokens: the two endpoints' requests share 60
+    spec = load_spec(two_endpoint_spec(tmp_path / "spec", hosts, extra={"budget": {"max_tokens_total": 60}}))
     result = collect(spec, tmp_path / "out", progress=False)
     assert result.budget_exhausted is not None and not result.complete
-    assert sum(proxy_stats(port)["posts"] for port in hosts.values()) == result.requests <= 7
+    stats = [proxy_stats(port) for port in hosts.values()]
+    assert all(s["posts"] > 0 for s in stats)  # both endpoints worked at once, under the one cap
+    assert sum(s["posts"] for s in stats) == result.requests <= 60 // 8
+    assert sum(s["completion_tokens"] for s in stats) == result.tokens <= 60
 
 
 def test_optimize_on_two_live_endpoints_reports_the_spend_per_request(
