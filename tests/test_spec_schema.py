@@ -181,6 +181,10 @@ def test_the_single_endpoint_form_keeps_its_prompt_ids(tmp_path: Path) -> None:
                                       "API, so OPENAI_API_KEY is not sent")
 
 
+def test_a_json_spec_may_name_its_schema_for_editors(tmp_path: Path) -> None:
+    assert load_spec(write(tmp_path, BASE | {"$schema": "../iapo_gym/llm/spec.schema.json"})).task == "t"
+
+
 def test_the_example_specs_are_valid() -> None:
     root = Path(__file__).resolve().parent.parent
     for path in sorted((root / "examples").glob("*.toml")):
