@@ -159,11 +159,18 @@ def test_collect_sends_each_arm_to_its_own_host_with_its_own_key_and_costs_money
 
 
 def test_a_shared_cache_keeps_prompt_tokens_so_a_rerun_prices_the_same(
-        tmp_path: Path, hosts: dict[str, int], keys: dict[str, str]) -> None:
+        tmp_path: Path, hosts: dict[str, int], keys: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    from iapo_gym.cli import main as cli_main
     from iapo_gym.llm.collect import collect
 
     spec_path = two_endpoint_spec(tmp_path / "spec", hosts, n_max=2, extra={"cache": "shared.sqlite"})
-    first = collect(load_spec(spec_path), tmp_path / "one", progress=False)
+    assert cli_main(["collect", str(spec_path), "--out", str(tmp_path / "one"), "--quiet"]) == 0
+    lines = [json.loads(line) for line in (tmp_path / "one" / "two-models.jsonl").read_text().splitlines()]
+    spent = sum((r["prompt_tokens"] * PRICES[r["prompt"][0]][0] + r["tokens"] * PRICES[r["prompt"][0]][1]) / 1e6
+                for r in lines)
+    prompt_tokens = sum(r["prompt_tokens"] for r in lines)
+    assert f", {prompt_tokens} prompt tokens, spent {spent:.6f} USD" in capsys.readouterr().out
+    first = collect(load_spec(spec_path), tmp_path / "one", progress=False)  # complete: the table, nothing sent
     posts = {name: proxy_stats(port)["posts"] for name, port in hosts.items()}
     second = collect(load_spec(spec_path), tmp_path / "two", progress=False)
     assert {name: proxy_stats(port)["posts"] for name, port in hosts.items()} == posts  # all from the cache
