@@ -69,7 +69,8 @@ def live_costs(spec: Spec) -> tuple[np.ndarray, str | None]:
 
     ``[live] cost`` if the spec gives it (in the currency when the spec has prices); else, with
     prices, a bound from above before any request: the rendered prompt's UTF-8 bytes as its tokens
-    (a token covers at least one byte) and ``max_tokens`` completion tokens; else ``build.cost_scale``.
+    (a token covers at least one byte; a chat template's own tokens are not counted) and ``max_tokens``
+    completion tokens; else ``build.cost_scale``.
     """
     if spec.live_cost is not None:
         return np.asarray(spec.live_cost, dtype=np.float64), spec.cost_unit
