@@ -14,8 +14,10 @@ One logical call = N completions of one query:
 
 The load generator (this process, asyncio + httpx2) runs ``--calls`` calls per side at each
 concurrency, sides interleaved over ``--repeats`` rounds; it reports p50/p99 latency, calls per
-second, the latency added over ``direct`` and the throughput kept, and the CPU time per call of
-each proxy process (read from /proc: a steadier figure on a shared machine).
+second, the latency added over ``direct`` and the throughput kept, the same two against the bare
+proxy (the goal: serve within 1 ms of its p50 at concurrency 1, and at least 90 % of its calls per
+second at concurrency 16), and the CPU time per call of each proxy process (read from /proc: a
+steadier figure on a shared machine).
 Run: ``nice -n 5 python benchmarks/bench_serve.py`` (needs ``pip install "iapo-gym[llm,serve]"`` and fastapi).
 """
 
@@ -211,17 +213,21 @@ def report(sides: list[Side], args: argparse.Namespace, optillm_note: str) -> No
     direct = sides[0]
     print(f"N = {args.n} completions per call, max_tokens {args.max_tokens}, {args.calls} calls x {args.repeats} rounds "
           f"per side and concurrency; {os.cpu_count()} cores shared with other jobs; OptiLLM: {optillm_note}")
+    bare = sides[1]
     print(f"{'side':<12} {'conc':>4} {'p50 ms':>8} {'p99 ms':>8} {'calls/s':>8} {'+p50 ms':>8} {'thr kept':>8} "
-          f"{'CPU ms/call':>11} {'errors':>6}")
+          f"{'vs bare':>8} {'thr/bare':>8} {'CPU ms/call':>11} {'errors':>6}")
     for c in args.concurrency:
         d50 = float(np.percentile(direct.latencies[c], 50)) * 1000
+        b50 = float(np.percentile(bare.latencies[c], 50)) * 1000
         drate = direct.calls[c] / direct.seconds[c]
+        brate = bare.calls[c] / bare.seconds[c]
         for side in sides:
             lat = np.array(side.latencies[c]) * 1000
             rate = side.calls[c] / side.seconds[c]
             cpu = f"{side.cpu[c] / side.calls[c] * 1000:.2f}" if side.pid else "-"
             print(f"{side.name:<12} {c:>4} {np.percentile(lat, 50):>8.2f} {np.percentile(lat, 99):>8.2f} {rate:>8.1f} "
-                  f"{np.percentile(lat, 50) - d50:>+8.2f} {rate / drate:>8.1%} {cpu:>11} {side.errors:>6}")
+                  f"{np.percentile(lat, 50) - d50:>+8.2f} {rate / drate:>8.1%} {np.percentile(lat, 50) - b50:>+8.2f} "
+                  f"{rate / brate:>8.1%} {cpu:>11} {side.errors:>6}")
     print(json.dumps({s.name: {str(c): {"p50_ms": float(np.percentile(s.latencies[c], 50) * 1000),
                                         "p99_ms": float(np.percentile(s.latencies[c], 99) * 1000),
                                         "calls_per_s": s.calls[c] / s.seconds[c]} for c in args.concurrency}

@@ -928,6 +928,144 @@ def score(completion: str) -> dict[str, float]:
     return {"helpful": 0.0, "harmless": 0.0}
 
 
+# ---- seeds: serve's request bodies ---------------------------------------------------------------------
+
+
+class ServeRefused(ValueError):
+    """``iapo-gym serve`` answered a 4xx in the OpenAI error shape (its documented refusal of a bad request)."""
+
+
+def _user(content: Any) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": content}]
+
+
+SERVE_SEEDS = {
+    "/v1/chat/completions": [
+        {"model": "iapo/low", "messages": _user("1 + 1 =")},
+        {"model": "any", "iapo_context": "mid", "messages": _user("2 + 2 ="), "max_tokens": 3, "stream": True,
+         "stream_options": {"include_usage": True}},
+        {"model": "iapo/[1.0, -0.2]", "messages": _user([{"type": "text", "text": "3 + 3 ="}]), "temperature": 0.0,
+         "stop": ["\n"], "seed": 4, "user": "u-1"},
+        {"model": "anything", "iapo_context": [1.0, -1.0], "messages": _user("q"), "max_completion_tokens": 100,
+         "n": 1, "top_p": 1, "tools": [], "response_format": {"type": "text"}},
+    ],
+    "/v1/completions": [
+        {"model": "iapo/low", "prompt": "1 + 1 ="},
+        {"model": "iapo/[1.0, -0.2]", "prompt": ["2 + 2 ="], "max_tokens": 2, "stream": True},
+        {"model": "gpt-4o", "iapo_context": "high", "prompt": "q", "stop": "\n", "seed": 1, "logprobs": None,
+         "echo": False, "best_of": 1},
+        {"model": "iapo/mid", "iapo_context": [1.0, -0.2], "prompt": "7 * 6 =", "stream": False,
+         "frequency_penalty": 0, "presence_penalty": 0.0, "suffix": None},
+    ],
+}
+#: Fields serve reads and values that probe them: context forms by model name and iapo_context,
+#: parameters at and past what the policy was learned with, unsupported features, hostile text.
+SERVE_KEYS = ["model", "iapo_context", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "stop",
+              "seed", "temperature", "top_p", "tools", "tool_choice", "messages", "prompt", "user", "logprobs",
+              "response_format", "best_of", "echo", "suffix", "logit_bias", "frequency_penalty", "metadata"]
+SERVE_VALUES: list[Any] = [
+    "iapo/low", "iapo/mid", "iapo/high", "iapo/", "iapo/[1.0, -0.2]", "iapo/[1.0]", "iapo/[1.0, -0.2, 3]",
+    "iapo/[1e999]", "iapo/[NaN]", "iapo/[", "iapo/[[1]]", "iapo/[true, 1]", "iapo/" + "[" * 5000,
+    "iapo/" + json.dumps([0.5] * 400), "iapo/\ud800", "iapo/low ", "IAPO/low", "low", [1.0, -0.2], [1.0, -0.7],
+    [1.0], [], [True], [[1.0]], [10**400, 1], ["low"], 0, 1, -1, 3, 2**70, 1.5, 1e308, True, None, "", "\ud800",
+    "x" * 40000, {}, {"include_usage": True}, {"include_usage": "yes"}, {"type": "json_object"},
+    ["a", "b", "c", "d", "e"], ["\n"], _user("hi"), _user(None), _user([{"type": "image_url", "image_url": {}}]),
+    _user([{"type": "text"}]), [{"role": "system", "content": "s"}, *_user("hi")], [{"role": "tool"}],
+    [{"type": "function", "function": {"name": "f"}}], ["p1", "p2"], [1, 2, 3],
+]
+
+
+def serve_mutator(data: bytes, rnd: random.Random) -> bytes:
+    """Set one field serve reads to a probing value (or drop it), then maybe a JSON tree mutation."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        return rnd.choice(BYTE_MUTATORS)(data, rnd)
+    if not isinstance(doc, dict):
+        return json_mutator(data, rnd)
+    key = rnd.choice(SERVE_KEYS)
+    if rnd.random() < 0.15:
+        doc.pop(key, None)
+    else:
+        doc[key] = copy.deepcopy(rnd.choice(SERVE_VALUES))
+    return json.dumps(doc).encode("utf-8", errors="surrogatepass")
+
+
+@functools.cache
+def _serve_harness() -> tuple[Any, Any]:
+    """serve's ASGI app in this process on a loop thread; its upstream the echo server (tests/echo_upstream.py)."""
+    import os
+
+    from iapo_gym.deploy.router import Router
+    from iapo_gym.deploy.server import create_app
+    from iapo_gym.llm.loop import LoopThread
+    from tests.deploy_helpers import mv_policy
+    from tests.echo_upstream import EchoUpstream
+    from tests.llm_server import write_spec
+
+    upstream = EchoUpstream("7")
+    folder = Path(tempfile.mkdtemp(prefix="iapo-fuzz-serve-"))
+    spec = write_spec(folder, 0, endpoint={"base_url": upstream.url, "max_retries": 0})
+    router = Router(mv_policy(), spec)
+    app = create_app(router, log=open(os.devnull, "w", encoding="utf-8"))  # noqa: SIM115 (lives with the app)
+    loop = LoopThread("iapo-fuzz-serve")
+    loop.run(router.start(app.client_options()))
+    return app, loop
+
+
+async def _asgi_post(app: Any, path: str, body: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+    """POST ``body`` to ``app`` as uvicorn would; the caller stays connected until the answer."""
+    import asyncio
+
+    pending = [body]
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return {"type": "http.request", "body": pending.pop(), "more_body": False}
+        await asyncio.Event().wait()  # no disconnect
+        raise AssertionError("unreachable")
+
+    out: dict[str, Any] = {"body": []}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            out["status"], out["headers"] = message["status"], dict(message["headers"])
+        else:
+            out["body"].append(message.get("body", b""))
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    await app(scope, receive, send)
+    return out["status"], out["headers"], b"".join(out["body"])
+
+
+def parse_serve(endpoint: str) -> Callable[[Path, Path], object]:
+    """Send the input file as a request body to serve's ``endpoint``: 200 is accepted, a 4xx in the OpenAI error
+    shape is refused (``ServeRefused``), anything else (a 5xx, a malformed answer) fails."""
+    def parse(path: Path, out: Path) -> object:
+        app, loop = _serve_harness()
+        status, headers, body = loop.run(_asgi_post(app, endpoint, path.read_bytes()))
+        if status == 200:
+            if headers.get(b"content-type", b"").startswith(b"text/event-stream"):
+                events = [line[6:] for line in body.split(b"\n") if line.startswith(b"data: ")]
+                if events[-1] != b"[DONE]" or not all("choices" in json.loads(e) for e in events[:-1]):
+                    raise RuntimeError(f"a malformed stream: {body[:300]!r}")
+            elif not json.loads(body)["choices"]:
+                raise RuntimeError(f"no choices: {body[:300]!r}")
+            return status
+        error = json.loads(body)["error"]
+        if not (isinstance(error["message"], str) and isinstance(error["type"], str) and isinstance(error["code"], str)):
+            raise RuntimeError(f"not the OpenAI error shape: {body[:300]!r}")
+        if 400 <= status < 500:
+            raise ServeRefused(f"{path.name}: HTTP {status} {error['code']}: {error['message'][:150]}")
+        raise RuntimeError(f"HTTP {status}: {body[:300]!r}")
+    return parse
+
+
+def serve_seeds(endpoint: str) -> list[bytes]:
+    return [json.dumps(doc).encode() for doc in SERVE_SEEDS[endpoint]]
+
+
 # ---- the registry ------------------------------------------------------------------------------------
 
 
@@ -962,6 +1100,9 @@ def _register_all() -> None:
     register(Target("policy_json", ".json", (PolicyError,), policy_seeds, parse_policy, (json_mutator,)))
     register(Target("policy_file", ".json", (PolicyFileError,), policy_file_seeds, parse_policy_file,
                     (policy_file_mutator,)))
+    for name, endpoint in (("serve_chat", "/v1/chat/completions"), ("serve_completions", "/v1/completions")):
+        register(Target(name, ".json", (ServeRefused,), functools.partial(serve_seeds, endpoint), parse_serve(endpoint),
+                        (serve_mutator, serve_mutator, json_mutator), byte_level=0.15))
 
 
 _register_all()

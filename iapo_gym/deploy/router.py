@@ -28,9 +28,9 @@ from typing import Any, cast
 
 import numpy as np
 
-from iapo_gym.llm.client import BudgetExhausted, Completion, EndpointError, LLMClient
+from iapo_gym.llm.client import BudgetExhausted, ClientOptions, Completion, EndpointError, LLMClient, RequestOptions
 from iapo_gym.llm.loop import LoopThread, gather_all
-from iapo_gym.llm.scoring import make_extractor, make_scorer
+from iapo_gym.llm.scoring import RewardScorer, make_extractor, make_scorer
 from iapo_gym.llm.spec import Prompt, Scorer, Spec, load_spec
 from iapo_gym.policyfile import PolicyContext, PolicyFile, PolicyFileError, load_policy
 from iapo_gym.seeding import derive_rng
@@ -181,15 +181,23 @@ class Router:
         return found[0]
 
     # ---- the client ------------------------------------------------------------------------------------
-    async def start(self) -> Router:
-        """Open the upstream client on the running event loop (``acomplete`` does it on first use)."""
+    async def start(self, options: ClientOptions | None = None) -> Router:
+        """Open the upstream client on the running event loop (``acomplete`` does it on first use).
+
+        ``options``: a server's cap, retry policy and concurrency instead of the spec's (``ClientOptions``).
+        """
         loop = asyncio.get_running_loop()
         if self._client is not None:
             if self._loop is not loop:
                 raise RuntimeError("this Router's client runs on another event loop: use one Router per loop "
                                    "(or only the blocking complete())")
             return self
-        client = LLMClient(self.spec, cache=None)
+        client = LLMClient(self.spec, cache=None, options=options)
+        if isinstance(self._score, RewardScorer):  # the reward endpoint: one failed call ends only its request
+            self._score.stop_on_failure = False
+            if options is not None:
+                self._score.policy = options.retry or self._score.policy
+                self._score.concurrency = options.concurrency or self._score.concurrency
         client.stop_on_failure = False  # one caller's failed request must not stop the others
         await client.__aenter__()
         self._client, self._loop = client, loop
@@ -228,28 +236,45 @@ class Router:
         cap = self._client.cap if self._client is not None else None
         return {"requests": cap.requests if cap else 0, "tokens": cap.tokens if cap else 0}
 
+    async def probe(self, timeout: float) -> int | None:
+        """The upstream's HTTP status for ``GET /models`` (None when nothing answered): is it reachable now?"""
+        if self._client is None:
+            await self.start()
+        assert self._client is not None
+        return await self._client.probe(timeout)
+
     # ---- routing ---------------------------------------------------------------------------------------
-    async def acomplete(self, query: str, context: ContextRef = None) -> Routed:
-        """Route one query: the context's prompt around ``query``, N upstream completions, aggregated."""
+    async def acomplete(self, query: str, context: PolicyContext | ContextRef = None,
+                        options: RequestOptions | None = None) -> Routed:
+        """Route one query: the context's prompt around ``query``, N upstream completions, aggregated.
+
+        ``context``: a ``PolicyContext`` already resolved, or what ``resolve`` takes; ``options``: a
+        server's per-request ``max_tokens`` bound, seed and spend tally (``RequestOptions``).
+        """
         if not isinstance(query, str):
             raise TypeError(f"query must be a string, got {type(query).__name__}")
-        ctx = self.resolve(context)
+        ctx = context if isinstance(context, PolicyContext) else self.resolve(context)
         if self._client is None or self._loop is not asyncio.get_running_loop():
             await self.start()
         assert self._client is not None
-        rendered = self._prompts[ctx.prompt].render(query)
-        completions = await self._client.complete(rendered, list(range(ctx.n)))
+        rendered = self.render(ctx, query)
+        completions = await self._client.complete(rendered, list(range(ctx.n)), options)
         if self._extract is not None:
             return self._vote(ctx, query, completions)
         return await self._best(ctx, query, completions)
 
-    def complete(self, query: str, context: ContextRef = None) -> Routed:
+    def render(self, ctx: PolicyContext, query: str) -> str | list[dict[str, str]]:
+        """The prompt sent upstream for ``query`` in context ``ctx`` (its template around the query)."""
+        return self._prompts[ctx.prompt].render(query)
+
+    def complete(self, query: str, context: PolicyContext | ContextRef = None,
+                 options: RequestOptions | None = None) -> Routed:
         """The blocking twin of ``acomplete`` (its own event loop on a background thread)."""
         if self._runner is None:
             if self._client is not None:
                 raise RuntimeError("this Router is in use by an event loop: await acomplete() there")
             self._runner = LoopThread()
-        return self._runner.run(self.acomplete(query, context))
+        return self._runner.run(self.acomplete(query, context, options))
 
     def _vote(self, ctx: PolicyContext, query: str, completions: list[Completion]) -> Routed:
         assert self._extract is not None

@@ -32,8 +32,8 @@ from iapo_gym.llm.retry import (
 from iapo_gym.llm.spec import Route, Spec, origin
 from iapo_gym.seeding import derive_rng, derive_seed
 
-__all__ = ["BudgetExhausted", "Completion", "EndpointError", "EndpointUnreachable", "LLMClient", "SpendingCap",
-           "require_openai", "route_hook"]
+__all__ = ["BudgetExhausted", "ClientOptions", "Completion", "EndpointError", "EndpointUnreachable", "LLMClient",
+           "RequestOptions", "SpendingCap", "Usage", "require_openai", "route_hook"]
 
 RETRY_KEY = "iapo_gym.llm.retry"
 #: Tokens a server may add past ``max_tokens`` per completion: llama.cpp finishes a multi-byte UTF-8
@@ -72,6 +72,27 @@ class Completion:
     prompt_tokens: int = 0
 
 
+@dataclass
+class Usage:
+    """What one caller's request spent upstream: HTTP attempts sent and completion tokens settled."""
+
+    requests: int = 0
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """Per-request changes a server makes within what its policy was learned with.
+
+    ``max_tokens``: an upper bound below the spec's; ``seed``: the root of the per-completion seeds
+    instead of the spec's; ``usage``: filled with what the request spent.
+    """
+
+    max_tokens: int | None = None
+    seed: int | None = None
+    usage: Usage | None = None
+
+
 class SpendingCap:
     """Requests and completion tokens spent, plus those reserved by in-flight requests; never above the cap."""
 
@@ -108,6 +129,22 @@ class SpendingCap:
         """Give a reservation back whole: the request never reached a server (connection refused)."""
         self.reserved_tokens -= reserved
         self.requests -= 1
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """How a server's client differs from a collection's (None: the spec's own setting).
+
+    ``cap``: the spending cap to count against (a server passes an unlimited one: its budget is a rate,
+    ``iapo_gym.deploy.limits``); ``retry``: the retry policy; ``concurrency``: requests on the wire at once;
+    ``direct``: send each request with the HTTP client (same route hook, headers, timeout and errors), which
+    costs a server a fraction of the openai client's time per request.
+    """
+
+    cap: SpendingCap | None = None
+    retry: RetryPolicy | None = None
+    concurrency: int | None = None
+    direct: bool = False  # post the JSON body with the HTTP client itself, not the openai client's request models
 
 
 def route_hook(route: Route, environ: dict[str, str] | None = None) -> Callable[[Any], Awaitable[None]]:
@@ -160,20 +197,29 @@ class LLMClient:
 
     stop_on_failure = True
 
-    def __init__(self, spec: Spec, cache: ResponseCache | None = None) -> None:
-        """Bind to ``spec``'s endpoint and key (``Spec.llm_route``) and budget."""
+    def __init__(self, spec: Spec, cache: ResponseCache | None = None, options: ClientOptions | None = None) -> None:
+        """Bind to ``spec``'s endpoint and key (``Spec.llm_route``) and budget; ``options`` override the latter."""
+        options = options or ClientOptions()
         self.spec = spec
         self.route = spec.llm_route()
         self.base_url = self.route.url
         self.cache = cache
-        self.cap = SpendingCap(spec.budget.max_requests, spec.budget.max_tokens_total)
+        self.cap = options.cap if options.cap is not None else SpendingCap(spec.budget.max_requests,
+                                                                          spec.budget.max_tokens_total)
         self.sampling = spec.sampling.as_dict()
         # "auto": learn from the first multi-completion answer whether the server honours n
         self.n_supported: bool | None = {"auto": None, "yes": True, "no": False}[spec.endpoint.use_n]
         self._rng = derive_rng(spec.build.seed, RETRY_KEY)
-        self.policy = RetryPolicy(spec.endpoint.max_retries, spec.endpoint.backoff, spec.endpoint.max_backoff)
+        self.policy = options.retry or RetryPolicy(spec.endpoint.max_retries, spec.endpoint.backoff,
+                                                   spec.endpoint.max_backoff)
+        self.concurrency = options.concurrency or spec.endpoint.concurrency
+        self.direct = options.direct
+        api = "/chat/completions" if spec.endpoint.api == "chat" else "/completions"
+        self._url = self.base_url.rstrip("/") + api
         self._client: Any = None
         self._http: Any = None
+        self._headers: dict[str, str] = {}
+        self._transport_errors: tuple[type[BaseException], ...] = ()
         self._retrier: Retrier | None = None  # concurrency, retries and the stop signal, in the client's loop
         self.refused = 0  # connection attempts refused (nothing reached a server; not counted by the cap)
         self.in_flight = 0  # completions in requests on the wire now
@@ -199,8 +245,10 @@ class LLMClient:
         self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.route.key() or "no-key",
                                           organization=account, project=account, max_retries=0,
                                           timeout=ep.timeout, http_client=self._http)
-        self._retrier = Retrier("the endpoint", self.base_url, self.policy, self._rng, ep.concurrency,
+        self._retrier = Retrier("the endpoint", self.base_url, self.policy, self._rng, self.concurrency,
                                 stop_on_failure=self.stop_on_failure)
+        self._headers = direct_headers(self.route)
+        self._transport_errors = (openai.APIConnectionError, openai.APITimeoutError, _http_module().TransportError)
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -209,64 +257,83 @@ class LLMClient:
             await self._http.aclose()
             self._client = self._http = None
 
-    def key(self, prompt: Any, index: int) -> str:
-        """The cache key of completion ``index`` of a rendered prompt."""
-        return completion_key(self.base_url, self.spec.endpoint.model, self.spec.endpoint.api, prompt,
-                              self.sampling, index)
+    async def probe(self, timeout: float) -> int | None:
+        """``GET /models`` of the endpoint (not counted by the cap): its HTTP status, or None when nothing answered."""
+        assert self._http is not None, "use LLMClient inside 'async with'"
+        try:
+            resp = await self._http.get(self.base_url.rstrip("/") + "/models", headers=self._headers, timeout=timeout)
+        except self._transport_errors:
+            return None
+        return int(resp.status_code)
 
-    def _seed(self, prompt: Any, index: int) -> int | None:
-        """Per-completion seed derived from the spec's seed (distinct samples, reproducible reruns)."""
-        seed = self.spec.sampling.seed
+    def key(self, prompt: Any, index: int, max_tokens: int | None = None) -> str:
+        """The cache key of completion ``index`` of a rendered prompt (at ``max_tokens`` when it is not the spec's)."""
+        sampling = self.sampling if max_tokens is None else {**self.sampling, "max_tokens": max_tokens}
+        return completion_key(self.base_url, self.spec.endpoint.model, self.spec.endpoint.api, prompt, sampling, index)
+
+    def _seed(self, prompt: Any, index: int, options: RequestOptions | None = None) -> int | None:
+        """Per-completion seed derived from the spec's seed, or the request's (distinct samples, reproducible reruns)."""
+        seed = self.spec.sampling.seed if options is None or options.seed is None else options.seed
         if seed is None:
             return None
-        return derive_seed(seed, SAMPLE_SEED_KEY, self.key(prompt, index)) % (2**31)
+        max_tokens = options.max_tokens if options is not None else None
+        return derive_seed(seed, SAMPLE_SEED_KEY, self.key(prompt, index, max_tokens)) % (2**31)
 
-    async def complete(self, prompt: Any, indices: list[int]) -> list[Completion]:
-        """Completions ``indices`` of ``prompt`` (string or chat messages), cached ones without a request."""
+    async def complete(self, prompt: Any, indices: list[int], options: RequestOptions | None = None) -> list[Completion]:
+        """Completions ``indices`` of ``prompt`` (string or chat messages), cached ones without a request.
+
+        ``options``: a server's per-request bound on ``max_tokens``, seed, and where to count the spend.
+        """
+        if options is not None and options.max_tokens is None and options.seed is None and options.usage is None:
+            options = None
         found: dict[int, Completion] = {}
+        max_tokens = options.max_tokens if options is not None else None
         if self.cache is not None:
-            keys = {i: self.key(prompt, i) for i in indices}
+            keys = {i: self.key(prompt, i, max_tokens) for i in indices}
             hits = await self.cache.aget_many(list(keys.values()))
             for i, k in keys.items():
                 if k in hits:
                     text, tokens, finish, prompt_tokens = hits[k]
                     found[i] = Completion(text, tokens, finish, cached=True, prompt_tokens=prompt_tokens or 0)
         missing = [i for i in indices if i not in found]
-        per = self.spec.sampling.max_tokens + OVERSHOOT_TOKENS
+        per = (max_tokens or self.spec.sampling.max_tokens) + OVERSHOOT_TOKENS
         if len(missing) > 1 and self.n_supported is not False and self.cap.fits(len(missing) * per):
-            got = await self._request(prompt, missing)
+            got = await self._request(prompt, missing, options)
             if len(got) < len(missing):
                 self.n_supported = False  # the server ignored n: one request per completion from now on
             elif self.n_supported is None:
                 self.n_supported = True
             for i, c in zip(missing, got, strict=False):  # got may be shorter
-                found[i] = self._store(prompt, i, c)
+                found[i] = self._store(prompt, i, c, max_tokens)
             missing = missing[len(got):]
         if missing:
             async def one(i: int) -> None:
-                found[i] = self._store(prompt, i, (await self._request(prompt, [i]))[0])
+                found[i] = self._store(prompt, i, (await self._request(prompt, [i], options))[0], max_tokens)
             # each completion is cached as it arrives; a failure waits for the requests already in flight
             await gather_all(*(one(i) for i in missing))
         return [found[i] for i in indices]
 
-    def _store(self, prompt: Any, index: int, completion: Completion) -> Completion:
+    def _store(self, prompt: Any, index: int, completion: Completion, max_tokens: int | None = None) -> Completion:
         if self.cache is not None:  # queued: the cache's thread commits it
-            self.cache.put(self.key(prompt, index), completion.text, completion.tokens, completion.finish,
+            self.cache.put(self.key(prompt, index, max_tokens), completion.text, completion.tokens, completion.finish,
                            completion.prompt_tokens)
         return completion
 
-    async def _request(self, prompt: Any, indices: list[int]) -> list[Completion]:
+    async def _request(self, prompt: Any, indices: list[int], options: RequestOptions | None = None) -> list[Completion]:
         """One logical request for ``len(indices)`` completions, retried; each HTTP attempt passes the cap."""
         assert self._client is not None and self._retrier is not None, "use LLMClient inside 'async with'"
         ep = self.spec.endpoint
         n = len(indices)
         params = dict(self.sampling)
         params.pop("seed", None)
-        seed = self._seed(prompt, indices[0])
+        usage_out = options.usage if options is not None else None
+        if options is not None and options.max_tokens is not None:
+            params["max_tokens"] = options.max_tokens
+        seed = self._seed(prompt, indices[0], options)
         extra: dict[str, Any] = {} if seed is None else {"seed": seed}
         if n > 1:
             extra["n"] = n
-        worst = n * (self.spec.sampling.max_tokens + OVERSHOOT_TOKENS)
+        worst = n * (params["max_tokens"] + OVERSHOOT_TOKENS)
         openai = require_openai()
         client, cap = self._client, self.cap
 
@@ -275,19 +342,23 @@ class LLMClient:
             used: int | None = worst  # a request whose usage is unknown (timeout, dropped, 5xx) counts its worst case
             self.in_flight += n
             try:
-                if ep.api == "chat":
+                if self.direct:
+                    choices, completion_tokens, prompt_total = await self._post(prompt, params, extra)
+                elif ep.api == "chat":
                     resp = await client.chat.completions.create(model=ep.model, messages=prompt, **params, **extra)
                     choices = [(c.message.content or "", c.finish_reason) for c in resp.choices]
                 else:
                     resp = await client.completions.create(model=ep.model, prompt=prompt, **params, **extra)
                     choices = [(c.text or "", c.finish_reason) for c in resp.choices]
-                usage = getattr(resp, "usage", None)
-                total = int(usage.completion_tokens) if usage is not None and usage.completion_tokens is not None \
-                    else worst
+                if not self.direct:
+                    usage = getattr(resp, "usage", None)
+                    completion_tokens = None if usage is None or usage.completion_tokens is None \
+                        else int(usage.completion_tokens)
+                    prompt_total = int(usage.prompt_tokens or 0) if usage is not None else 0
+                total = worst if completion_tokens is None else completion_tokens
                 used = total
-                prompt_total = int(usage.prompt_tokens or 0) if usage is not None else 0
                 return _split_usage(choices, total, prompt_total)
-            except openai.APIStatusError as exc:
+            except (openai.APIStatusError, StatusError) as exc:
                 status = exc.status_code
                 if not retryable_status(status):
                     used = 0  # refused before any work: no completion tokens were produced
@@ -297,7 +368,7 @@ class LLMClient:
                     used = 0  # rate limited: turned away before any work
                 raise Retry(exc, server_asks=retry_after(getattr(getattr(exc, "response", None), "headers", None))) \
                     from None
-            except (openai.APIConnectionError, openai.APITimeoutError) as exc:
+            except self._transport_errors as exc:
                 if _not_reached(exc):
                     used = None  # nothing reached a server: no request, no tokens
                     self.refused += 1
@@ -308,7 +379,71 @@ class LLMClient:
                     cap.release(worst)
                 else:
                     cap.settle(worst, used)
+                    if usage_out is not None:
+                        usage_out.requests += 1
+                        usage_out.tokens += used
         return await self._retrier.call(attempt)
+
+
+    async def _post(self, prompt: Any, params: dict[str, Any],
+                    extra: dict[str, Any]) -> tuple[list[tuple[str, str | None]], int | None, int]:
+        """One request sent directly (``ClientOptions.direct``): the choices, completion tokens (None when
+        not reported) and prompt tokens; a non-2xx answer raises ``StatusError``."""
+        ep = self.spec.endpoint
+        chat = ep.api == "chat"
+        body = {"model": ep.model, "messages" if chat else "prompt": prompt, **params, **extra}
+        resp = await self._http.post(self._url, json=body, headers=self._headers, timeout=ep.timeout)
+        if not 200 <= resp.status_code < 300:
+            raise StatusError(resp)
+        try:
+            data = resp.json()
+            choices = [((c["message"]["content"] if chat else c["text"]) or "", c.get("finish_reason"))
+                       for c in data["choices"]]
+            usage = data.get("usage") or {}
+            completion_tokens = usage.get("completion_tokens")
+            return (choices, None if completion_tokens is None else int(completion_tokens),
+                    int(usage.get("prompt_tokens") or 0))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise EndpointError(f"the endpoint {self.base_url} answered HTTP {resp.status_code} with a body that is "
+                                f"not a {'chat ' if chat else ''}completion ({type(exc).__name__}: {exc})") from None
+
+
+class StatusError(Exception):
+    """A non-2xx answer to a request sent directly; ``status_code``, ``body`` and ``response`` as openai's errors."""
+
+    def __init__(self, response: Any) -> None:
+        """``response``: the HTTP response."""
+        self.response, self.status_code = response, int(response.status_code)
+        try:
+            self.body: Any = response.json()
+        except ValueError:
+            self.body = None
+        self.message = f"Error code: {self.status_code} - {response.text[:500]}"
+        super().__init__(self.message)
+
+
+def direct_headers(route: Route, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The headers of a request sent directly: JSON, and the account headers openai would add from the
+    environment where ``OPENAI_API_KEY`` goes (``OPENAI_ORG_ID``, ``OPENAI_PROJECT_ID``, ``OPENAI_CUSTOM_HEADERS``).
+    The key itself is set by ``route_hook``."""
+    env = os.environ if environ is None else environ
+    headers = {"Accept": "application/json"}
+    if route.key_env == "OPENAI_API_KEY":
+        for name, var in (("OpenAI-Organization", "OPENAI_ORG_ID"), ("OpenAI-Project", "OPENAI_PROJECT_ID")):
+            if env.get(var):
+                headers[name] = env[var]
+        for line in env.get("OPENAI_CUSTOM_HEADERS", "").split("\n"):
+            name, sep, value = line.partition(":")
+            if sep and name.strip():
+                headers[name.strip()] = value.strip()
+    return headers
+
+
+def _http_module() -> Any:
+    """``httpx2``, the HTTP library under ``openai`` (its transport errors are caught for direct requests)."""
+    import httpx2
+
+    return httpx2
 
 
 def _split_usage(choices: list[tuple[str, str | None]], total: int, prompt_total: int = 0) -> list[Completion]:

@@ -140,7 +140,10 @@ class RewardScorer:
 
     The HTTP client opens on the first call, in the caller's event loop, and ``aclose`` closes it
     (a later call opens a new one). ``requests`` counts HTTP attempts, ``retries`` the retried ones.
+    ``stop_on_failure``: as ``LLMClient``'s (a server sets it False, and its own ``policy``).
     """
+
+    stop_on_failure = True
 
     def __init__(self, spec: Spec) -> None:
         """Bind to the spec's ``scorer.reward_url``, its key route and the endpoint's retry and concurrency settings."""
@@ -162,7 +165,8 @@ class RewardScorer:
         self._http = http_module()
         self._client = self._http.AsyncClient(timeout=self.timeout, follow_redirects=False,
                                               event_hooks={"request": [route_hook(self.route)]})
-        self._retrier = Retrier("the reward endpoint", self.url, self.policy, self._rng, self.concurrency)
+        self._retrier = Retrier("the reward endpoint", self.url, self.policy, self._rng, self.concurrency,
+                                stop_on_failure=self.stop_on_failure)
 
     @property
     def retries(self) -> int:
@@ -187,7 +191,7 @@ class RewardScorer:
                 return self._scores(resp.content)
             if not retryable_status(resp.status_code):
                 raise EndpointError(f"the reward endpoint {self.url} refused the request with HTTP "
-                                    f"{resp.status_code}: {resp.text[:300]}")
+                                    f"{resp.status_code}: {resp.text[:300]}", resp.status_code)
             raise Retry(EndpointError(f"HTTP {resp.status_code}: {resp.text[:300]}"),
                         server_asks=retry_after(resp.headers))
         return await self._retrier.call(attempt)
