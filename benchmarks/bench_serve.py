@@ -234,5 +234,70 @@ def report(sides: list[Side], args: argparse.Namespace, optillm_note: str) -> No
                       for s in sides}))
 
 
+
+def early_stop_bench(argv: list[str]) -> None:
+    """``--early-stop``: completions and latency of majority votes that stop when decided against all N, live.
+
+    The example task (examples/collect_llamacpp.toml: 3 prompts x 5 queries) on the tiny llama.cpp
+    model, through ``iapo_gym.deploy.Router`` in this process: every (prompt, query) at each cap N,
+    with early stopping and with all N, interleaved over the rounds. llama.cpp ignores ``n``, so both
+    send one request per completion and completion i has the same seed on both sides.
+    """
+    import dataclasses
+
+    from iapo_gym.deploy import Router
+    from iapo_gym.llm.spec import load_spec
+    from iapo_gym.policyfile import PolicyContext, PolicyFile, PolicyPrompt
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--early-stop", action="store_true")
+    ap.add_argument("--ns", type=int, nargs="+", default=[3, 5, 8], help="caps N")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    args = ap.parse_args(argv)
+    folder = Path(tempfile.mkdtemp(prefix="bench-early-"))
+    up = free_port()
+    llama = start_llama_server(write_tiny_gguf(folder / "tiny.gguf"), up)
+    try:
+        spec = load_spec(Path(__file__).resolve().parent.parent / "examples" / "collect_llamacpp.toml")
+        spec = dataclasses.replace(spec, endpoint=dataclasses.replace(spec.endpoint, base_url=f"http://127.0.0.1:{up}/v1",
+                                                                      concurrency=16),
+                                   sampling=dataclasses.replace(spec.sampling, max_tokens=args.max_tokens),
+                                   budget=dataclasses.replace(spec.budget, max_requests=None, max_tokens_total=None))
+        n_max = max(args.ns)
+        prompts = tuple(PolicyPrompt(p.id, p.text) for p in spec.prompts)
+        contexts = tuple(PolicyContext(f"{p.id}-{n}", (1.0,), -0.01 * n, 1.0 / (len(prompts) * len(args.ns)), p.id, n)
+                         for p in prompts for n in args.ns)
+        policy = PolicyFile(task=spec.task, aggregator="mv", api="completions", n_max=n_max, objectives=("correct",),
+                            scorer={"extractor": spec.scorer.extractor}, sampling=None, prompts=prompts,
+                            contexts=contexts)
+        rows: dict[tuple[str, bool], list[tuple[int, float]]] = {}
+        with Router(policy, spec) as early, Router(policy, spec, early_stop=False) as full:
+            for _ in range(args.repeats):
+                for c in contexts:
+                    for q in spec.queries:
+                        for router, on in ((early, True), (full, False)):
+                            t = time.perf_counter()
+                            r = router.complete(q.text, c.name)
+                            rows.setdefault((c.name, on), []).append((r.n, time.perf_counter() - t))
+        print(f"early stopping on {spec.task}: {len(spec.queries)} queries x {args.repeats} rounds per row, tiny llama.cpp "
+              f"model, max_tokens {args.max_tokens}")
+        print(f"{'context':<18} {'N':>3} {'drawn':>6} {'saved':>6} {'p50 ms all N':>12} {'p50 ms early':>12}")
+        total = {True: 0, False: 0}
+        for c in contexts:
+            e, f = rows[(c.name, True)], rows[(c.name, False)]
+            de, df = sum(x for x, _ in e), sum(x for x, _ in f)
+            total[True] += de
+            total[False] += df
+            print(f"{c.name:<18} {c.n:>3} {de / len(e):>6.2f} {1 - de / df:>6.1%} "
+                  f"{np.percentile([t for _, t in f], 50) * 1000:>12.1f} {np.percentile([t for _, t in e], 50) * 1000:>12.1f}")
+        print(f"all: {total[True]} of {total[False]} completions drawn ({1 - total[True] / total[False]:.1%} saved)")
+    finally:
+        stop(llama)
+
+
 if __name__ == "__main__":
-    main()
+    if "--early-stop" in sys.argv:
+        early_stop_bench(sys.argv[1:])
+    else:
+        main()

@@ -27,7 +27,11 @@ from pathlib import Path
 from typing import Any
 
 FORMAT = "iapo-gym-policy"
-VERSION = 1
+VERSION = 2
+#: Versions this release reads: version 1 files lack ``arm_estimates`` (they answer their contexts' weights only).
+READS = (1, 2)
+#: The largest n_max whose arms a file's ``arm_estimates`` may rate (the ratings hold N_max values per prompt).
+MAX_RATED_N = 4096
 SCHEMA_FILE = "policy.schema.json"
 
 
@@ -72,6 +76,7 @@ class PolicyContext:
     stderr: float | None = None
     optimal: float | None = None
     completions: int | None = None
+    expected_drawn: float | None = None  # mv: completions a request draws on average with early stopping
 
     @property
     def weights(self) -> tuple[float, ...]:
@@ -83,6 +88,8 @@ class PolicyContext:
         value: dict[str, Any] = {"mean": self.value, "stderr": self.stderr, "optimal": self.optimal}
         if self.completions is not None:
             value["completions"] = self.completions
+        if self.expected_drawn is not None:
+            value["expected_drawn"] = self.expected_drawn
         return {"name": self.name, "objective_weights": list(self.objective_weights), "cost_weight": self.cost_weight,
                 "probability": self.probability, "prompt": self.prompt, "n": self.n, "value": value}
 
@@ -107,6 +114,7 @@ class PolicyFile:
     learned: dict[str, Any] = field(default_factory=dict)
     estimate: dict[str, Any] = field(default_factory=lambda: {"method": None})
     iapo_gym_version: str = ""
+    arm_estimates: dict[str, Any] | None = None  # per prompt the training pulls (iapo_gym.deploy.estimates)
 
     def __post_init__(self) -> None:
         """Fill the writer's version and check that the document is consistent."""
@@ -134,7 +142,8 @@ class PolicyFile:
         return {"format": FORMAT, "version": VERSION, "iapo_gym_version": self.iapo_gym_version, "task": self.task,
                 "aggregator": self.aggregator, "api": self.api, "n_max": self.n_max, "objectives": list(self.objectives),
                 "scorer": self.scorer, "sampling": self.sampling, "prompts": [p.to_dict() for p in self.prompts],
-                "contexts": [c.to_dict() for c in self.contexts], "learned": self.learned, "estimate": self.estimate}
+                "contexts": [c.to_dict() for c in self.contexts], "learned": self.learned, "estimate": self.estimate,
+                **({"arm_estimates": self.arm_estimates} if self.arm_estimates is not None else {})}
 
     def to_json(self) -> str:
         """The file's text: the document with its ``sha256``, indented for reading."""
@@ -206,9 +215,10 @@ def load_text(text: str, where: str = "policy") -> PolicyFile:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise PolicyFileError(f"{where}: not an iapo-gym policy file (expected \"format\": \"{FORMAT}\", "
                               f"got {doc.get('format') if isinstance(doc, dict) else type(doc).__name__!r})")
-    if doc.get("version") != VERSION:
+    if isinstance(doc.get("version"), bool) or doc.get("version") not in READS:
         raise PolicyFileError(f"{where}: policy file version {doc.get('version')!r} is not supported by this "
-                              f"iapo-gym (it reads version {VERSION}); use the release that wrote it")
+                              f"iapo-gym (it reads versions {', '.join(map(str, READS))}); use the release that "
+                              "wrote it")
     import jsonschema
 
     errors = sorted(jsonschema.Draft202012Validator(schema()).iter_errors(doc), key=lambda e: list(e.absolute_path))
@@ -234,9 +244,10 @@ def load_text(text: str, where: str = "policy") -> PolicyFile:
             contexts=tuple(PolicyContext(c["name"], tuple(float(w) for w in c["objective_weights"]),
                                          float(c["cost_weight"]), float(c["probability"]), c["prompt"], int(c["n"]),
                                          c["value"]["mean"], c["value"]["stderr"], c["value"]["optimal"],
-                                         c["value"].get("completions"))
+                                         c["value"].get("completions"), c["value"].get("expected_drawn"))
                            for c in doc["contexts"]),
-            learned=doc["learned"], estimate=doc["estimate"], iapo_gym_version=doc["iapo_gym_version"])
+            learned=doc["learned"], estimate=doc["estimate"], iapo_gym_version=doc["iapo_gym_version"],
+            arm_estimates=doc.get("arm_estimates"))
     except PolicyFileError as exc:
         raise PolicyFileError(f"{where}: {exc}") from None
     except OverflowError as exc:  # an integer weight or probability beyond the float range
@@ -290,6 +301,34 @@ def _check_consistent(pf: PolicyFile, where: str) -> None:
         total += c.probability
     if not math.isclose(total, 1.0, abs_tol=1e-6):
         fail(f"context probabilities sum to {total}, expected 1")
+    if pf.arm_estimates is not None:
+        _check_arm_estimates(pf, ids, fail)
+
+
+def _check_arm_estimates(pf: PolicyFile, ids: list[str], fail: Any) -> None:
+    """Every estimated prompt is a prompt of the policy, once; each query counts some completions, one per outcome."""
+    if pf.n_max > MAX_RATED_N:
+        fail(f"arm_estimates: n_max {pf.n_max} is above {MAX_RATED_N}, too large to rate arms by")
+    seen: set[str] = set()
+    for e in pf.arm_estimates["prompts"] if pf.arm_estimates else ():
+        pid = e.get("id")
+        if pid not in ids or pid in seen:
+            fail(f"arm_estimates: prompt {pid!r} is not a prompt of the policy {ids}, or is listed twice")
+        seen.add(pid)
+        if not math.isfinite(e["cost"]):
+            fail(f"arm_estimates: prompt {pid!r} has a cost that is not finite")
+        outcomes = e.get("outcomes")
+        if (outcomes is None) != (pf.aggregator == "mv"):
+            fail(f"arm_estimates: prompt {pid!r}: outcomes are listed for Best-of-N policies only")
+        if outcomes is not None and any(len(o) != len(pf.objectives) or not all(math.isfinite(x) for x in o)
+                                        for o in outcomes):
+            fail(f"arm_estimates: prompt {pid!r}: each outcome needs {len(pf.objectives)} finite objective scores")
+        for row in e["queries"]:
+            if sum(row) < 1:
+                fail(f"arm_estimates: prompt {pid!r} lists a query with no completion")
+            if outcomes is not None and len(row) != len(outcomes):
+                fail(f"arm_estimates: prompt {pid!r} has a query with {len(row)} counts for its {len(outcomes)} "
+                     "outcomes")
 
 
 # ---- writing from a trained policy ---------------------------------------------------------------------

@@ -39,6 +39,53 @@ def mv_credit(counts: np.ndarray, gold: np.ndarray) -> np.ndarray:
     return np.where(gold_votes == top, 1.0 / ties, 0.0)
 
 
+def votes_to_decide(counts: np.ndarray, n: int) -> int:
+    """Completions to draw next before a majority vote capped at ``n`` can be decided; 0 when it is.
+
+    ``counts`` are the votes per answer so far. The vote is decided when the leader's lead over
+    the runner-up exceeds the completions left: no remaining completion can then change the winner
+    or make a tie, so the vote of all ``n`` would give the same answer. Otherwise the answer is the
+    fewest completions that could decide it (all of them for the leader): drawing fewer could not stop
+    the vote, so waves of this size stop at the first completion where the vote is decided.
+    """
+    counts = np.sort(np.asarray(counts, dtype=np.int64))
+    left = n - int(counts.sum())
+    if left <= 0:
+        return 0
+    lead = int(counts[-1]) - (int(counts[-2]) if counts.size > 1 else 0) if counts.size else 0
+    margin = lead - left
+    return 0 if margin > 0 else min(left, -margin // 2 + 1)
+
+
+def vote_stop_points(atoms: np.ndarray, ns: np.ndarray) -> np.ndarray:
+    """Completions drawn (M, len(ns)) by a majority vote capped at N that stops as soon as it is decided.
+
+    ``atoms`` (M, L) are M sequences of answer buckets in draw order with L >= max(ns); the vote of
+    cap N stops at the first k with (k + leader's votes - runner-up's votes) > N, else at N (the rule
+    of ``votes_to_decide``: that quantity never decreases as votes arrive).
+    """
+    atoms = np.asarray(atoms, dtype=np.int64)
+    ns = np.asarray(ns, dtype=np.int64).reshape(-1)
+    m, length = atoms.shape
+    if ns.size and ns.max() > length:
+        raise ValueError(f"sequences of {length} votes cannot show a vote of N = {int(ns.max())}")
+    if m == 0:
+        return np.zeros((0, ns.size), dtype=np.int64)
+    _, dense = np.unique(atoms, return_inverse=True)  # bucket ids 0..B-1
+    dense = dense.reshape(m, length)
+    n_buckets = int(dense.max()) + 1
+    counts = np.zeros((m, length, max(n_buckets, 2)), dtype=np.int64)
+    np.put_along_axis(counts, dense[:, :, None], 1, axis=2)
+    np.cumsum(counts, axis=1, out=counts)
+    top2 = np.partition(counts, counts.shape[2] - 2, axis=2)[:, :, -2:]
+    reach = np.arange(1, length + 1)[None, :] + top2[:, :, 1] - top2[:, :, 0]  # (M, L), non-decreasing in k
+    out = np.empty((m, ns.size), dtype=np.int64)
+    for j, n in enumerate(ns.tolist()):
+        decided = reach[:, :n] > n
+        out[:, j] = np.where(decided.any(axis=1), decided.argmax(axis=1) + 1, n)
+    return out
+
+
 def block_utilities(table: TableSchema, prompts: np.ndarray, queries: np.ndarray,
                     atom_blocks: np.ndarray) -> np.ndarray:
     """Utilities (C, n) under every context of n blocks of k completions each.

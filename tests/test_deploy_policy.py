@@ -95,9 +95,9 @@ def test_tampered_and_malformed_files_are_refused(env: IAPOEnv, tmp_path: Path) 
         load_policy(_rewrite(path, bad_type, resign=True))
 
     def version(doc: dict) -> None:
-        doc["version"] = 2
+        doc["version"] = 3
 
-    with pytest.raises(PolicyFileError, match="version 2 is not supported"):
+    with pytest.raises(PolicyFileError, match="version 3 is not supported"):
         load_policy(_rewrite(path, version, resign=True))
     text = path.read_text(encoding="utf-8")
     (tmp_path / "cut.json").write_text(text[: len(text) // 2], encoding="utf-8")

@@ -48,7 +48,10 @@ def scripted(tmp_path_factory: pytest.TempPathFactory) -> object:
 
 def test_majority_vote_returns_the_first_completion_of_the_winning_answer(scripted: tuple[int, Path]) -> None:
     port, spec = scripted
-    with Router(mv_policy(), spec) as router:
+    # the scripted server answers a request for n completions with the first n of its script, whatever their
+    # sample indices, so votes drawn in waves would repeat them: all N in one wave here (early stopping is
+    # tested in tests/test_deploy_early_stop.py)
+    with Router(mv_policy(), spec, early_stop=False) as router:
         before = scripted_stats(port)
         r = router.complete("clear", "low")  # low: prompt plain, N = 3
         after = scripted_stats(port)
@@ -73,7 +76,7 @@ def test_ties_are_broken_uniformly_with_the_seeded_generator(scripted: tuple[int
     """A t-way tie gives each tied answer with probability 1/t: the oracle's tie credit."""
     _, spec = scripted
     for seed in (0, 5):
-        router = Router(mv_policy(), spec, seed=seed)
+        router = Router(mv_policy(), spec, seed=seed, early_stop=False)  # all N in one wave (see above)
         try:
             three, two = Counter(), Counter()
             for q in TIE_QUERIES:
@@ -85,8 +88,8 @@ def test_ties_are_broken_uniformly_with_the_seeded_generator(scripted: tuple[int
                 r2 = router.complete(q, "mid")
                 assert r2.tied == ["4", "5"]
                 two[r2.text] += 1
-            assert router.complete(TIE_QUERIES[0], "low").text == Router(mv_policy(), spec, seed=seed).complete(
-                TIE_QUERIES[0], "low").text  # reproducible
+            assert router.complete(TIE_QUERIES[0], "low").text == Router(
+                mv_policy(), spec, seed=seed, early_stop=False).complete(TIE_QUERIES[0], "low").text  # reproducible
         finally:
             router.close()
         # 200 draws: each share within 5 standard deviations of 1/t
@@ -122,7 +125,7 @@ def test_upstream_ignoring_n_gets_n_requests(tmp_path: Path) -> None:
     proc = start_scripted({"Q: clear\nA:": ["7", "7", "3"]}, tmp_path, port, ignore_n=True)
     try:
         spec = write_spec(tmp_path, port)
-        with Router(mv_policy(), spec) as router:
+        with Router(mv_policy(), spec, early_stop=False) as router:  # all N in one wave
             first = router.complete("clear", "low")
             stats = scripted_stats(port)
             # one request with n = 3 answered with 1 choice, then the 2 missing ones one by one
@@ -189,7 +192,9 @@ def test_chat_upstream_gets_the_policy_messages(tmp_path: Path) -> None:
                             contexts=(PolicyContext("only", (1.0,), -0.1, 1.0, "sys", 3),))
         with Router(policy, spec) as router:
             r = router.complete("6 * 7")  # one context: no need to name it
-            assert r.answers == ["42", "42", "41"] and r.text == "42" and r.prompt_id == "sys"
+            # 42 twice decides the vote of 3: the third completion is never drawn
+            assert r.answers == ["42", "42"] and r.text == "42" and r.prompt_id == "sys" and r.n == 2
+            assert r.info()["n"] == 3 and r.info()["drawn"] == 2
         with pytest.raises(ValueError, match="written for the chat API.*endpoint.api = 'completions'"):
             Router(policy, write_spec(tmp_path, port, name="completions.json"))
     finally:

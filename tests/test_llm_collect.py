@@ -214,8 +214,10 @@ def test_spending_cap_holds_under_16_concurrent_requests(tmp_path: Path, llama_s
         assert stats["max_in_flight"] > 1  # the requests really were concurrent
         assert stats["completion_tokens"] <= 100 and result.tokens == stats["completion_tokens"]
         assert sum(r["tokens"] for r in _lines(result.log)) <= 100
-        # a request cap too, then resume with the cap lifted: exactly every completion, none twice
-        spec2 = write_spec(tmp_path, port, n_max=16, endpoint={"concurrency": 16},
+        # a request cap too, then resume with the cap lifted: exactly every completion, none twice. use_n = "yes"
+        # plans one request per group (6 fit the cap, so the run starts); llama.cpp then answers one completion
+        # per request and the cap stops the run in flight
+        spec2 = write_spec(tmp_path, port, n_max=16, endpoint={"concurrency": 16, "use_n": "yes"},
                            sampling={"max_tokens": 6, "temperature": 0.9}, budget={"max_requests": 10}, name="s2.json")
         before = proxy_stats(port)["posts"]
         capped = collect(load_spec(spec2), tmp_path / "out", progress=False)

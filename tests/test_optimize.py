@@ -114,6 +114,9 @@ def test_optimize_live_then_serve_round_trip(tmp_path: Path, proxy: int) -> None
     assert est["method"] == "monte_carlo" and est["split"] == "test" and est["stderr"] >= 0
     assert est["completions"] <= 60 and 1 <= est["queries"] <= 3
     assert all(c.value is not None and c.completions for c in pf.contexts)
+    # every training completion is kept as the arm estimates; per context the completions drawn with early stopping
+    assert pf.arm_estimates is not None and pf.arm_estimates["completions"] == pf.learned["completions"]
+    assert all(c.expected_drawn is None or 1 <= c.expected_drawn <= c.n for c in pf.contexts)
     assert sum(c.probability * c.value for c in pf.contexts if c.value is not None) == pytest.approx(est["acr"])
     assert pf.prompt("plain").template == "Q: {query}\nA:" and pf.scorer is not None
     first_text = (out / "policy.json").read_text(encoding="utf-8")
@@ -133,7 +136,9 @@ def test_optimize_live_then_serve_round_trip(tmp_path: Path, proxy: int) -> None
             after = proxy_stats(proxy)
             iapo = resp.model_extra["iapo"]
             assert (iapo["context"], iapo["prompt"], iapo["n"]) == (c.name, c.prompt, c.n)
-            assert after["choices"] - before["choices"] == c.n
+            # N is a cap: the vote stops once decided, and the upstream saw exactly the completions drawn
+            assert after["choices"] - before["choices"] == iapo["drawn"] <= c.n
+            assert iapo["route"] == {"by": "context"}
     finally:
         stop(serve)
     report = (out / "report.md").read_text(encoding="utf-8")

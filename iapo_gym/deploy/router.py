@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import os
 import warnings
@@ -28,17 +29,27 @@ from typing import Any, cast
 
 import numpy as np
 
+from iapo_gym.deploy.estimates import ArmRatings, choose_arm
 from iapo_gym.llm.client import BudgetExhausted, ClientOptions, Completion, EndpointError, LLMClient, RequestOptions
 from iapo_gym.llm.loop import LoopThread, gather_all
 from iapo_gym.llm.scoring import RewardScorer, make_extractor, make_scorer
 from iapo_gym.llm.spec import Prompt, Scorer, Spec, load_spec
 from iapo_gym.policyfile import PolicyContext, PolicyFile, PolicyFileError, load_policy
 from iapo_gym.seeding import derive_rng
+from iapo_gym.utility import votes_to_decide
 
 TIE_KEY = "iapo_gym.deploy.tie"
+RATED_CACHE = 1024  # weights whose best arm is remembered (a Best-of-N rating scores every block)
 ContextRef = str | int | Sequence[float] | None
 
-__all__ = ["BudgetExhausted", "ContextError", "EndpointError", "Routed", "Router"]
+__all__ = ["BudgetExhausted", "ContextError", "EndpointError", "RatedContext", "Routed", "Router"]
+
+
+@dataclass(frozen=True)
+class RatedContext(PolicyContext):
+    """Weights no context of the policy has, with the arm its estimates rate best; ``route`` says how it was chosen."""
+
+    route: dict[str, Any] = field(default_factory=dict)
 
 
 class ContextError(ValueError):
@@ -84,9 +95,11 @@ class Routed:
         return sum(c.prompt_tokens for c in self.completions)
 
     def info(self) -> dict[str, Any]:
-        """The ``iapo`` object of a response: context, prompt id, N, and the votes or scores."""
-        out: dict[str, Any] = {"context": self.context.name, "prompt": self.prompt_id, "n": self.n,
-                               "chosen": self.chosen}
+        """The ``iapo`` object of a response: context, how its arm was chosen, prompt id, N and the completions
+        drawn, and the votes or scores."""
+        route = getattr(self.context, "route", None) or {"by": "context"}
+        out: dict[str, Any] = {"context": self.context.name, "route": route, "prompt": self.prompt_id,
+                               "n": self.context.n, "drawn": self.n, "chosen": self.chosen}
         if self.answers is not None:
             out.update(aggregator="mv", answers=self.answers, votes=[[a, v] for a, v in self.votes],
                        winner=self.answers[self.chosen] if self.answers[self.chosen] else None, tied=self.tied)
@@ -99,12 +112,14 @@ class Router:
     """A policy file applied to an upstream endpoint: ``acomplete``/``complete`` per request (module docstring)."""
 
     def __init__(self, policy: PolicyFile | str | os.PathLike[str], spec: Spec | str | os.PathLike[str], *,
-                 seed: int = 0) -> None:
+                 seed: int = 0, early_stop: bool = True) -> None:
         """``policy``: a ``PolicyFile`` or its path; ``spec``: the upstream's collection spec or its path;
-        ``seed``: the root of the tie-breaking generators."""
+        ``seed``: the root of the tie-breaking generators; ``early_stop``: a majority vote stops drawing
+        once decided (the same answer as all N; False draws all N)."""
         self.policy = policy if isinstance(policy, PolicyFile) else load_policy(policy)
         self.spec = spec if isinstance(spec, Spec) else load_spec(spec)
         self.seed = int(seed)
+        self.early_stop = bool(early_stop)
         pf, sp = self.policy, self.spec
         unservable = sorted({c.prompt for c in pf.contexts if not pf.prompt(c.prompt).servable})
         if unservable:
@@ -128,6 +143,9 @@ class Router:
         self._score = make_scorer(dataclasses.replace(sp, scorer=scorer)) if pf.aggregator == "bon" else None
         self._grid = scorer.grid if pf.aggregator == "bon" else None
         self._by_name = {c.name: i for i, c in enumerate(pf.contexts)}
+        self._ratings = (ArmRatings(pf.arm_estimates, pf.aggregator, pf.n_max, pf.objectives)
+                         if pf.arm_estimates is not None else None)
+        self._rated: dict[tuple[float, ...], dict[str, Any]] = {}  # weights -> the chosen arm's route, oldest first
         self._client: LLMClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: LoopThread | None = None
@@ -143,6 +161,9 @@ class Router:
 
         Weights are the objective weights followed by the cost weight, or the objective weights
         alone when exactly one context has them; ``None`` is allowed for a one-context policy.
+        Weights no context has get the arm the policy's per-arm estimates rate best for them
+        (``route`` says so); they are refused when the policy cannot rate them (no estimates,
+        wrong length, a weight of another sign than the policy's contexts).
         """
         ctxs = self.policy.contexts
         if context is None:
@@ -173,12 +194,46 @@ class Router:
             if len(found) > 1:
                 raise ContextError(f"objective weights {weights} match {len(found)} contexts (they differ in the cost "
                                    "weight): give the cost weight too", ctxs)
+            if not found:
+                raise ContextError(f"no context has the objective weights {weights}: give the cost weight too "
+                                   f"({k} objective weight(s) {list(self.policy.objectives)}, then the cost weight)",
+                                   ctxs)
         else:
             raise ContextError(f"context weights {weights} must list {k} objective weight(s) "
                                f"{list(self.policy.objectives)}, optionally followed by the cost weight", ctxs)
-        if not found:
-            raise ContextError(f"no context has the weights {weights}", ctxs)
-        return found[0]
+        if found:
+            return found[0]
+        return self._rate(weights)
+
+    def _rate(self, weights: list[float]) -> RatedContext:
+        """The arm the policy's estimates rate best for weights no context has (objective weights, then cost)."""
+        ctxs = self.policy.contexts
+        if self._ratings is None:
+            raise ContextError(f"no context has the weights {weights}, and this policy file carries no per-arm "
+                               "estimates (arm_estimates) to rate other weights: it answers its contexts' weights "
+                               "only (a policy written by iapo-gym optimize has them)", ctxs)
+        objective, cost = weights[:-1], weights[-1]
+        names = self.policy.objectives
+        for i, name in enumerate(names):
+            signs = {math.copysign(1.0, c.objective_weights[i]) for c in ctxs if c.objective_weights[i] != 0}
+            if objective[i] < 0 and signs == {1.0}:
+                raise ContextError(f"objective weight {objective[i]} for {name!r} is negative; the policy's contexts "
+                                   "weigh every objective by >= 0, which is what its estimates cover", ctxs)
+            if objective[i] > 0 and signs == {-1.0}:
+                raise ContextError(f"objective weight {objective[i]} for {name!r} is positive; the policy's contexts "
+                                   "weigh it by <= 0, which is what its estimates cover", ctxs)
+        if cost > 0 and all(c.cost_weight <= 0 for c in ctxs):
+            raise ContextError(f"cost weight {cost} is positive: a cost weight is <= 0 (it penalises N times the "
+                               "prompt's cost), as in every context of the policy", ctxs)
+        key = tuple(weights)
+        if key not in self._rated:
+            if len(self._rated) >= RATED_CACHE:
+                self._rated.pop(next(iter(self._rated)))
+            self._rated[key] = choose_arm(self._ratings, ctxs, weights)
+        chosen = self._rated[key]
+        route = {"by": "estimated_utility", **{k: v for k, v in chosen.items() if k not in ("prompt", "n")}}
+        return RatedContext(name=json.dumps(weights), objective_weights=tuple(objective), cost_weight=cost,
+                            probability=0.0, prompt=chosen["prompt"], n=chosen["n"], route=route)
 
     # ---- the client ------------------------------------------------------------------------------------
     async def start(self, options: ClientOptions | None = None) -> Router:
@@ -258,9 +313,9 @@ class Router:
             await self.start()
         assert self._client is not None
         rendered = self.render(ctx, query)
-        completions = await self._client.complete(rendered, list(range(ctx.n)), options)
         if self._extract is not None:
-            return self._vote(ctx, query, completions)
+            return await self._vote_in_waves(ctx, query, rendered, options)
+        completions = await self._client.complete(rendered, list(range(ctx.n)), options)
         return await self._best(ctx, query, completions)
 
     def render(self, ctx: PolicyContext, query: str) -> str | list[dict[str, str]]:
@@ -276,12 +331,43 @@ class Router:
             self._runner = LoopThread()
         return self._runner.run(self.acomplete(query, context, options))
 
-    def _vote(self, ctx: PolicyContext, query: str, completions: list[Completion]) -> Routed:
+    def _answer(self, text: str) -> str | None:
+        """The bucket of a completion: its extracted answer stripped, None for no answer."""
         assert self._extract is not None
+        a = self._extract(text)
+        return a.strip() or None if a is not None else None
+
+    async def _vote_in_waves(self, ctx: PolicyContext, query: str, rendered: Any,
+                             options: RequestOptions | None = None) -> Routed:
+        """Draw the context's N completions in waves and stop once no remaining one can change the winner.
+
+        With ``early_stop`` off, all N in one wave. Completion i is sample index i in either case, so
+        the completions drawn are the first ones of the full N and the vote gives the same answer.
+        """
+        assert self._client is not None
+        completions: list[Completion] = []
         answers: list[str | None] = []
-        for c in completions:
-            a = self._extract(c.text)
-            answers.append(a.strip() or None if a is not None else None)
+        while True:
+            if self.early_stop:
+                counts: dict[str | None, int] = {}
+                for a in answers:
+                    counts[a] = counts.get(a, 0) + 1
+                wave = votes_to_decide(np.fromiter(counts.values(), dtype=np.int64, count=len(counts)), ctx.n)
+            else:
+                wave = ctx.n - len(completions)
+            if wave == 0:
+                break
+            drawn = await self._client.complete(rendered, list(range(len(completions), len(completions) + wave)),
+                                                options)
+            completions += drawn
+            answers += [self._answer(c.text) for c in drawn]
+        return self._vote(ctx, query, completions, answers)
+
+    def _vote(self, ctx: PolicyContext, query: str, completions: list[Completion],
+              answers: list[str | None] | None = None) -> Routed:
+        """The majority vote of ``completions`` (``answers``: their buckets, when already extracted)."""
+        if answers is None:
+            answers = [self._answer(c.text) for c in completions]
         counts: dict[str | None, int] = {}
         for a in answers:
             counts[a] = counts.get(a, 0) + 1

@@ -13,6 +13,7 @@ Writes ``DIR/policy.json`` (docs/deploy.md) and ``DIR/report.md``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import threading
@@ -30,6 +31,10 @@ from iapo_gym.progress import Progress
 from iapo_gym.seeding import derive_rng, derive_seed
 
 CHECK_KEY = "iapo_gym.optimize.check"
+DRAWN_KEY = "iapo_gym.optimize.early_stop"
+#: Votes simulated per context for the completions a majority vote draws with early stopping (table target).
+DRAWN_SAMPLES = 20_000
+DRAWN_SEED = 0  # live target: the votes simulated from the estimates
 
 
 class OptimizeError(RuntimeError):
@@ -106,25 +111,37 @@ def optimize(target: str, agent: str | AgentSpec, budget: int, out: str | Path, 
     return OptimizeResult(pf, policy_path, report_path, spend)
 
 
-def _train(env: Any, agent_spec: AgentSpec, agent_seed: int, budget: int, meter: Any, progress: bool) -> tuple[Any, float]:
+def _train(env: Any, agent_spec: AgentSpec, agent_seed: int, budget: int, meter: Any,
+           progress: bool) -> tuple[Any, float, dict[str, Any]]:
+    """Train the agent on ``env`` within ``budget``; the policy, the seconds and the arm estimates of its draws.
+
+    The env's completion source is wrapped for the run by a recorder (whatever the agent), so every
+    completion drawn is kept for the policy file's ``arm_estimates``.
+    """
+    from iapo_gym.deploy.estimates import RecordingSource, build_arm_estimates
     from iapo_gym.leaderboard.run.runner import BudgetExceededError, build_agent
 
     agent = build_agent(agent_spec, agent_seed)
     bar = _Bar(budget, meter, progress)
+    recorder = RecordingSource(env.source)
+    train_queries = env.queries()
+    env.source = recorder
     start = time.perf_counter()
     try:
         policy = agent.train(env, budget)
     finally:
+        env.source = recorder.inner
         bar.close()
     seconds = time.perf_counter() - start
     if meter() > budget:
         raise BudgetExceededError(f"agent {agent_spec.label!r} drew {meter()} completions with a budget of {budget}")
-    return policy, seconds
+    return policy, seconds, build_arm_estimates(env.table, *recorder.pulls(), train_queries)
 
 
 def _table(target: str, agent_spec: AgentSpec, budget: int, seed: int, run: int, spec_path: str | None,
            progress: bool) -> tuple[PolicyFile, dict[str, Any]]:
     """The leaderboard's run ``run`` of the task, trained and described exactly."""
+    from iapo_gym.deploy.estimates import simulate_drawn
     from iapo_gym.env import IAPOEnv
     from iapo_gym.leaderboard.run.runner import DEFAULT_TRAIN_FRACTION, agent_seed_for, run_setup
     from iapo_gym.leaderboard.run.specs import task_available
@@ -138,7 +155,7 @@ def _table(target: str, agent_spec: AgentSpec, budget: int, seed: int, run: int,
     env = IAPOEnv(table=setup.run_table)
     env.reset(seed=setup.env_seed)
     agent_seed = agent_seed_for(seed, task.name, run, agent_spec)
-    policy, seconds = _train(env, agent_spec, agent_seed, budget, lambda: env.completions_drawn, progress)
+    policy, seconds, estimates = _train(env, agent_spec, agent_seed, budget, lambda: env.completions_drawn, progress)
     arms = policy_arms(policy, setup.run_table)
     spec = None
     if spec_path is not None:
@@ -150,7 +167,41 @@ def _table(target: str, agent_spec: AgentSpec, budget: int, seed: int, run: int,
                "target_kind": "table", "table_sha256": setup.checksum, "model": None, **spend,
                "seconds": round(seconds, 3), "split_seed": setup.split_seed, "env_seed": setup.env_seed,
                "agent_seed": agent_seed}
-    return describe(arms.tolist(), env, spec=spec, learned=learned), spend
+    pf = describe(arms.tolist(), env, spec=spec, learned=learned)
+    drawn = None
+    if setup.run_table.aggregator == "mv":
+        drawn = simulate_drawn(setup.run_table, arms, env.queries("test"), DRAWN_SAMPLES,
+                               derive_seed(seed, DRAWN_KEY, task.name, run))
+    pf = _with_estimates(pf, estimates, drawn)
+    est = dict(pf.estimate, any_weights=any_weights_check(pf, setup.run_table))
+    return dataclasses.replace(pf, estimate=est), spend
+
+
+def any_weights_check(pf: PolicyFile, table: Any) -> list[dict[str, Any]]:
+    """Weights midway between consecutive contexts, the arm the policy's estimates rate best for each (as ``serve``
+    chooses it), and its exact test utility against the best arm's and the nearest context's arm's."""
+    from iapo_gym.deploy.estimates import ArmRatings, choose_arm, probe_weights
+    from iapo_gym.env import IAPOEnv
+
+    assert pf.arm_estimates is not None
+    probes = probe_weights(pf.contexts)
+    if probes.size == 0:
+        return []
+    ratings = ArmRatings(pf.arm_estimates, pf.aggregator, pf.n_max, pf.objectives)
+    names = tuple(f"probe{i}" for i in range(len(probes)))
+    probe_table = dataclasses.replace(table, context_weights=probes, context_names=names,
+                                      context_probs=np.full(len(probes), 1.0 / len(probes)))
+    q = IAPOEnv(table=probe_table).q_table("test")  # exact (probes, P, N_max)
+    index = {p.id: i for i, p in enumerate(pf.prompts)}
+    rows = []
+    for i, w in enumerate(probes):
+        chosen = choose_arm(ratings, pf.contexts, w)
+        prompt, n = chosen["prompt"], chosen["n"]
+        near = next(c for c in pf.contexts if c.name == chosen["nearest_context"])
+        rows.append({"weights": [float(x) for x in w], "prompt": prompt, "n": n,
+                     "exact": float(q[i, index[prompt], n - 1]), "optimal": float(q[i].max()),
+                     "nearest_context": near.name, "nearest_exact": float(q[i, index[near.prompt], near.n - 1])})
+    return rows
 
 
 class _LiveMeter:
@@ -164,11 +215,13 @@ def _live(target: str, agent_spec: AgentSpec, budget: int, out: Path, seed: int,
           cache: str | None, progress: bool) -> tuple[PolicyFile, dict[str, Any]]:
     """Train on the live endpoint through the cache, then check on held-out queries."""
     from iapo_gym.leaderboard.run.runner import agent_seed_for
+    from iapo_gym.llm.collect import check_plan_fits
     from iapo_gym.llm.live import LiveEnv
     from iapo_gym.llm.spec import load_spec
     from iapo_gym.oracle import policy_arms
 
     spec = load_spec(target)
+    check_plan_fits(spec, budget + check, f"optimize --budget {budget} --check {check} ({budget + check} completions)")
     meter = _LiveMeter()
 
     class MeteredLive(LiveEnv):
@@ -190,7 +243,7 @@ def _live(target: str, agent_spec: AgentSpec, budget: int, out: Path, seed: int,
                 split_note = "none (build.test_fraction = 0): the check uses the training queries"
         env.reset(seed=derive_seed(seed, "env", spec.task, run))
         agent_seed = agent_seed_for(seed, spec.task, run, agent_spec)
-        policy, seconds = _train(env, agent_spec, agent_seed, budget, lambda: meter.drawn, progress)
+        policy, seconds, estimates = _train(env, agent_spec, agent_seed, budget, lambda: meter.drawn, progress)
         arms = policy_arms(policy, env.table)
         train = {"completions": meter.drawn, "requests": env.requests, "tokens": env.client.cap.tokens}
         estimate: dict[str, Any] = {"method": None}
@@ -209,7 +262,22 @@ def _live(target: str, agent_spec: AgentSpec, budget: int, out: Path, seed: int,
         pf = describe(arms.tolist(), env, spec=spec, learned=learned, estimate=estimate, context_values=values)
     finally:
         env.close()
+    pf = _with_estimates(pf, estimates, None)
     return pf, spend
+
+
+def _with_estimates(pf: PolicyFile, estimates: dict[str, Any], drawn: np.ndarray | None) -> PolicyFile:
+    """The policy file with its arm estimates, and per majority-vote context the completions expected with early
+    stopping: ``drawn`` (simulated on a table's distributions) or else the mean over the arm's training blocks."""
+    from iapo_gym.deploy.estimates import ArmRatings
+
+    if pf.aggregator == "mv":
+        ratings = ArmRatings(estimates, pf.aggregator, pf.n_max, pf.objectives)
+        contexts = tuple(dataclasses.replace(c, expected_drawn=float(drawn[i]) if drawn is not None
+                                             else ratings.drawn(c.prompt, c.n, DRAWN_SAMPLES, DRAWN_SEED))
+                         for i, c in enumerate(pf.contexts))
+        pf = dataclasses.replace(pf, contexts=contexts)
+    return dataclasses.replace(pf, arm_estimates=estimates)
 
 
 def live_check(env: Any, arms: np.ndarray, completions: int, seed: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -280,8 +348,10 @@ def render_report(pf: PolicyFile) -> str:
                      + (f"; split: {est['split_note']}" if est.get("split_note") else "") + ".")
     else:
         lines.append("Not checked (a live target: give --check K to estimate it on held-out queries).")
+    mv = pf.aggregator == "mv"
     lines += ["", "| context | objective weights | cost weight | prompt | N | estimated utility | 95% interval | "
-                  "optimal | check completions |", "|---|---|---|---|---:|---:|---|---:|---:|"]
+                  "optimal | check completions |" + (" completions with early stop |" if mv else ""),
+              "|---|---|---|---|---:|---:|---|---:|---:|" + ("---:|" if mv else "")]
     for c in pf.contexts:
         if c.value is None:
             value, interval = "-", "-"
@@ -293,9 +363,34 @@ def render_report(pf: PolicyFile) -> str:
             interval = f"{c.value - 1.96 * se:.4f} .. {c.value + 1.96 * se:.4f}"
         optimal = "-" if c.optimal is None else f"{c.optimal:.6f}"
         weights = ", ".join(f"{w:g}" for w in c.objective_weights)
+        drawn = "" if not mv else (" - |" if c.expected_drawn is None else f" {c.expected_drawn:.2f} |")
         lines.append(f"| {c.name} | {weights} | {c.cost_weight:g} | {c.prompt} | {c.n} | {value} | {interval} | "
-                     f"{optimal} | {c.completions if c.completions is not None else '-'} |")
+                     f"{optimal} | {c.completions if c.completions is not None else '-'} |{drawn}")
     lines.append("")
+    if mv:
+        how = ("simulated from the table's distributions on the test queries" if ln.get("target_kind") == "table"
+               else "simulated from the training completions' distributions per query")
+        lines.append("A majority vote stops drawing once no remaining completion can change its winner (the same "
+                     f"answer as all N): N is a cap; the last column is the completions a request draws on average "
+                     f"({how}).")
+        lines.append("")
+    if pf.arm_estimates is not None:
+        lines.append(f"The file keeps the {pf.arm_estimates['completions']} training completions as per-arm estimates: "
+                     "`serve` rates weights that no context has by them (docs/deploy.md, \"Any weights\").")
+        lines.append("")
+    probes = est.get("any_weights") or []
+    if probes:
+        regret = sum(r["optimal"] - r["exact"] for r in probes) / len(probes)
+        near = sum(r["optimal"] - r["nearest_exact"] for r in probes) / len(probes)
+        lines += [f"Weights midway between consecutive contexts, with the arm `serve` gives them, checked exactly on the "
+                  f"test queries (mean regret {regret:.6f}; the nearest context's arm: {near:.6f}):", "",
+                  "| weights | arm | exact utility | optimal | nearest context | its arm's exact utility |",
+                  "|---|---|---:|---:|---|---:|"]
+        for r in probes:
+            weights = ", ".join(f"{x:g}" for x in r["weights"])
+            lines.append(f"| {weights} | {r['prompt']}, N = {r['n']} | {r['exact']:.6f} | {r['optimal']:.6f} | "
+                         f"{r['nearest_context']} | {r['nearest_exact']:.6f} |")
+        lines.append("")
     if any(not pf.prompt(c.prompt).servable for c in pf.contexts):
         lines.append("The prompts are known by id only (a table without its collection spec): give `--spec` to make "
                      "the policy servable.")

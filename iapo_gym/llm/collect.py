@@ -65,6 +65,30 @@ class CollectResult:
         return self.total == self.expected
 
 
+def check_plan_fits(spec: Spec, completions: int, plan: str, *, pulls: int | None = None) -> None:
+    """Refuse, before anything is sent, a plan of ``completions`` completions that the spec's spending cap cannot hold.
+
+    An upstream that ignores ``n`` (llama.cpp's server does) takes one request per completion, so
+    unless ``endpoint.use_n = "yes"`` the plan needs ``completions`` requests (cache hits need fewer,
+    retries more); with ``use_n = "yes"`` it needs at least ``pulls`` (default: one per ``n_max``).
+    ``plan`` says what the completions are for, in the message.
+    """
+    cap = spec.budget.max_requests
+    if cap is None or completions <= 0:
+        return
+    if spec.endpoint.use_n == "yes":
+        need = pulls if pulls is not None else -(-completions // spec.n_max)
+        how = "at least one request per pull of up to n_max completions (endpoint.use_n = \"yes\")"
+    else:
+        need = completions
+        how = ("one request per completion, as an upstream that ignores n needs (llama.cpp's server does; set "
+               "endpoint.use_n = \"yes\" if yours honours n)")
+    if need > cap:
+        raise SpecError(f"{spec.path}: {plan} needs {need} requests ({how}), but the spending cap "
+                        f"budget.max_requests = {cap}; nothing was sent. Raise max_requests to at least {need} "
+                        "(a little more leaves room for retries) or plan fewer completions")
+
+
 def line_key(prompt: str, query: str, sample: int) -> str:
     """The per-line key of completion ``sample`` of (prompt, query) in the log."""
     return f"{prompt}/{query}/{sample}"
@@ -167,9 +191,23 @@ class Collector:
 
     def run(self) -> CollectResult:
         """Collect what is missing, then build and write the table if every completion is logged."""
+        missing = self._missing(read_done(self.log) if self.log.exists() else set())
+        check_plan_fits(self.spec, sum(len(s) for _, _, s in missing),
+                        f"collecting {sum(len(s) for _, _, s in missing)} missing completions", pulls=len(missing))
         self.out.mkdir(parents=True, exist_ok=True)
         self._check_manifest()
         return run_sync(self._run())  # also from inside a running event loop (a notebook)
+
+    def _missing(self, done: set[str]) -> list[tuple[int, int, list[int]]]:
+        """(prompt index, query index, missing sample indices) of every group not yet complete in the log."""
+        spec = self.spec
+        work: list[tuple[int, int, list[int]]] = []
+        for pi, p in enumerate(spec.prompts):
+            for qi, q in enumerate(spec.queries):
+                missing = [s for s in range(spec.n_max) if line_key(p.id, q.id, s) not in done]
+                if missing:
+                    work.append((pi, qi, missing))
+        return work
 
     def _line(self, prompt: str, query: Query, sample: int, c: Completion, outcome: Any) -> str:
         rec: dict[str, Any] = {"key": line_key(prompt, query.id, sample), "prompt": prompt, "query": query.id,
@@ -196,11 +234,8 @@ class Collector:
         done = read_done(self.log)
         # one list of (prompt, query) groups per endpoint, each worked by that endpoint's own pool of workers
         work: list[list[tuple[int, int, list[int]]]] = [[] for _ in spec.endpoints]
-        for pi, p in enumerate(spec.prompts):
-            for qi, q in enumerate(spec.queries):
-                missing = [s for s in range(spec.n_max) if line_key(p.id, q.id, s) not in done]
-                if missing:
-                    work[p.endpoint].append((pi, qi, missing))
+        for group in self._missing(done):
+            work[spec.prompts[group[0]].endpoint].append(group)
         expected = len(spec.prompts) * len(spec.queries) * spec.n_max
         stream = sys.stderr if self.progress else None
         progress = _Progress(expected, len(done), stream)
