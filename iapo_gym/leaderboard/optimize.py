@@ -254,7 +254,8 @@ def _live(target: str, agent_spec: AgentSpec, budget: int, out: Path, seed: int,
         price = spec.budget.price_per_1k_tokens
         spend = {**train, "price": train["tokens"] * price / 1000.0}
         learned = {"agent": agent_spec.spec, "seed": seed, "run": run, "budget": budget, "target": spec.task,
-                   "target_kind": "live", "table_sha256": None, "model": spec.endpoint.model, **spend,
+                   "target_kind": "live", "table_sha256": None,
+                   "model": ", ".join(e.model for e in spec.endpoints), **spend,
                    "seconds": round(seconds, 3), "agent_seed": agent_seed,
                    "check": {"completions": meter.drawn - train["completions"],
                              "requests": env.requests - train["requests"],

@@ -76,7 +76,7 @@ def check_plan_fits(spec: Spec, completions: int, plan: str, *, pulls: int | Non
     cap = spec.budget.max_requests
     if cap is None or completions <= 0:
         return
-    if spec.endpoint.use_n == "yes":
+    if all(e.use_n == "yes" for e in spec.endpoints):
         need = pulls if pulls is not None else -(-completions // spec.n_max)
         how = "at least one request per pull of up to n_max completions (endpoint.use_n = \"yes\")"
     else:
