@@ -70,6 +70,7 @@ class TableSchema:
     queries: tuple[str, ...] = ()
     split: np.ndarray | None = None  # (Q,) uint8, TRAIN=0 / TEST=1
     attrs: dict[str, Any] = field(default_factory=dict)  # provenance: source, license, build
+    cost_unit: str | None = None  # the unit of ``cost`` (a currency per completion); None: normalized, unitless
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, init=False)  # derived arrays
 
     def __post_init__(self) -> None:
@@ -161,6 +162,7 @@ class TableSchema:
             "objective_names": list(self.objective_names),
             "context_names": list(self.context_names),
             "has_split": self.split is not None,
+            **({"cost_unit": self.cost_unit} if self.cost_unit is not None else {}),
             **{k: _jsonable(v) for k, v in self.attrs.items()},
         }
 
@@ -230,6 +232,9 @@ def validate(table: TableSchema, where: str = "table") -> None:
         _fail(where, f"dataset 'cost' must have shape ({n_p},) or ({n_p}, {n_q}), got {cost.shape}")
     if not np.all(np.isfinite(cost)) or np.any(cost < 0):
         _fail(where, "dataset 'cost' must be finite and >= 0")
+    if table.cost_unit is not None and (not isinstance(table.cost_unit, str) or not table.cost_unit.strip()):
+        _fail(where, f"the cost unit (dataset 'cost', attribute 'unit') must be a non-empty string, "
+                     f"got {table.cost_unit!r}")
     k = len(table.objective_names)
     weights = table.context_weights
     if weights.ndim != 2 or weights.shape[1] != k + 1 or weights.shape[0] < 1:
@@ -302,7 +307,9 @@ def write_table(table: OutcomeTable, path: str | os.PathLike[str], *, exact: boo
             for key, value in table.attrs.items():
                 f.attrs[f"prov_{key}"] = value
             f.create_dataset("probs", data=table.probs, compression="gzip", shuffle=True)
-            f.create_dataset("cost", data=table.cost)
+            cost = f.create_dataset("cost", data=table.cost)
+            if table.cost_unit is not None:
+                cost.attrs["unit"] = table.cost_unit
             f.create_dataset("objective_names", data=list(table.objective_names), dtype=str_dt)
             f.create_dataset("prompts", data=list(table.prompts), dtype=str_dt)
             f.create_dataset("queries", data=list(table.queries), dtype=str_dt)
@@ -444,6 +451,9 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
             "context_names": lambda: list(_strings(f["contexts/names"])),
             "has_split": lambda: "split" in f,
         }))
+        unit = _read_fields(path, {"dataset 'cost' attribute 'unit'": lambda: f["cost"].attrs.get("unit")})
+        if unit["dataset 'cost' attribute 'unit'"] is not None:
+            meta["cost_unit"] = str(_jsonable(unit["dataset 'cost' attribute 'unit'"]))
     return meta
 
 
@@ -467,6 +477,7 @@ def read_table(path: str | os.PathLike[str]) -> OutcomeTable:
             "n_max": lambda: int(f.attrs["n_max"]),
             "probs": lambda: np.asarray(f["probs"][()], dtype=np.float64),
             "cost": lambda: np.asarray(f["cost"][()], dtype=np.float64),
+            "cost_unit": lambda: None if "unit" not in f["cost"].attrs else str(_jsonable(f["cost"].attrs["unit"])),
             "objective_names": lambda: _strings(f["objective_names"]),
             "prompts": lambda: _strings(f["prompts"]),
             "queries": lambda: _strings(f["queries"]),

@@ -364,7 +364,7 @@ QUERIES_NAME = "collect_llamacpp_queries.jsonl"
 
 @functools.cache
 def spec_toml_seeds() -> list[bytes]:
-    """The example majority-vote spec, a chat Best-of-N spec and a minimal one."""
+    """The example majority-vote spec, a chat Best-of-N spec, a minimal one and one of two priced endpoints."""
     bon = b"""aggregator = "bon"
 n_max = 4
 [endpoint]
@@ -405,7 +405,36 @@ path = "collect_llamacpp_queries.jsonl"
 extractor = "regex"
 pattern = "answer: (\\\\d+)"
 """
-    return [SPEC_TOML, bon, minimal]
+    two_models = b"""aggregator = "mv"
+n_max = 3
+currency = "EUR"
+[[endpoints]]
+id = "small"
+base_url = "http://127.0.0.1:8080/v1"
+model = "small"
+input_price_per_million = 0.1
+output_price_per_million = 0.4
+[[endpoints]]
+id = "large"
+base_url = "https://api.example.org/v1"
+model = "large"
+api_key_env = "LARGE_KEY"
+concurrency = 2
+input_price_per_million = 2.5
+output_price_per_million = 10
+[sampling]
+max_tokens = 8
+[[prompts]]
+id = "p"
+template = "{query}"
+[queries]
+path = "collect_llamacpp_queries.jsonl"
+[scorer]
+extractor = "last_number"
+[live]
+cost = [0.1, 2]
+"""
+    return [SPEC_TOML, bon, minimal, two_models]
 
 
 @functools.cache

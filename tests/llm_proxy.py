@@ -5,8 +5,9 @@ Each POST is handled by the next action of ``--schedule`` (then ``ok``): ``ok`` 
 ``500`` an internal error, ``drop`` closes
 the connection without an answer, ``slow`` waits ``--slow`` seconds before forwarding (past the
 client's timeout), ``400``/``401`` a client error. ``GET /__stats`` returns the counters as JSON (``choices``: completions
-forwarded back); ``GET /__headers`` the headers of every POST received, in order (names lower-cased), so tests can
-see which ``Authorization`` reached this host.
+forwarded back, ``prompt_tokens``/``completion_tokens``: the upstream's reported usage); ``GET /__headers`` the
+headers of every POST received, in order (names lower-cased), so tests can see which ``Authorization`` reached
+this host; ``GET /__bodies`` the JSON bodies of every POST received, in order.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ def main() -> None:
     opts = ap.parse_args()
     schedule = [a for a in opts.schedule.split(",") if a]
     lock = threading.Lock()
-    stats = {"posts": 0, "forwarded": 0, "injected": 0, "completion_tokens": 0, "choices": 0, "in_flight": 0,
-             "max_in_flight": 0}
+    stats = {"posts": 0, "forwarded": 0, "injected": 0, "completion_tokens": 0, "prompt_tokens": 0, "choices": 0,
+             "in_flight": 0, "max_in_flight": 0}
     seen_headers: list[dict[str, str]] = []
+    seen_bodies: list[object] = []
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -56,6 +58,11 @@ def main() -> None:
                     body = json.dumps(stats).encode()
                 self._send(200, body)
                 return
+            if self.path == "/__bodies":
+                with lock:
+                    body = json.dumps(seen_bodies).encode()
+                self._send(200, body)
+                return
             if self.path == "/__headers":
                 with lock:
                     body = json.dumps(seen_headers).encode()
@@ -68,6 +75,10 @@ def main() -> None:
             with lock:
                 stats["posts"] += 1
                 seen_headers.append({k.lower(): v for k, v in self.headers.items()})
+                try:
+                    seen_bodies.append(json.loads(body))
+                except ValueError:
+                    seen_bodies.append(None)
                 action = schedule.pop(0) if schedule else "ok"
                 if action != "ok":
                     stats["injected"] += 1
@@ -113,6 +124,7 @@ def main() -> None:
                 with lock:
                     stats["forwarded"] += 1
                     stats["completion_tokens"] += int(usage.get("completion_tokens", 0))
+                    stats["prompt_tokens"] += int(usage.get("prompt_tokens", 0))
                     stats["choices"] += len(answer.get("choices") or ())
             self._send(status, data)
 

@@ -124,12 +124,12 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -
     raise RuntimeError(f"server at {url} not ready after {timeout}s")
 
 
-def start_llama_server(model: Path, port: int) -> subprocess.Popen[bytes]:
-    """``python -m llama_cpp.server`` on 127.0.0.1:port, ready to answer."""
+def start_llama_server(model: Path, port: int, alias: str = "tiny") -> subprocess.Popen[bytes]:
+    """``python -m llama_cpp.server`` on 127.0.0.1:port serving ``model`` as ``alias``, ready to answer."""
     log = _log_file("llama")
     proc = subprocess.Popen(
         [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-         "--n_ctx", "512", "--model_alias", "tiny", "--n_threads", "1"],
+         "--n_ctx", "512", "--model_alias", alias, "--n_threads", "1"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OPENAI_API_KEY": ""})
     proc.log_file = log  # type: ignore[attr-defined]
     try:
@@ -168,6 +168,13 @@ def proxy_stats(port: int) -> dict[str, int]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/__stats", timeout=5) as resp:
         stats: dict[str, int] = json.loads(resp.read())
     return stats
+
+
+def proxy_bodies(port: int) -> list[dict]:
+    """The JSON bodies of every POST the proxy received, in order."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/__bodies", timeout=5) as resp:
+        bodies: list[dict] = json.loads(resp.read())
+    return bodies
 
 
 def proxy_headers(port: int) -> list[dict[str, str]]:

@@ -49,3 +49,4 @@ def test_wheel_ships_registry_and_type_marker(tmp_path: Path) -> None:
     assert "iapo_gym/leaderboard/submit/bundle-schema.json" in names  # bundles are validated against it
     assert "iapo_gym/leaderboard/report/templates/index.html.j2" in names
     assert "iapo_gym/policy.schema.json" in names  # policy files are validated against it
+    assert "iapo_gym/llm/spec.schema.json" in names  # collection specs are validated against it

@@ -1,7 +1,9 @@
 """Apply a learned policy per request: render the context's prompt, ask for N completions, aggregate as the tables do.
 
 ``Router(policy, spec)`` takes a policy file and a collection spec naming the upstream endpoint
-(its model, sampling, retries and spending cap). ``await router.acomplete(query, context)`` (or the
+(its model, sampling, retries and spending cap), or several: then the policy's prompts are the
+spec's arms (``<endpoint id>/<prompt id>``) and each request goes to its arm's endpoint, with that
+endpoint's key only. ``await router.acomplete(query, context)`` (or the
 blocking ``router.complete``) picks the context's (prompt, N), asks the upstream for N completions
 through ``iapo_gym.llm.client.LLMClient`` (one request with ``n`` where the upstream honours it,
 else N concurrent requests; no response cache) and returns the aggregated completion:
@@ -30,7 +32,15 @@ from typing import Any, cast
 import numpy as np
 
 from iapo_gym.deploy.estimates import ArmRatings, choose_arm
-from iapo_gym.llm.client import BudgetExhausted, ClientOptions, Completion, EndpointError, LLMClient, RequestOptions
+from iapo_gym.llm.client import (
+    BudgetExhausted,
+    ClientOptions,
+    Completion,
+    EndpointError,
+    LLMClient,
+    RequestOptions,
+    SpendingCap,
+)
 from iapo_gym.llm.loop import LoopThread, gather_all
 from iapo_gym.llm.scoring import RewardScorer, make_extractor, make_scorer
 from iapo_gym.llm.spec import Prompt, Scorer, Spec, load_spec
@@ -136,6 +146,14 @@ class Router:
                           f"policy was learned with {pf.sampling}: the policy's choices may not be optimal there",
                           stacklevel=2)
         self._prompts = {p.id: Prompt(p.id, p.template, p.messages) for p in pf.prompts if p.servable}
+        # each prompt's endpoint: with several endpoints in the spec, every policy prompt must be one of its arms
+        arms = {p.id: p.endpoint for p in sp.prompts}
+        if len(sp.endpoints) > 1:
+            foreign = sorted(set(self._prompts) - set(arms))
+            if foreign:
+                raise PolicyFileError(f"the policy's prompt(s) {foreign} are not arms of the upstream spec {sp.path} "
+                                      f"(its arms: {sorted(arms)}): give the spec the policy was learned with")
+        self._endpoint_of = {pid: arms.get(pid, 0) for pid in self._prompts}
         scorer = Scorer(**cast(dict[str, Any], {k: (tuple(v) if isinstance(v, list) else v)
                                                 for k, v in pf.scorer.items()}))
         self._extract = make_extractor(scorer) if pf.aggregator == "mv" else None
@@ -146,7 +164,8 @@ class Router:
         self._ratings = (ArmRatings(pf.arm_estimates, pf.aggregator, pf.n_max, pf.objectives)
                          if pf.arm_estimates is not None else None)
         self._rated: dict[tuple[float, ...], dict[str, Any]] = {}  # weights -> the chosen arm's route, oldest first
-        self._client: LLMClient | None = None
+        self._client: LLMClient | None = None  # the first endpoint's client (its cap is every endpoint's)
+        self._clients: list[LLMClient] = []  # one per endpoint of the spec
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: LoopThread | None = None
 
@@ -237,9 +256,10 @@ class Router:
 
     # ---- the client ------------------------------------------------------------------------------------
     async def start(self, options: ClientOptions | None = None) -> Router:
-        """Open the upstream client on the running event loop (``acomplete`` does it on first use).
+        """Open the upstream clients (one per endpoint) on the running event loop (``acomplete`` does it on first use).
 
-        ``options``: a server's cap, retry policy and concurrency instead of the spec's (``ClientOptions``).
+        ``options``: a server's cap, retry policy and concurrency instead of the spec's (``ClientOptions``);
+        every endpoint's client counts against one cap.
         """
         loop = asyncio.get_running_loop()
         if self._client is not None:
@@ -247,15 +267,20 @@ class Router:
                 raise RuntimeError("this Router's client runs on another event loop: use one Router per loop "
                                    "(or only the blocking complete())")
             return self
-        client = LLMClient(self.spec, cache=None, options=options)
+        sp = self.spec
+        options = options or ClientOptions()
+        if options.cap is None:
+            options = dataclasses.replace(options, cap=SpendingCap(sp.budget.max_requests, sp.budget.max_tokens_total))
+        clients = [LLMClient(sp.for_endpoint(e), cache=None, options=options) for e in range(len(sp.endpoints))]
         if isinstance(self._score, RewardScorer):  # the reward endpoint: one failed call ends only its request
             self._score.stop_on_failure = False
             if options is not None:
                 self._score.policy = options.retry or self._score.policy
                 self._score.concurrency = options.concurrency or self._score.concurrency
-        client.stop_on_failure = False  # one caller's failed request must not stop the others
-        await client.__aenter__()
-        self._client, self._loop = client, loop
+        for client in clients:
+            client.stop_on_failure = False  # one caller's failed request must not stop the others
+            await client.__aenter__()
+        self._clients, self._client, self._loop = clients, clients[0], loop
         return self
 
     async def aclose(self) -> None:
@@ -263,8 +288,9 @@ class Router:
         if self._score is not None:
             await self._score.aclose()
         if self._client is not None:
-            client, self._client = self._client, None
-            await client.__aexit__(None, None, None)
+            clients, self._clients, self._client = self._clients, [], None
+            for client in clients:
+                await client.__aexit__(None, None, None)
 
     async def __aenter__(self) -> Router:
         return await self.start()
@@ -292,11 +318,21 @@ class Router:
         return {"requests": cap.requests if cap else 0, "tokens": cap.tokens if cap else 0}
 
     async def probe(self, timeout: float) -> int | None:
-        """The upstream's HTTP status for ``GET /models`` (None when nothing answered): is it reachable now?"""
+        """The upstream's HTTP status for ``GET /models`` (None when nothing answered): is it reachable now?
+
+        With several endpoints: None if one of them did not answer, else the first status that is not 200.
+        """
         if self._client is None:
             await self.start()
-        assert self._client is not None
-        return await self._client.probe(timeout)
+        statuses = await gather_all(*(client.probe(timeout) for client in self._clients))
+        if any(status is None for status in statuses):
+            return None
+        return next((status for status in statuses if status != 200), 200)
+
+    def client_for(self, ctx: PolicyContext) -> LLMClient:
+        """The client of the endpoint of the context's arm (started)."""
+        assert self._clients, "start the router first"
+        return self._clients[self._endpoint_of[ctx.prompt]]
 
     # ---- routing ---------------------------------------------------------------------------------------
     async def acomplete(self, query: str, context: PolicyContext | ContextRef = None,
@@ -315,7 +351,7 @@ class Router:
         rendered = self.render(ctx, query)
         if self._extract is not None:
             return await self._vote_in_waves(ctx, query, rendered, options)
-        completions = await self._client.complete(rendered, list(range(ctx.n)), options)
+        completions = await self.client_for(ctx).complete(rendered, list(range(ctx.n)), options)
         return await self._best(ctx, query, completions)
 
     def render(self, ctx: PolicyContext, query: str) -> str | list[dict[str, str]]:
@@ -344,7 +380,7 @@ class Router:
         With ``early_stop`` off, all N in one wave. Completion i is sample index i in either case, so
         the completions drawn are the first ones of the full N and the vote gives the same answer.
         """
-        assert self._client is not None
+        client = self.client_for(ctx)
         completions: list[Completion] = []
         answers: list[str | None] = []
         while True:
@@ -357,7 +393,7 @@ class Router:
                 wave = ctx.n - len(completions)
             if wave == 0:
                 break
-            drawn = await self._client.complete(rendered, list(range(len(completions), len(completions) + wave)), options)
+            drawn = await client.complete(rendered, list(range(len(completions), len(completions) + wave)), options)
             completions += drawn
             answers += [self._answer(c.text) for c in drawn]
         return self._vote(ctx, query, completions, answers)

@@ -126,7 +126,7 @@ class ServeApp:
         self.expected = api_key.encode() if api_key else None
         spec = router.spec
         reward = spec.reward_route()
-        self.mask = Masker([api_key, spec.llm_route().key(), reward.key() if reward else None])
+        self.mask = Masker([api_key, *(route.key() for route in spec.llm_routes()), reward.key() if reward else None])
         self.sampling = spec.sampling.as_dict()
         self.retries = min(spec.endpoint.max_retries, self.limits.upstream_retries)
         if self.budget:
@@ -514,5 +514,6 @@ def serve(router: Router, *, host: str = "127.0.0.1", port: int = 8000, api_key:
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=max(1, math.ceil(graceful_timeout)))
     print(f"iapo-gym serve: {len(router.contexts)} contexts of task {router.policy.task!r} on http://{host}:{port}/v1 "
-          f"(upstream model {router.spec.endpoint.model!r})", file=sys.stderr, flush=True)
+          f"(upstream model{'s' if len(router.spec.endpoints) > 1 else ''} "
+          f"{', '.join(repr(e.model) for e in router.spec.endpoints)})", file=sys.stderr, flush=True)
     uvicorn.Server(config).run()

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from iapo_gym.leaderboard.run.specs import AgentSpec, parse_agent_spec, resolve_task
+from iapo_gym.llm.prices import spend_report
 from iapo_gym.policyfile import PolicyFile, describe
 from iapo_gym.progress import Progress
 from iapo_gym.seeding import derive_rng, derive_seed
@@ -105,7 +106,7 @@ def optimize(target: str, agent: str | AgentSpec, budget: int, out: str | Path, 
     policy_path = pf.save(out / "policy.json")
     report_path = out / "report.md"
     tmp = report_path.with_suffix(".md.tmp")
-    tmp.write_text(render_report(pf), encoding="utf-8")
+    tmp.write_text(render_report(pf) + spend_report(pf, target), encoding="utf-8")
     tmp.replace(report_path)
     return OptimizeResult(pf, policy_path, report_path, spend)
 
@@ -253,7 +254,8 @@ def _live(target: str, agent_spec: AgentSpec, budget: int, out: Path, seed: int,
         price = spec.budget.price_per_1k_tokens
         spend = {**train, "price": train["tokens"] * price / 1000.0}
         learned = {"agent": agent_spec.spec, "seed": seed, "run": run, "budget": budget, "target": spec.task,
-                   "target_kind": "live", "table_sha256": None, "model": spec.endpoint.model, **spend,
+                   "target_kind": "live", "table_sha256": None,
+                   "model": ", ".join(e.model for e in spec.endpoints), **spend,
                    "seconds": round(seconds, 3), "agent_seed": agent_seed,
                    "check": {"completions": meter.drawn - train["completions"],
                              "requests": env.requests - train["requests"],

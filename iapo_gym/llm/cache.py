@@ -22,7 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-Entry = tuple[str, int, "str | None"]
+#: (text, completion tokens, finish reason, prompt tokens or None where the cache predates them)
+Entry = tuple[str, int, "str | None", "int | None"]
 
 
 def completion_key(base_url: str, model: str, api: str, prompt: Any, sampling: dict[str, Any], index: int) -> str:
@@ -47,7 +48,10 @@ class ResponseCache:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("CREATE TABLE IF NOT EXISTS completions (key TEXT PRIMARY KEY, text TEXT NOT NULL, "
-                         "tokens INTEGER NOT NULL, finish TEXT)")
+                         "tokens INTEGER NOT NULL, finish TEXT, prompt_tokens INTEGER)")
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(completions)")}
+        if "prompt_tokens" not in columns:  # a cache written before prompt tokens were kept: their rows read None
+            self._db.execute("ALTER TABLE completions ADD COLUMN prompt_tokens INTEGER")
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._closed = False
@@ -64,7 +68,7 @@ class ResponseCache:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            rows: list[tuple[str, str, int, str | None]] = []
+            rows: list[tuple[str, str, int, str | None, int | None]] = []
             for item in batch:
                 if item is None:  # close
                     self._commit(rows)
@@ -82,12 +86,13 @@ class ResponseCache:
                         future.set_exception(exc)
             self._commit(rows)
 
-    def _commit(self, rows: list[tuple[str, str, int, str | None]]) -> None:
+    def _commit(self, rows: list[tuple[str, str, int, str | None, int | None]]) -> None:
         if not rows or self._error is not None:
             return
         try:
             self._db.execute("BEGIN")
-            self._db.executemany("INSERT OR IGNORE INTO completions VALUES (?, ?, ?, ?)", rows)
+            self._db.executemany("INSERT OR IGNORE INTO completions (key, text, tokens, finish, prompt_tokens) "
+                                 "VALUES (?, ?, ?, ?, ?)", rows)
             self._db.execute("COMMIT")
         except sqlite3.Error as exc:  # reported by the next call from the caller's side
             self._error = exc
@@ -111,9 +116,9 @@ class ResponseCache:
         for start in range(0, len(keys), 500):
             chunk = keys[start:start + 500]
             marks = ",".join("?" * len(chunk))
-            for key, text, tokens, finish in self._db.execute(
-                    f"SELECT key, text, tokens, finish FROM completions WHERE key IN ({marks})", chunk):
-                out[key] = (str(text), int(tokens), finish)
+            for key, text, tokens, finish, prompt_tokens in self._db.execute(
+                    f"SELECT key, text, tokens, finish, prompt_tokens FROM completions WHERE key IN ({marks})", chunk):
+                out[key] = (str(text), int(tokens), finish, None if prompt_tokens is None else int(prompt_tokens))
         return out
 
     def _count(self) -> int:
@@ -131,13 +136,14 @@ class ResponseCache:
         return result
 
     def get(self, key: str) -> Entry | None:
-        """(text, completion tokens, finish reason) or None."""
+        """(text, completion tokens, finish reason, prompt tokens) or None."""
         return self.get_many([key]).get(key)
 
-    def put(self, key: str, text: str, tokens: int, finish: str | None) -> None:
-        """Queue one completion for the next commit (an existing key keeps its first value); returns at once."""
+    def put(self, key: str, text: str, tokens: int, finish: str | None, prompt_tokens: int | None = None) -> None:
+        """Queue one completion (with its share of the request's prompt tokens) for the next commit (an existing
+        key keeps its first value); returns at once."""
         self._check()
-        self._queue.put(("put", (key, text, int(tokens), finish)))
+        self._queue.put(("put", (key, text, int(tokens), finish, None if prompt_tokens is None else int(prompt_tokens))))
 
     def flush(self) -> None:
         """Wait until every queued ``put`` is committed."""

@@ -16,14 +16,19 @@ def dry_run(spec: Any, out: str) -> None:
     from pathlib import Path
 
     print(f"iapo-gym collect --dry-run: {spec.path}; nothing is sent")
-    print(f"  {spec.llm_route().describe()}")
+    for endpoint, route in zip(spec.endpoints, spec.llm_routes(), strict=True):
+        price = (f"; {endpoint.input_price_per_million:g} input, {endpoint.output_price_per_million:g} output "
+                 f"{spec.currency} per million tokens" if endpoint.priced else "")
+        print(f"  {route.describe()}; model {endpoint.model!r}{price}")
     reward = spec.reward_route()
     if reward is not None:
         print(f"  {reward.describe()}")
     total = len(spec.prompts) * len(spec.queries) * spec.n_max
     log = Path(out) / f"{spec.task}.jsonl"
     done = log.read_bytes().count(b"\n") if log.exists() else 0  # read only: a dry run changes nothing
-    print(f"  {len(spec.prompts)} prompts x {len(spec.queries)} queries x N_max {spec.n_max} = {total} completions, "
+    arms = (f"{len(spec.endpoints)} endpoints x {len(spec.templates)} prompts = {len(spec.prompts)} arms"
+            if len(spec.endpoints) > 1 else f"{len(spec.prompts)} prompts")
+    print(f"  {arms} x {len(spec.queries)} queries x N_max {spec.n_max} = {total} completions, "
           f"{done} already in {log}")
 
 
@@ -48,6 +53,8 @@ def cmd_collect(args: argparse.Namespace) -> int:
     print(f"{result.total}/{result.expected} completions in {result.log} ({result.new} new, {result.cached} from the "
           f"cache); {result.requests} requests, {result.retries} retries, {result.tokens} completion tokens"
           + (f", cost {cost:.4f}" if spec.budget.price_per_1k_tokens else "")
+          + (f", {result.prompt_tokens} prompt tokens, spent {result.spend:.6f} {spec.currency}"
+             if result.spend is not None else "")
           + (f"; reward endpoint: {result.reward_requests} requests, {result.reward_retries} retries"
              if result.reward_requests else ""))
     if result.unreachable:
@@ -68,8 +75,9 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
 def add_commands(subparsers: Any) -> None:
     """Add the ``collect`` command to the ``iapo-gym`` parser."""
-    p = subparsers.add_parser("collect", help="collect a table from an OpenAI-compatible LLM endpoint",
-                              description="Sample N_max completions per (prompt, query) from the spec's endpoint, "
+    p = subparsers.add_parser("collect", help="collect a table from OpenAI-compatible LLM endpoints",
+                              description="Sample N_max completions per (prompt, query) from the spec's endpoint "
+                                          "(per (endpoint, prompt) arm and query when it names several), "
                                           "log them (docs/log-format.md) and build the table. Running it again on "
                                           "the same --out folder resumes. OPENAI_BASE_URL overrides the spec's "
                                           "endpoint; which key goes where is in docs/collect.md ('What is sent "
@@ -80,6 +88,6 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--out", help="output folder for the log, the table and the response cache (default: ./TASK)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--dry-run", action="store_true",
-                   help="send nothing: print each host that would be contacted and the NAME of the key variable "
+                   help="send nothing: print every host that would be contacted and the NAME of the key variable "
                         "it would get (never the value), and how many completions are left")
     p.set_defaults(func=cmd_collect)

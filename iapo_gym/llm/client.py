@@ -61,7 +61,8 @@ def require_openai() -> Any:
 class Completion:
     """One completion: its text, completion tokens (the cost signal), finish reason, and whether it was cached.
 
-    ``prompt_tokens`` is this completion's share of the request's prompt tokens (0 when cached).
+    ``prompt_tokens`` is this completion's share of the request's prompt tokens (also when cached; 0 from a
+    cache that predates them).
     """
 
     text: str
@@ -292,8 +293,8 @@ class LLMClient:
             hits = await self.cache.aget_many(list(keys.values()))
             for i, k in keys.items():
                 if k in hits:
-                    text, tokens, finish = hits[k]
-                    found[i] = Completion(text, tokens, finish, cached=True)
+                    text, tokens, finish, prompt_tokens = hits[k]
+                    found[i] = Completion(text, tokens, finish, cached=True, prompt_tokens=prompt_tokens or 0)
         missing = [i for i in indices if i not in found]
         per = (max_tokens or self.spec.sampling.max_tokens) + OVERSHOOT_TOKENS
         if len(missing) > 1 and self.n_supported is not False and self.cap.fits(len(missing) * per):
@@ -314,7 +315,8 @@ class LLMClient:
 
     def _store(self, prompt: Any, index: int, completion: Completion, max_tokens: int | None = None) -> Completion:
         if self.cache is not None:  # queued: the cache's thread commits it
-            self.cache.put(self.key(prompt, index, max_tokens), completion.text, completion.tokens, completion.finish)
+            self.cache.put(self.key(prompt, index, max_tokens), completion.text, completion.tokens, completion.finish,
+                           completion.prompt_tokens)
         return completion
 
     async def _request(self, prompt: Any, indices: list[int], options: RequestOptions | None = None) -> list[Completion]:

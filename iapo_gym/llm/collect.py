@@ -11,6 +11,7 @@ so the log grows steadily. The table is built by ``iapo_gym.data.build``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -26,6 +27,7 @@ from iapo_gym.llm.cache import ResponseCache
 from iapo_gym.llm.client import BudgetExhausted, Completion, LLMClient
 from iapo_gym.llm.loop import gather_all
 from iapo_gym.llm.loop import run as run_sync
+from iapo_gym.llm.prices import log_costs
 from iapo_gym.llm.retry import EndpointUnreachable
 from iapo_gym.llm.scoring import make_extractor, make_scorer
 from iapo_gym.llm.spec import Query, Spec, SpecError
@@ -54,6 +56,8 @@ class CollectResult:
     unreachable: str | None = None  # why the run stopped on an endpoint that does not answer (resumable)
     reward_requests: int = 0
     reward_retries: int = 0
+    prompt_tokens: int = 0  # prompt tokens of the completions requested now (cache hits excluded)
+    spend: float | None = None  # their price in the spec's currency (None: the spec gives no prices)
 
     @property
     def complete(self) -> bool:
@@ -72,7 +76,7 @@ def check_plan_fits(spec: Spec, completions: int, plan: str, *, pulls: int | Non
     cap = spec.budget.max_requests
     if cap is None or completions <= 0:
         return
-    if spec.endpoint.use_n == "yes":
+    if all(e.use_n == "yes" for e in spec.endpoints):
         need = pulls if pulls is not None else -(-completions // spec.n_max)
         how = "at least one request per pull of up to n_max completions (endpoint.use_n = \"yes\")"
     else:
@@ -91,9 +95,13 @@ def line_key(prompt: str, query: str, sample: int) -> str:
 
 
 def spec_fingerprint(spec: Spec) -> dict[str, Any]:
-    """What a resumed log must share with the spec (model, prompts, sampling, scorer, N_max)."""
+    """What a resumed log must share with the spec (models, prompts, sampling, scorer, N_max).
+
+    With several endpoints ``model`` lists each endpoint's [id, model]; the arms' ids and texts are in ``prompts``.
+    """
     prompts = [[p.id, p.text, [list(m) for m in p.messages]] for p in spec.prompts]
-    return {"model": spec.endpoint.model, "api": spec.endpoint.api, "aggregator": spec.aggregator,
+    model: Any = spec.endpoint.model if len(spec.endpoints) == 1 else [[e.id, e.model] for e in spec.endpoints]
+    return {"model": model, "api": spec.endpoint.api, "aggregator": spec.aggregator,
             "n_max": spec.n_max, "sampling": spec.sampling.as_dict(),
             "scorer": dataclasses.asdict(spec.scorer),
             "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()}
@@ -203,7 +211,7 @@ class Collector:
 
     def _line(self, prompt: str, query: Query, sample: int, c: Completion, outcome: Any) -> str:
         rec: dict[str, Any] = {"key": line_key(prompt, query.id, sample), "prompt": prompt, "query": query.id,
-                               "sample": sample, "tokens": c.tokens}
+                               "sample": sample, "tokens": c.tokens, "prompt_tokens": c.prompt_tokens}
         if self.spec.aggregator == "mv":
             rec["answer"], rec["gold"] = outcome, query.gold
         else:
@@ -224,26 +232,36 @@ class Collector:
     async def _run(self) -> CollectResult:
         spec = self.spec
         done = read_done(self.log)
-        work = self._missing(done)
+        # one list of (prompt, query) groups per endpoint, each worked by that endpoint's own pool of workers
+        work: list[list[tuple[int, int, list[int]]]] = [[] for _ in spec.endpoints]
+        for group in self._missing(done):
+            work[spec.prompts[group[0]].endpoint].append(group)
         expected = len(spec.prompts) * len(spec.queries) * spec.n_max
         stream = sys.stderr if self.progress else None
         progress = _Progress(expected, len(done), stream)
         cache = await asyncio.to_thread(ResponseCache, self.cache_path)  # opening may create and sync the file
         exhausted: list[str] = []
         unreachable: EndpointUnreachable | None = None
-        new = cached = 0
+        new = cached = prompt_tokens = 0
+        spend = 0.0
         synced = [time.monotonic()]
         syncing: list[asyncio.Future[None]] = []
         handle = self.log.open("a", encoding="utf-8")
-        groups = iter(work)  # shared by the workers: each takes the next group when it is free
-        client = LLMClient(spec, cache)
+        # one client per endpoint (its own key, retries and concurrency), all under one spending cap
+        clients = [LLMClient(spec.for_endpoint(e), cache) for e in range(len(spec.endpoints))]
+        for client in clients[1:]:
+            client.cap = clients[0].cap
         requests = tokens = retries = 0
         ticker: asyncio.Task[None] | None = None
         try:
-            async with client:
-                async def worker() -> None:
-                    nonlocal new, cached
-                    for pi, qi, samples in groups:
+            async with contextlib.AsyncExitStack() as stack:
+                for client in clients:
+                    await stack.enter_async_context(client)
+
+                async def worker(groups: Any, client: LLMClient) -> None:
+                    nonlocal new, cached, prompt_tokens, spend
+                    endpoint = client.spec.endpoint
+                    for pi, qi, samples in groups:  # shared by the endpoint's workers: each takes the next when free
                         if exhausted:
                             return
                         p, q = spec.prompts[pi], spec.queries[qi]
@@ -264,12 +282,20 @@ class Collector:
                         new += len(comps)
                         hits = sum(c.cached for c in comps)
                         cached += hits
+                        sent = [c for c in comps if not c.cached]
+                        prompt_tokens += sum(c.prompt_tokens for c in sent)
+                        if spec.priced:
+                            spend += sum(endpoint.price(c.prompt_tokens, c.tokens) for c in sent)
                         progress.update(len(comps), hits)
 
-                progress.in_flight = lambda: client.in_flight
+                progress.in_flight = lambda: sum(c.in_flight for c in clients)
                 if stream is not None:
                     ticker = asyncio.ensure_future(progress.tick())
-                tasks = [asyncio.ensure_future(worker()) for _ in range(min(spec.endpoint.concurrency, len(work)))]
+                tasks: list[asyncio.Future[None]] = []
+                for endpoint_work, client in zip(work, clients, strict=True):
+                    groups = iter(endpoint_work)
+                    tasks += [asyncio.ensure_future(worker(groups, client))
+                              for _ in range(min(client.spec.endpoint.concurrency, len(endpoint_work)))]
                 try:
                     await asyncio.gather(*tasks)
                 except BaseException as exc:  # the first failure stops the run: cancel the rest, then report it
@@ -279,7 +305,8 @@ class Collector:
                     if not isinstance(exc, EndpointUnreachable):
                         raise
                     unreachable = exc
-                requests, tokens, retries = client.cap.requests, client.cap.tokens, client.retries
+                cap = clients[0].cap
+                requests, tokens, retries = cap.requests, cap.tokens, sum(c.retries for c in clients)
         finally:
             if ticker is not None:
                 ticker.cancel()
@@ -302,10 +329,11 @@ class Collector:
                              budget_exhausted=exhausted[0] if exhausted else None,
                              unreachable=str(unreachable) if unreachable is not None else None,
                              reward_requests=getattr(self.score, "requests", 0),
-                             reward_retries=getattr(self.score, "retries", 0))
+                             reward_retries=getattr(self.score, "retries", 0), prompt_tokens=prompt_tokens,
+                             spend=spend if spec.priced else None)
 
-    def _canonical_lines(self) -> list[str]:
-        """The log's lines ordered by the spec's prompts, then its queries, then the sample index."""
+    def _canonical_lines(self) -> list[tuple[str, dict[str, Any]]]:
+        """The log's lines (with their records) ordered by the spec's prompts, then its queries, then the sample."""
         prompts = {p.id: i for i, p in enumerate(self.spec.prompts)}
         queries = {q.id: i for i, q in enumerate(self.spec.queries)}
         ranked = []
@@ -316,12 +344,16 @@ class Collector:
                     raise SpecError(f"{self.log}:{lineno}: prompt {rec.get('prompt')!r}, query {rec.get('query')!r} "
                                     "is not in the spec; resume with the same prompts and queries or use a new "
                                     "--out folder")
-                ranked.append(((prompts[rec["prompt"]], queries[rec["query"]], int(rec["sample"])), line))
+                ranked.append(((prompts[rec["prompt"]], queries[rec["query"]], int(rec["sample"])), line, rec))
         ranked.sort(key=lambda item: item[0])
-        return [line for _, line in ranked]
+        return [(line, rec) for _, line, rec in ranked]
 
     def build_table(self) -> OutcomeTable:
-        """The table of the finished log, through ``iapo_gym.data.build`` (the one table builder)."""
+        """The table of the finished log, through ``iapo_gym.data.build`` (the one table builder).
+
+        With prices in the spec, an arm's cost is its mean price per completion (prompt and
+        completion tokens as used, at its endpoint's prices) and the table's cost unit is the currency.
+        """
         from iapo_gym.data.build import build_table
 
         spec, b = self.spec, self.spec.build
@@ -331,15 +363,34 @@ class Collector:
             options["top_k"] = b.top_k
         else:
             options["grid"] = spec.scorer.grid
+        lines = self._canonical_lines()
         with tempfile.TemporaryDirectory(dir=self.out, prefix=".build-") as tmp:
             # the builder numbers prompts, queries and tied answers by first appearance; the log's order
             # depends on timing and on where a run was resumed, so build from the lines in the spec's order
             canonical = Path(tmp) / self.log.name
-            canonical.write_text("".join(self._canonical_lines()), encoding="utf-8")
+            canonical.write_text("".join(line for line, _ in lines), encoding="utf-8")
             table = build_table(canonical, spec.aggregator, **options)
-        attrs = {**table.attrs, "collected": f"iapo-gym collect, model {spec.endpoint.model!r} "
-                                             f"({spec.endpoint.api} API), sampling {json.dumps(spec.sampling.as_dict())}"}
-        return dataclasses.replace(table, attrs=attrs)
+        models = ", ".join(f"{e.id}: {e.model!r}" for e in spec.endpoints) if len(spec.endpoints) > 1 else \
+            repr(spec.endpoint.model)
+        attrs = {**table.attrs, "collected": f"iapo-gym collect, model{'s' if len(spec.endpoints) > 1 else ''} "
+                                             f"{models} ({spec.endpoint.api} API), sampling "
+                                             f"{json.dumps(spec.sampling.as_dict())}"}
+        contexts = spec.context_arrays()
+        if contexts is not None:
+            weights, names, probs = contexts
+            if weights.shape[1] != table.n_objectives + 1:
+                raise SpecError(f"{spec.path}: field 'contexts' weighs {weights.shape[1] - 1} objective(s), the table "
+                                f"has {table.n_objectives} {list(table.objective_names)}")
+            table = dataclasses.replace(table, context_weights=weights, context_names=names, context_probs=probs)
+            attrs["contexts"] = "the spec's [[contexts]]"
+        if not spec.priced:
+            return dataclasses.replace(table, attrs=attrs)
+        cost = log_costs(spec, [rec for _, rec in lines], table.prompts, self.log)
+        prices = "; ".join(f"{e.id or e.model}: {e.input_price_per_million:g} input, {e.output_price_per_million:g} "
+                           "output" for e in spec.endpoints)
+        attrs["cost"] = (f"mean price per completion in {spec.currency}, from the prompt and completion tokens used, "
+                         f"at the prices per million tokens {prices}")
+        return dataclasses.replace(table, cost=cost, cost_unit=spec.currency, attrs=attrs)
 
 
 def collect(spec: Spec, out: str | os.PathLike[str], *, progress: bool = True) -> CollectResult:

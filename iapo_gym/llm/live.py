@@ -11,7 +11,10 @@ builder buckets them, so ``utilities``/``block_utilities`` and the agents' estim
 
 The env's ``table`` is a ``TableSchema`` (prompts, queries, contexts, cost, atoms, no outcome
 distributions) and its ``source`` an ``EndpointSource``, which has no exact answer: the oracle's
-methods refuse, saying so, and ``evaluate_monte_carlo`` samples the endpoint.
+methods refuse, saying so, and ``evaluate_monte_carlo`` samples the endpoint. With several
+endpoints in the spec the env's prompts are the arms, (endpoint, prompt) pairs: each pull goes to
+its arm's endpoint (with that endpoint's key only), all under the spec's one spending cap, and
+the cost is in the spec's currency when it gives prices (``iapo_gym.llm.prices.live_costs``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from iapo_gym.env import IAPOEnv
 from iapo_gym.llm.cache import ResponseCache
 from iapo_gym.llm.client import LLMClient
 from iapo_gym.llm.loop import LoopThread, gather_all
+from iapo_gym.llm.prices import live_costs
 from iapo_gym.llm.scoring import make_extractor, make_scorer
 from iapo_gym.llm.spec import Spec, SpecError, load_spec
 from iapo_gym.oracle import policy_arms
@@ -43,17 +47,20 @@ NO_ORACLE = ("a live endpoint has no exact oracle: collect a table with `iapo-gy
 def _schema_table(spec: Spec) -> TableSchema:
     """The live task's schema: its shapes, contexts, cost and atoms (its outcome distributions are unknown)."""
     n_p, n_q = len(spec.prompts), len(spec.queries)
-    cost = np.asarray(spec.live_cost if spec.live_cost is not None else [spec.build.cost_scale] * n_p)
+    cost, unit = live_costs(spec)
+    models = ", ".join(f"{e.id}: {e.model!r}" for e in spec.endpoints) if len(spec.endpoints) > 1 else \
+        repr(spec.endpoint.model)
     split = None
     if all(q.split for q in spec.queries):
         split = np.array([TEST if q.split == "test" else TRAIN for q in spec.queries], dtype=np.uint8)
-    common: dict[str, Any] = {"task": spec.task, "cost": cost, "n_max": spec.n_max, "split": split,
+    common: dict[str, Any] = {"task": spec.task, "cost": cost, "cost_unit": unit, "n_max": spec.n_max, "split": split,
                               "prompts": tuple(p.id for p in spec.prompts), "queries": tuple(q.id for q in spec.queries),
-                              "attrs": {"source": f"live endpoint, model {spec.endpoint.model!r}",
+                              "attrs": {"source": f"live endpoint{'s' if len(spec.endpoints) > 1 else ''}, "
+                                                  f"model{'s' if len(spec.endpoints) > 1 else ''} {models}",
                                         "build": "iapo_gym.llm.live (outcome distributions unknown: live samples only)"}}
     if spec.aggregator == "mv":
         n_m = spec.n_max + 2
-        weights, names, cprobs = mv_cost_contexts()
+        weights, names, cprobs = spec.context_arrays() or mv_cost_contexts()
         return TableSchema(aggregator="mv", shape=(n_p, n_q, n_m), context_weights=weights,
                            context_names=names, context_probs=cprobs, objective_names=("correct",),
                            gold=np.zeros(n_q, dtype=np.int64), **common)
@@ -65,7 +72,7 @@ def _schema_table(spec: Spec) -> TableSchema:
     k = len(sc.objectives)
     grid = np.array(list(itertools.product(points, repeat=k)))  # (G^K, K)
     atoms = np.broadcast_to(grid, (n_p, n_q, *grid.shape))
-    weights, names, cprobs = bon_contexts(k)
+    weights, names, cprobs = spec.context_arrays() or bon_contexts(k)
     return TableSchema(aggregator="bon", shape=(n_p, n_q, grid.shape[0]),
                        atoms=atoms, context_weights=weights, context_names=names, context_probs=cprobs,
                         objective_names=sc.objectives, **common)
@@ -82,7 +89,7 @@ class EndpointSource:
     no_exact = NO_ORACLE
 
     def __init__(self, spec: Spec, schema: TableSchema, cache: str | os.PathLike[str]) -> None:
-        """Open the response cache ``cache`` and the client of ``spec``'s endpoint on a loop of its own."""
+        """Open the response cache ``cache`` and a client per endpoint of ``spec`` on a loop of its own."""
         self.spec = spec
         self.n_max = schema.n_max
         self.response_cache = ResponseCache(cache)
@@ -91,9 +98,16 @@ class EndpointSource:
         self._drawn = np.zeros((schema.n_prompts, schema.n_queries), dtype=np.int64)  # samples used per pair
         # the client's loop runs on its own thread, so the env also works inside a running loop (a notebook)
         self._loop = LoopThread("iapo-gym-live")
-        self.client = LLMClient(spec, self.response_cache)
-        self._loop.run(self.client.__aenter__())
+        # one client per endpoint (each sends only its own key to its own host), all under one spending cap
+        self.clients = [LLMClient(spec.for_endpoint(e), self.response_cache) for e in range(len(spec.endpoints))]
+        for client in self.clients[1:]:
+            client.cap = self.clients[0].cap
+        self.client = self.clients[0]  # its cap is every endpoint's
+        for client in self.clients:
+            self._loop.run(client.__aenter__())
         self.last_tokens = np.zeros(0, dtype=np.int64)  # real token counts of the last pull's completions
+        self.last_prompt_tokens = np.zeros(0, dtype=np.int64)  # and their shares of the prompt tokens
+        self.last_spend = 0.0  # the last pull's price in the spec's currency (0 without prices; cache hits included)
         self.last_texts: list[str] = []  # and their texts
         if spec.aggregator == "bon":
             sc = spec.scorer
@@ -114,9 +128,18 @@ class EndpointSource:
             starts[i] = drawn[p, q]
             drawn[p, q] += n
         results = self._loop.run(self._fetch(prompts, queries, ns, starts))
-        atoms = np.concatenate([a for a, _, _ in results]) if results else np.zeros(0, dtype=np.int64)
-        self.last_tokens = np.concatenate([t for _, t, _ in results]) if results else np.zeros(0, dtype=np.int64)
-        self.last_texts = [text for _, _, texts in results for text in texts]
+        empty = np.zeros(0, dtype=np.int64)
+        atoms = np.concatenate([a for a, _, _, _ in results]) if results else empty
+        self.last_tokens = np.concatenate([t for _, t, _, _ in results]) if results else empty
+        self.last_prompt_tokens = np.concatenate([pt for _, _, pt, _ in results]) if results else empty
+        self.last_texts = [text for _, _, _, texts in results for text in texts]
+        self.last_spend = 0.0
+        if self.spec.priced and results:
+            arm = np.repeat(np.asarray(prompts, dtype=np.int64), np.asarray(ns, dtype=np.int64))
+            price_in = np.array([self.spec.endpoint_of(p).input_price_per_million for p in self.spec.prompts])
+            price_out = np.array([self.spec.endpoint_of(p).output_price_per_million for p in self.spec.prompts])
+            self.last_spend = float(((self.last_prompt_tokens * price_in[arm]
+                                      + self.last_tokens * price_out[arm]) / 1e6).sum())
         self._drawn = drawn  # only a pull that completed uses up its sample indices
         return atoms.astype(np.int64)
 
@@ -125,17 +148,19 @@ class EndpointSource:
         return self.draw(np.array([prompt]), np.array([query]), np.array([n]), rng)
 
     async def _fetch(self, prompts: np.ndarray, queries: np.ndarray, ns: np.ndarray,
-                     starts: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, list[str]]]:
-        async def one(p: int, q: int, n: int, start: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
-            query = self.spec.queries[q]
-            comps = await self.client.complete(self.spec.prompts[p].render(query.text), list(range(start, start + n)))
+                     starts: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]]:
+        async def one(p: int, q: int, n: int, start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+            query, prompt = self.spec.queries[q], self.spec.prompts[p]
+            comps = await self.clients[prompt.endpoint].complete(prompt.render(query.text),
+                                                                 list(range(start, start + n)))
             tokens = np.array([c.tokens for c in comps], dtype=np.int64)
+            prompt_tokens = np.array([c.prompt_tokens for c in comps], dtype=np.int64)
             texts = [c.text for c in comps]
             if self._extract is not None:
-                return self._mv_atoms([self._extract(t) for t in texts], query.gold), tokens, texts
+                return self._mv_atoms([self._extract(t) for t in texts], query.gold), tokens, prompt_tokens, texts
             assert self._score is not None
             scores = await gather_all(*(self._score(c.text, query.text) for c in comps))
-            return self._bon_atoms(scores), tokens, texts
+            return self._bon_atoms(scores), tokens, prompt_tokens, texts
         # every pull ends before a failure is raised: the loop outlives this call
         return await gather_all(*(one(int(p), int(q), int(n), int(s))
                                   for p, q, n, s in zip(prompts, queries, ns, starts, strict=True)))
@@ -168,7 +193,8 @@ class EndpointSource:
     def close(self) -> None:
         """Close the client, its event loop and the cache."""
         if not self._loop.closed:
-            self._loop.run(self.client.__aexit__(None, None, None))
+            for client in self.clients:
+                self._loop.run(client.__aexit__(None, None, None))
             if self._score is not None:
                 self._loop.run(self._score.aclose())
             self._loop.close()
@@ -191,7 +217,8 @@ class LiveEnv(IAPOEnv):
         path = cache or self.llm_spec.cache or cache_dir() / "llm" / f"{self.llm_spec.task}.sqlite"
         super().__init__(table=schema, split=split, source=EndpointSource(self.llm_spec, schema, path))
         self.response_cache = self.source.response_cache
-        self.client = self.source.client
+        self.client = self.source.client  # the first endpoint's; its spending cap counts every endpoint's requests
+        self.clients = self.source.clients
 
     @property
     def requests(self) -> int:
@@ -199,10 +226,14 @@ class LiveEnv(IAPOEnv):
         return self.client.cap.requests
 
     def step(self, action: tuple[int, int]) -> tuple[np.ndarray, SupportsFloat, bool, bool, dict[str, Any]]:
-        """As ``IAPOEnv.step``; ``info`` adds the completions' ``texts`` and real token counts (``tokens``)."""
+        """As ``IAPOEnv.step``; ``info`` adds the completions' ``texts``, real token counts (``tokens``), their
+        shares of the prompt tokens (``prompt_tokens``) and, with prices in the spec, the pull's price (``spend``)."""
         obs, reward, terminated, truncated, info = super().step(action)
         info["tokens"] = self.source.last_tokens.copy()
+        info["prompt_tokens"] = self.source.last_prompt_tokens.copy()
         info["texts"] = list(self.source.last_texts)
+        if self.llm_spec.priced:
+            info["spend"] = self.source.last_spend
         return obs, reward, terminated, truncated, info
 
     def evaluate_monte_carlo(self, policy: PolicyLike, split: str = "test", n_samples: int = 100,

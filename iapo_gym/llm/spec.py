@@ -1,8 +1,12 @@
-"""The collection spec: one TOML (or JSON) file naming the endpoint, prompts, queries, sampling, budget and scorer.
+"""The collection spec: one TOML (or JSON) file naming the endpoints, prompts, queries, sampling, budget and scorer.
 
-Everything is checked before any request is sent; a bad spec raises ``SpecError`` naming the field.
-The API key is never part of the spec: the spec names the environment variable that holds it, and
-``Spec.llm_route``/``Spec.reward_route`` decide which variable's value goes to which host.
+Everything is checked before any request is sent: first against ``spec.schema.json`` (shipped in
+this package: the one statement of each field's type and range), then for the rules between
+fields; a bad spec raises ``SpecError`` naming the file and the field. A spec names one
+``[endpoint]`` or several ``[[endpoints]]``; its arms (``Spec.prompts``) are the (endpoint,
+prompt) pairs. The API key is never part of the spec: the spec names the environment variable
+that holds it, and ``Spec.llm_route``/``Spec.reward_route`` decide which variable's value goes to
+which host.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import os
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -32,6 +38,10 @@ APIS = ("completions", "chat")
 SAMPLING_KEYS = ("temperature", "max_tokens", "top_p", "seed", "stop")
 #: The host of the OpenAI API: the only endpoint a spec's own base_url may name that gets OPENAI_API_KEY.
 OPENAI_HOST = "api.openai.com"
+#: The spec's JSON Schema, shipped beside this module.
+SCHEMA_FILE = "spec.schema.json"
+#: The currency of the endpoints' prices when the spec names none.
+DEFAULT_CURRENCY = "USD"
 
 
 class SpecError(ValueError):
@@ -52,6 +62,23 @@ class Endpoint:
     backoff: float = 0.5
     max_backoff: float = 30.0
     use_n: str = "auto"  # "auto": try n, fall back to one request per completion; "yes"; "no"
+    id: str = ""  # the endpoint's name in arm ids ("" for the single [endpoint] form)
+    input_price_per_million: float | None = None  # price of a million prompt tokens (None: no prices)
+    output_price_per_million: float | None = None  # price of a million completion tokens
+
+    @property
+    def priced(self) -> bool:
+        """Whether the spec gives this endpoint's prices."""
+        return self.input_price_per_million is not None and self.output_price_per_million is not None
+
+    def price(self, prompt_tokens: Any, completion_tokens: Any) -> Any:
+        """The money of completions with these token counts (numbers or numpy arrays), in the spec's currency."""
+        if not self.priced:
+            raise ValueError(f"endpoint {self.id or self.base_url!r} has no prices (input_price_per_million, "
+                             "output_price_per_million)")
+        assert self.input_price_per_million is not None and self.output_price_per_million is not None
+        return (prompt_tokens * self.input_price_per_million
+                + completion_tokens * self.output_price_per_million) / 1e6
 
 
 @dataclass(frozen=True)
@@ -92,6 +119,7 @@ class Prompt:
     id: str
     text: str | None = None
     messages: tuple[tuple[str, str], ...] = ()
+    endpoint: int = 0  # the arm's endpoint: an index into ``Spec.endpoints``
 
     def render(self, query: str) -> str | list[dict[str, str]]:
         """The request body's prompt (a string) or messages (a list), with the query filled in."""
@@ -166,6 +194,28 @@ class Route:
 
 
 @dataclass(frozen=True)
+class Context:
+    """A user context of the spec's tables and envs: objective weights, the cost weight (<= 0), its probability."""
+
+    name: str
+    objective_weights: tuple[float, ...]
+    cost_weight: float
+    probability: float
+
+
+def cost_weight(value_per_quality: float) -> float:
+    """The cost weight at which one unit of quality (the weighted objective score) is worth ``value_per_quality``.
+
+    The utility ``quality + w_cost * N * cost`` prefers spending d more per request exactly when
+    that buys more than ``d / value_per_quality`` of quality, so ``w_cost = -1 / value_per_quality``.
+    """
+    if isinstance(value_per_quality, bool) or not (math.isfinite(value_per_quality) and value_per_quality > 0):
+        raise ValueError(f"value_per_quality must be a finite number > 0 (money per unit of quality), "
+                         f"got {value_per_quality!r}")
+    return -1.0 / float(value_per_quality)
+
+
+@dataclass(frozen=True)
 class Build:
     """Options passed to the table builder (``iapo_gym.data.build``)."""
 
@@ -177,7 +227,13 @@ class Build:
 
 @dataclass(frozen=True)
 class Spec:
-    """A validated collection spec."""
+    """A validated collection spec.
+
+    ``prompts`` are the arms: with one endpoint the spec's prompts themselves; with several, every
+    (endpoint, prompt) pair, endpoint-major, with id ``"<endpoint id>/<prompt id>"`` and
+    ``Prompt.endpoint`` its endpoint's index. ``templates`` are the spec's own prompts. ``endpoint``
+    is the endpoint this spec's client talks to (the first; ``for_endpoint`` picks another).
+    """
 
     path: Path
     task: str
@@ -192,9 +248,47 @@ class Spec:
     build: Build = field(default_factory=Build)
     cache: Path | None = None
     live_cost: tuple[float, ...] | None = None
+    endpoints: tuple[Endpoint, ...] = ()
+    templates: tuple[Prompt, ...] = ()
+    currency: str | None = None
+    contexts: tuple[Context, ...] | None = None  # None: the task's default contexts
+
+    def context_arrays(self) -> tuple[Any, tuple[str, ...], Any] | None:
+        """The spec's ``[[contexts]]`` as (weights (C, K + 1), names, probabilities) numpy arrays, or None."""
+        if self.contexts is None:
+            return None
+        import numpy as np
+
+        weights = np.array([[*c.objective_weights, c.cost_weight] for c in self.contexts], dtype=np.float64)
+        return weights, tuple(c.name for c in self.contexts), np.array([c.probability for c in self.contexts])
+
+    def __post_init__(self) -> None:
+        """A spec built with one endpoint and its prompts is the single-endpoint form."""
+        if not self.endpoints:
+            object.__setattr__(self, "endpoints", (self.endpoint,))
+        if not self.templates:
+            object.__setattr__(self, "templates", self.prompts)
+
+    @property
+    def priced(self) -> bool:
+        """Whether every endpoint has prices, so costs are money (in ``currency``) rather than token counts."""
+        return all(e.priced for e in self.endpoints)
+
+    @property
+    def cost_unit(self) -> str | None:
+        """The unit of a completion's cost in the tables and envs of this spec: the currency, or None (normalized)."""
+        return self.currency if self.priced else None
+
+    def for_endpoint(self, index: int) -> Spec:
+        """The spec whose ``endpoint`` (the one its client talks to) is ``endpoints[index]``."""
+        return replace(self, endpoint=self.endpoints[index])
+
+    def endpoint_of(self, prompt: Prompt) -> Endpoint:
+        """The endpoint of an arm."""
+        return self.endpoints[prompt.endpoint]
 
     def base_url(self, environ: Mapping[str, str] | None = None) -> str:
-        """The endpoint: ``OPENAI_BASE_URL`` overrides the spec's ``base_url``."""
+        """The endpoint: ``OPENAI_BASE_URL`` overrides the spec's ``base_url`` (single-endpoint specs only)."""
         env = os.environ if environ is None else environ
         return env.get("OPENAI_BASE_URL") or self.endpoint.base_url
 
@@ -204,25 +298,38 @@ class Spec:
         The variable the spec names (``endpoint.api_key_env``) wins. ``OPENAI_API_KEY`` is used only
         when the spec names none and the endpoint is the OpenAI API itself or came from
         ``OPENAI_BASE_URL`` in the same environment. A spec-named key is for the spec's host: if
-        ``OPENAI_BASE_URL`` moves the requests to another host, that is refused (``SpecError``).
+        ``OPENAI_BASE_URL`` moves the requests to another host, that is refused (``SpecError``), as is
+        ``OPENAI_BASE_URL`` with several endpoints (it cannot stand in for all of them).
         """
         env = os.environ if environ is None else environ
+        ep = self.endpoint
+        role = f"LLM endpoint {ep.id!r}" if len(self.endpoints) > 1 else "LLM endpoint"
+        if len(self.endpoints) > 1 and env.get("OPENAI_BASE_URL"):
+            raise SpecError(f"{self.path}: OPENAI_BASE_URL is set, but the spec names {len(self.endpoints)} endpoints "
+                            "and one variable cannot replace them all; unset OPENAI_BASE_URL and give each "
+                            "[[endpoints]] its base_url")
         url = self.base_url(env)
         from_env = bool(env.get("OPENAI_BASE_URL"))
-        named = self.endpoint.api_key_env
+        named = ep.api_key_env
+        field = f"endpoints[{self.endpoints.index(ep)}].api_key_env" if len(self.endpoints) > 1 else \
+            "endpoint.api_key_env"
         if named:
-            if from_env and origin(url) != origin(self.endpoint.base_url):
+            if from_env and origin(url) != origin(ep.base_url):
                 raise SpecError(f"{self.path}: OPENAI_BASE_URL ({origin(url)}) overrides endpoint.base_url "
-                                f"({origin(self.endpoint.base_url)}), but the key in endpoint.api_key_env = {named!r} "
+                                f"({origin(ep.base_url)}), but the key in endpoint.api_key_env = {named!r} "
                                 "is for the spec's host; unset OPENAI_BASE_URL, or remove api_key_env to send "
                                 "OPENAI_API_KEY with it")
-            return Route("LLM endpoint", url, named, "the spec's endpoint.api_key_env")
+            return Route(role, url, named, f"the spec's {field}")
         if from_env:
-            return Route("LLM endpoint", url, "OPENAI_API_KEY", "the endpoint came from OPENAI_BASE_URL")
+            return Route(role, url, "OPENAI_API_KEY", "the endpoint came from OPENAI_BASE_URL")
         if (urlsplit(url).hostname or "").lower() == OPENAI_HOST:
-            return Route("LLM endpoint", url, "OPENAI_API_KEY", f"the endpoint is the OpenAI API ({OPENAI_HOST})")
-        return Route("LLM endpoint", url, None, "the spec names no endpoint.api_key_env and the endpoint is not "
+            return Route(role, url, "OPENAI_API_KEY", f"the endpoint is the OpenAI API ({OPENAI_HOST})")
+        return Route(role, url, None, f"the spec names no {field} and the endpoint is not "
                      "the OpenAI API, so OPENAI_API_KEY is not sent")
+
+    def llm_routes(self, environ: Mapping[str, str] | None = None) -> tuple[Route, ...]:
+        """The route of every endpoint, in the spec's order."""
+        return tuple(self.for_endpoint(i).llm_route(environ) for i in range(len(self.endpoints)))
 
     def reward_route(self) -> Route | None:
         """The reward endpoint's route (Best-of-N with ``scorer.reward_url``): only ``scorer.api_key_env``, if named."""
@@ -234,53 +341,95 @@ class Spec:
                      "the spec names no scorer.api_key_env (a reward endpoint never gets an LLM key)")
 
 
-class _Section:
-    """Typed reads from one table of the spec; every error names ``section.key``."""
+@lru_cache(maxsize=1)
+def schema() -> dict[str, Any]:
+    """The JSON Schema of the collection spec (``iapo_gym/llm/spec.schema.json``)."""
+    text = resources.files("iapo_gym.llm").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
+    loaded: dict[str, Any] = json.loads(text)
+    return loaded
 
-    def __init__(self, where: str, name: str, data: Any) -> None:
-        self.where, self.name = where, name
-        if not isinstance(data, dict):
-            self.fail("", f"must be a table of settings, got {data!r}")
-        self.data: dict[str, Any] = data
 
-    def fail(self, key: str, message: str) -> None:
-        dotted = f"{self.name}.{key}" if self.name and key else (self.name or key)
-        raise SpecError(f"{self.where}: field {dotted!r} {message}")
+@lru_cache(maxsize=1)
+def _validator() -> Any:
+    import jsonschema
 
-    def get(self, key: str, kind: type | tuple[type, ...], default: Any = ..., *, required: bool = False) -> Any:
-        if key not in self.data:
-            if required or default is ...:
-                self.fail(key, "is missing")
-            return default
-        value = self.data[key]
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        if isinstance(value, bool) and bool not in kinds:
-            self.fail(key, f"must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
-        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-            try:
-                value = float(value)
-            except OverflowError:
-                self.fail(key, f"must be a finite number, got an integer of {len(str(value))} digits")
-        if not isinstance(value, kinds):
-            self.fail(key, f"must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
-        return value
+    return jsonschema.Draft202012Validator(schema())
 
-    def positive_int(self, key: str, default: Any = ...) -> Any:
-        value = self.get(key, int, default)
-        if value is not None and value is not default and value < 1:
-            self.fail(key, f"must be an integer >= 1, got {value!r}")
-        return value
 
-    def number(self, key: str, default: Any = ..., low: float = 0.0) -> Any:
-        value = self.get(key, float, default)
-        if value is not None and value is not default and not (math.isfinite(value) and value >= low):
-            self.fail(key, f"must be a finite number >= {low}, got {value!r}")
-        return value
+def _dotted(path: Any) -> str:
+    """``endpoints[0].model`` from a JSON path (keys and list indices)."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
 
-    def unknown(self, allowed: tuple[str, ...]) -> None:
-        extra = sorted(set(self.data) - set(allowed))
-        if extra:
-            self.fail(extra[0], f"is not a known setting (expected one of {', '.join(allowed)})")
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _resolve(node: dict[str, Any]) -> dict[str, Any]:
+    """A subschema with its local ``$ref`` followed (``#/$defs/name``)."""
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/"):
+        return {**_resolve(schema()["$defs"][ref[len("#/$defs/"):]]), **{k: v for k, v in node.items() if k != "$ref"}}
+    return node
+
+
+def _known(node: dict[str, Any]) -> list[str]:
+    """The settings a table of the schema allows (its ``properties``, through ``$ref``)."""
+    node = _resolve(node)
+    return sorted(set(node.get("properties", {})))
+
+
+def _schema_message(where: str, error: Any) -> str:
+    """One line naming the file, the field and what it must be, from a jsonschema error."""
+    path = list(error.absolute_path)
+    kind = error.validator
+    if kind == "required":
+        missing = [k for k in error.validator_value if k not in error.instance]
+        return f"{where}: field {_dotted([*path, missing[0]])!r} is missing"
+    if kind in ("additionalProperties", "unevaluatedProperties"):
+        known = _known(error.schema)
+        extra = sorted(k for k in error.instance if k not in known)
+        return (f"{where}: field {_dotted([*path, extra[0]])!r} is not a known setting "
+                f"(expected one of {', '.join(known)})")
+    node = _resolve(error.schema) if isinstance(error.schema, dict) else {}
+    if kind in ("minItems", "maxItems", "uniqueItems") and "description" not in node:
+        return f"{where}: field {_dotted(path)!r}: {error.message}"
+    what = node.get("description")
+    if what is None:  # a part of a field described as a whole (e.g. one item of a list)
+        return f"{where}: field {_dotted(path)!r}: {error.message[:200]}"
+    if not path:
+        return f"{where}: the spec must be {what}, got {type(error.instance).__name__}"
+    if node.get("x-secret"):
+        return f"{where}: field {_dotted(path)!r} must be {what}"
+    return f"{where}: field {_dotted(path)!r} must be {what}, got {_shown(error.instance)}"
+
+
+def _finite_everywhere(data: Any, where: str, path: tuple[Any, ...] = ()) -> None:
+    """Refuse NaN and infinity anywhere (TOML and JSON both spell them; the schema's ranges cannot)."""
+    if isinstance(data, float) and not math.isfinite(data):
+        raise SpecError(f"{where}: field {_dotted(path)!r} must be a finite number, got {data!r}")
+    if isinstance(data, dict):
+        for key, value in data.items():
+            _finite_everywhere(value, where, (*path, key))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            _finite_everywhere(value, where, (*path, i))
+
+
+def check_schema(data: Any, where: str) -> None:
+    """Check a parsed spec against ``spec.schema.json``; a ``SpecError`` names the first bad field."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{where}: the spec must be a table of settings, got {type(data).__name__}")
+    _finite_everywhere(data, where)
+    errors = list(_validator().iter_errors(data))
+    if errors:  # the shallowest first (a missing table before a bad value inside another), then in path order
+        first = min(errors, key=lambda e: (len(e.absolute_path), [str(p) for p in e.absolute_path]))
+        more = f" ({len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+        raise SpecError(_schema_message(where, first) + more)
 
 
 def load_spec(path: str | os.PathLike[str]) -> Spec:
@@ -306,207 +455,217 @@ def load_spec(path: str | os.PathLike[str]) -> Spec:
     return parse_spec(data, path)
 
 
+def _fail(where: str, dotted: str, message: str) -> None:
+    raise SpecError(f"{where}: field {dotted!r} {message}")
+
+
 def parse_spec(data: Any, path: Path) -> Spec:
     """Validate a parsed spec document; ``path`` anchors relative file names and error messages."""
     where = str(path)
-    top = _Section(where, "", data)
-    top.unknown(("task", "aggregator", "n_max", "endpoint", "sampling", "budget", "prompts", "queries",
-                 "scorer", "build", "cache", "live"))
-    task = top.get("task", str, path.stem)
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", task):
-        top.fail("task", f"must be letters, digits, '.', '_' or '-', got {task!r}")
-    aggregator = top.get("aggregator", str, required=True)
-    if aggregator not in AGGREGATORS:
-        top.fail("aggregator", f"must be one of {AGGREGATORS}, got {aggregator!r}")
-    n_max = top.positive_int("n_max")
-    endpoint = _endpoint(_Section(where, "endpoint", top.get("endpoint", dict)))
-    sampling = _sampling(_Section(where, "sampling", top.get("sampling", dict)))
-    budget = _budget(_Section(where, "budget", top.get("budget", dict, {})))
-    prompts = _prompts(where, top.get("prompts", list), endpoint.api)
-    scorer = _scorer(_Section(where, "scorer", top.get("scorer", dict)), aggregator)
     try:
-        queries = _queries(_Section(where, "queries", top.get("queries", dict)), path.parent, aggregator)
+        check_schema(data, where)
+    except RecursionError:  # nesting deeper than the validator can follow
+        raise SpecError(f"{where}: the spec is nested too deeply") from None
+    task = data.get("task", path.stem)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", task):  # the default, the file's stem
+        _fail(where, "task", f"must be letters, digits, '.', '_' or '-' (the file name {path.name!r} is not; "
+                             "give task)")
+    aggregator = data["aggregator"]
+    endpoints = _endpoints(where, data)
+    sampling = _sampling(data["sampling"])
+    b = data.get("budget", {})
+    budget = Budget(max_requests=b.get("max_requests"), max_tokens_total=b.get("max_tokens_total"),
+                    price_per_1k_tokens=float(b.get("price_per_1k_tokens", 0.0)))
+    templates = _prompts(where, data["prompts"], endpoints[0].api)
+    if len(endpoints) > 1:
+        prompts = tuple(Prompt(f"{e.id}/{t.id}", t.text, t.messages, endpoint=i)
+                        for i, e in enumerate(endpoints) for t in templates)
+    else:
+        prompts = templates
+    scorer = _scorer(where, data["scorer"], aggregator)
+    try:
+        queries = _queries(where, data["queries"], path.parent, aggregator)
     except SpecError as exc:  # a query file's own errors name that file; say which spec and field led there
         if where in str(exc):
             raise
         raise SpecError(f"{where}: field 'queries.path': {exc}") from None
-    b = _Section(where, "build", top.get("build", dict, {}))
-    b.unknown(("top_k", "cost_scale", "test_fraction", "seed"))
-    build = Build(top_k=b.positive_int("top_k", 4), cost_scale=b.number("cost_scale", 0.01),
-                  test_fraction=b.number("test_fraction", 0.2), seed=b.get("seed", int, 0))
-    if not 0.0 <= build.test_fraction < 1.0:
-        b.fail("test_fraction", f"must be in [0, 1), got {build.test_fraction!r}")
-    cache = top.get("cache", str, None)
-    live = _Section(where, "live", top.get("live", dict, {}))
-    live.unknown(("cost",))
-    live_cost = live.get("cost", list, None)
+    bd = data.get("build", {})
+    build = Build(top_k=bd.get("top_k", 4), cost_scale=float(bd.get("cost_scale", 0.01)),
+                  test_fraction=float(bd.get("test_fraction", 0.2)), seed=bd.get("seed", 0))
+    cache = data.get("cache")
+    live_cost = data.get("live", {}).get("cost")
     if live_cost is not None:
-        if len(live_cost) != len(prompts) or not all(_finite(c) and c >= 0 for c in live_cost):
-            live.fail("cost", f"must list one number >= 0 per prompt ({len(prompts)}), got {live_cost!r}")
+        if len(live_cost) != len(prompts):
+            what = f"arm ((endpoint, prompt) pair, {len(prompts)})" if len(endpoints) > 1 else \
+                f"prompt ({len(prompts)})"
+            _fail(where, "live.cost", f"must list one number >= 0 per {what}, got {live_cost!r}")
         live_cost = tuple(float(c) for c in live_cost)
-    return Spec(path=path, task=task, aggregator=aggregator, n_max=n_max, endpoint=endpoint, sampling=sampling,
-                budget=budget, prompts=prompts, queries=queries, scorer=scorer, build=build,
-                cache=(path.parent / cache) if cache else None, live_cost=live_cost)
+    priced = [e.priced for e in endpoints]
+    currency = data.get("currency")
+    if any(priced):
+        if not all(priced):
+            bad = next(i for i, e in enumerate(endpoints) if not e.priced)
+            half = next((e for e in endpoints if (e.input_price_per_million is None)
+                         != (e.output_price_per_million is None)), None)
+            name = f"endpoints[{bad}]" if "endpoints" in data else "endpoint"
+            if half is not None:
+                bad = endpoints.index(half)
+                name = f"endpoints[{bad}]" if "endpoints" in data else "endpoint"
+            _fail(where, name, "gives no price or half of one: give every endpoint both input_price_per_million "
+                               "and output_price_per_million, or none of them (costs are then token counts)")
+        currency = currency or DEFAULT_CURRENCY
+    elif currency is not None:
+        _fail(where, "currency", "names the unit of the endpoints' prices, but no endpoint gives "
+                                 "input_price_per_million and output_price_per_million")
+    contexts = _contexts(where, data["contexts"], aggregator, scorer) if "contexts" in data else None
+    return Spec(path=path, task=task, aggregator=aggregator, n_max=data["n_max"], endpoint=endpoints[0],
+                sampling=sampling, budget=budget, prompts=prompts, queries=queries, scorer=scorer, build=build,
+                cache=(path.parent / cache) if cache else None, live_cost=live_cost, endpoints=endpoints,
+                templates=templates, currency=currency, contexts=contexts)
 
 
-def _finite(value: Any) -> bool:
-    """A JSON/TOML number (not a bool) that is finite as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an integer beyond the float range
-        return False
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def _endpoint(s: _Section) -> Endpoint:
-    s.unknown(("base_url", "model", "api_key_env", "api", "concurrency", "timeout", "max_retries", "backoff",
-               "max_backoff", "use_n"))
-    base_url = s.get("base_url", str, required=True)
-    if not re.match(r"https?://", base_url):
-        s.fail("base_url", f"must start with http:// or https://, got {base_url!r}")
-    api = s.get("api", str, "completions")
-    if api not in APIS:
-        s.fail("api", f"must be one of {APIS}, got {api!r}")
-    use_n = s.get("use_n", str, "auto")
-    if use_n not in ("auto", "yes", "no"):
-        s.fail("use_n", f"must be 'auto', 'yes' or 'no', got {use_n!r}")
-    max_retries = s.get("max_retries", int, 6)
-    if max_retries < 0:
-        s.fail("max_retries", f"must be an integer >= 0, got {max_retries!r}")
-    timeout = s.number("timeout", 60.0)
-    if timeout <= 0:
-        s.fail("timeout", f"must be > 0 seconds, got {timeout!r}")
-    key_env = s.get("api_key_env", str, None)
-    if key_env is not None and not _ENV_NAME.fullmatch(key_env):
-        s.fail("api_key_env", "must be the NAME of an environment variable (letters, digits, '_'); the value given "
-               "is not one and is not shown, in case it is the key itself")
-    return Endpoint(base_url=base_url.rstrip("/"), model=s.get("model", str, required=True),
-                    api_key_env=key_env, api=api,
-                    concurrency=s.positive_int("concurrency", 4), timeout=timeout, max_retries=max_retries,
-                    backoff=s.number("backoff", 0.5), max_backoff=s.number("max_backoff", 30.0), use_n=use_n)
-
-
-def _sampling(s: _Section) -> Sampling:
-    s.unknown(SAMPLING_KEYS)
-    stop = s.get("stop", (str, list), [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(x, str) and x for x in stop):
-        s.fail("stop", f"must be a string or a list of non-empty strings, got {stop!r}")
-    top_p = s.number("top_p", None)
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        s.fail("top_p", f"must be in (0, 1], got {top_p!r}")
-    return Sampling(max_tokens=s.positive_int("max_tokens"), temperature=s.number("temperature", 1.0),
-                    top_p=top_p, seed=s.get("seed", int, None), stop=tuple(stop))
-
-
-def _budget(s: _Section) -> Budget:
-    s.unknown(("max_requests", "max_tokens_total", "price_per_1k_tokens"))
-    return Budget(max_requests=s.positive_int("max_requests", None),
-                  max_tokens_total=s.positive_int("max_tokens_total", None),
-                  price_per_1k_tokens=s.number("price_per_1k_tokens", 0.0))
-
-
-def _prompts(where: str, items: list[Any], api: str) -> tuple[Prompt, ...]:
-    if not items:
-        raise SpecError(f"{where}: field 'prompts' must list at least one prompt")
-    out: list[Prompt] = []
+def _contexts(where: str, items: list[dict[str, Any]], aggregator: str, scorer: Scorer) -> tuple[Context, ...]:
+    """The ``[[contexts]]``: distinct names, one weight per objective, a cost weight, probabilities summing to 1."""
+    k = 1 if aggregator == "mv" else len(scorer.objectives)
+    given = ["probability" in item for item in items]
+    if any(given) and not all(given):
+        _fail(where, f"contexts[{given.index(False)}].probability", "is missing: give a probability for every "
+                                                                    "context or for none (then they are uniform)")
+    out: list[Context] = []
     for i, item in enumerate(items):
-        s = _Section(where, f"prompts[{i}]", item)
-        s.unknown(("id", "template", "messages"))
-        pid = s.get("id", str, required=True)
-        if not pid.strip():
-            s.fail("id", "is empty")
-        if any(p.id == pid for p in out):
-            s.fail("id", f"repeats prompt id {pid!r}")
-        if ("template" in s.data) == ("messages" in s.data):
-            s.fail("template", "or 'messages' must be given (exactly one of them)")
-        if "template" in s.data:
-            if api != "completions":
-                s.fail("template", "is for api = 'completions'; the chat API needs 'messages'")
-            text = s.get("template", str)
-            if "{query}" not in text:
-                s.fail("template", "must contain the placeholder {query}")
-            out.append(Prompt(id=pid, text=text))
+        name = f"contexts[{i}]"
+        if any(c.name == item["name"] for c in out):
+            _fail(where, f"{name}.name", f"repeats context name {item['name']!r}")
+        if ("cost_weight" in item) == ("value_per_quality" in item):
+            _fail(where, f"{name}.cost_weight", "or 'value_per_quality' must be given (exactly one of them)")
+        if "objective_weights" in item:
+            weights = tuple(float(w) for w in item["objective_weights"])
+            if k and len(weights) != k:
+                _fail(where, f"{name}.objective_weights", f"must list one weight per objective ({k}), got "
+                                                          f"{list(weights)}")
+        elif k:
+            weights = (1.0 / k,) * k
         else:
-            if api != "chat":
-                s.fail("messages", "is for api = 'chat'; the completions API needs 'template'")
-            msgs = s.get("messages", list)
-            pairs = []
-            for j, m in enumerate(msgs):
-                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                    s.fail(f"messages[{j}]", f"must be a table with string 'role' and 'content', got {m!r}")
-                pairs.append((m["role"], m["content"]))
-            if not any("{query}" in c for _, c in pairs):
-                s.fail("messages", "must contain the placeholder {query} in some message")
-            out.append(Prompt(id=pid, messages=tuple(pairs)))
+            _fail(where, f"{name}.objective_weights", "is needed: the scorer names no objectives "
+                                                      "(give scorer.objectives or the weights)")
+        wc = float(item["cost_weight"]) if "cost_weight" in item else cost_weight(float(item["value_per_quality"]))
+        prob = float(item.get("probability", 1.0 / len(items)))
+        out.append(Context(item["name"], weights, wc + 0.0, prob))
+    if len({len(c.objective_weights) for c in out}) > 1:
+        _fail(where, "contexts", "must give every context the same number of objective weights")
+    total = sum(c.probability for c in out)
+    if abs(total - 1.0) > 1e-6:
+        _fail(where, "contexts", f"probabilities sum to {total!r}, expected 1")
     return tuple(out)
 
 
-def _scorer(s: _Section, aggregator: str) -> Scorer:
-    s.unknown(("extractor", "pattern", "choices", "reward_url", "callable", "objectives", "grid", "score_range",
-               "api_key_env"))
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _endpoint(s: dict[str, Any], endpoint_id: str = "") -> Endpoint:
+    return Endpoint(base_url=s["base_url"].rstrip("/"), model=s["model"], api_key_env=s.get("api_key_env"),
+                    api=s.get("api", "completions"), concurrency=s.get("concurrency", 4),
+                    timeout=float(s.get("timeout", 60.0)), max_retries=s.get("max_retries", 6),
+                    backoff=float(s.get("backoff", 0.5)), max_backoff=float(s.get("max_backoff", 30.0)),
+                    use_n=s.get("use_n", "auto"), id=endpoint_id,
+                    input_price_per_million=_optional_float(s.get("input_price_per_million")),
+                    output_price_per_million=_optional_float(s.get("output_price_per_million")))
+
+
+def _endpoints(where: str, data: dict[str, Any]) -> tuple[Endpoint, ...]:
+    """The ``[endpoint]`` or the ``[[endpoints]]`` (exactly one of the two forms), with distinct ids and one API."""
+    if ("endpoint" in data) == ("endpoints" in data):
+        _fail(where, "endpoint", "or 'endpoints' must be given (exactly one of them: one [endpoint] table, or "
+                                 "several [[endpoints]] each with an id)")
+    if "endpoint" in data:
+        return (_endpoint(data["endpoint"]),)
+    out: list[Endpoint] = []
+    for i, item in enumerate(data["endpoints"]):
+        if any(e.id == item["id"] for e in out):
+            _fail(where, f"endpoints[{i}].id", f"repeats endpoint id {item['id']!r}")
+        out.append(_endpoint(item, item["id"]))
+        if out[-1].api != out[0].api:
+            _fail(where, f"endpoints[{i}].api", f"is {out[-1].api!r}, but endpoints[0] uses {out[0].api!r}: the "
+                                                "arms share the prompts, so every endpoint uses one API")
+    return tuple(out)
+
+
+def _sampling(s: dict[str, Any]) -> Sampling:
+    stop = s.get("stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    return Sampling(max_tokens=s["max_tokens"], temperature=float(s.get("temperature", 1.0)),
+                    top_p=_optional_float(s.get("top_p")), seed=s.get("seed"), stop=tuple(stop))
+
+
+def _prompts(where: str, items: list[Any], api: str) -> tuple[Prompt, ...]:
+    out: list[Prompt] = []
+    for i, item in enumerate(items):
+        name = f"prompts[{i}]"
+        pid = item["id"]
+        if any(p.id == pid for p in out):
+            _fail(where, f"{name}.id", f"repeats prompt id {pid!r}")
+        if ("template" in item) == ("messages" in item):
+            _fail(where, f"{name}.template", "or 'messages' must be given (exactly one of them)")
+        if "template" in item:
+            if api != "completions":
+                _fail(where, f"{name}.template", "is for api = 'completions'; the chat API needs 'messages'")
+            out.append(Prompt(id=pid, text=item["template"]))
+        else:
+            if api != "chat":
+                _fail(where, f"{name}.messages", "is for api = 'chat'; the completions API needs 'template'")
+            pairs = tuple((m["role"], m["content"]) for m in item["messages"])
+            if not any("{query}" in c for _, c in pairs):
+                _fail(where, f"{name}.messages", "must contain the placeholder {query} in some message")
+            out.append(Prompt(id=pid, messages=pairs))
+    return tuple(out)
+
+
+def _scorer(where: str, s: dict[str, Any], aggregator: str) -> Scorer:
+    def fail(key: str, message: str) -> None:
+        _fail(where, f"scorer.{key}", message)
+
     if aggregator == "mv":
-        extractor = s.get("extractor", str, required=True)
-        if extractor not in EXTRACTORS:
-            s.fail("extractor", f"must be one of {EXTRACTORS}, got {extractor!r}")
-        pattern = s.get("pattern", str, None)
+        if "extractor" not in s:
+            fail("extractor", "is missing")
+        extractor = s["extractor"]
+        pattern = s.get("pattern")
         if extractor == "regex":
             if pattern is None:
-                s.fail("pattern", "is needed by extractor 'regex'")
+                fail("pattern", "is needed by extractor 'regex'")
             try:
                 re.compile(str(pattern))
             except (re.error, OverflowError, RecursionError) as exc:
-                s.fail("pattern", f"is not a valid regular expression: {exc}")
-        choices = s.get("choices", str, "ABCDE")
+                fail("pattern", f"is not a valid regular expression: {exc}")
         for key in ("reward_url", "callable", "api_key_env"):
-            if key in s.data:
-                s.fail(key, "is for Best-of-N (aggregator = 'bon'); majority vote uses 'extractor'")
-        return Scorer(extractor=extractor, pattern=pattern, choices=choices)
-    reward_url = s.get("reward_url", str, None)
-    target = s.get("callable", str, None)
+            if key in s:
+                fail(key, "is for Best-of-N (aggregator = 'bon'); majority vote uses 'extractor'")
+        return Scorer(extractor=extractor, pattern=pattern, choices=s.get("choices", "ABCDE"))
+    reward_url, target = s.get("reward_url"), s.get("callable")
     if (reward_url is None) == (target is None):
-        s.fail("callable", "or 'reward_url' must be given for Best-of-N (exactly one of them)")
-    if target is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", target):
-        s.fail("callable", f"must look like 'package.module:function', got {target!r}")
-    if reward_url is not None and not re.match(r"https?://", reward_url):
-        s.fail("reward_url", f"must start with http:// or https://, got {reward_url!r}")
-    key_env = s.get("api_key_env", str, None)
-    if key_env is not None:
-        if reward_url is None:
-            s.fail("api_key_env", "names the reward endpoint's key; it needs 'reward_url'")
-        if not _ENV_NAME.fullmatch(key_env):
-            s.fail("api_key_env", "must be the NAME of an environment variable (letters, digits, '_'); the value "
-                   "given is not one and is not shown, in case it is the key itself")
-    if "extractor" in s.data:
-        s.fail("extractor", "is for majority vote (aggregator = 'mv')")
-    objectives = s.get("objectives", list, [])
-    if not all(isinstance(o, str) and o for o in objectives) or len(set(objectives)) != len(objectives):
-        s.fail("objectives", f"must be distinct non-empty names, got {objectives!r}")
-    grid = s.get("grid", (float, bool), 0.5)
-    if grid is False:
-        grid = None
-    elif isinstance(grid, bool) or not (math.isfinite(grid) and grid > 0):
-        s.fail("grid", f"must be a number > 0 or false (no binning), got {grid!r}")
-    rng = s.get("score_range", list, None)
+        fail("callable", "or 'reward_url' must be given for Best-of-N (exactly one of them)")
+    key_env = s.get("api_key_env")
+    if key_env is not None and reward_url is None:
+        fail("api_key_env", "names the reward endpoint's key; it needs 'reward_url'")
+    if "extractor" in s:
+        fail("extractor", "is for majority vote (aggregator = 'mv')")
+    grid = s.get("grid", 0.5)
+    rng = s.get("score_range")
     if rng is not None:
-        if len(rng) != 2 or not all(_finite(v) for v in rng) or not rng[0] < rng[1]:
-            s.fail("score_range", f"must be [low, high] with low < high, got {rng!r}")
+        if not rng[0] < rng[1]:
+            fail("score_range", f"must be [low, high] with low < high, got {rng!r}")
         rng = (float(rng[0]), float(rng[1]))
-    return Scorer(reward_url=reward_url, callable=target, objectives=tuple(objectives), grid=grid, score_range=rng,
-                  api_key_env=key_env)
+    return Scorer(reward_url=reward_url, callable=target, objectives=tuple(s.get("objectives", ())),
+                  grid=None if grid is False else float(grid), score_range=rng, api_key_env=key_env)
 
 
-def _queries(s: _Section, base: Path, aggregator: str) -> tuple[Query, ...]:
-    s.unknown(("path", "limit"))
-    qpath = base / s.get("path", str, required=True)
-    limit = s.positive_int("limit", None)
+def _queries(where: str, s: dict[str, Any], base: Path, aggregator: str) -> tuple[Query, ...]:
+    qpath = base / s["path"]
+    limit = s.get("limit")
     try:
         handle = qpath.open(encoding="utf-8")
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the name
-        s.fail("path", f"names a queries file that cannot be read: {exc}")
-        raise AssertionError from None  # unreachable: fail raised
+        raise SpecError(f"{where}: field 'queries.path' names a queries file that cannot be read: {exc}") from None
     out: list[Query] = []
     seen: dict[str, int] = {}
     with handle:
@@ -533,7 +692,7 @@ def _queries(s: _Section, base: Path, aggregator: str) -> tuple[Query, ...]:
             if limit is not None and len(out) >= limit:
                 break
     if not out:
-        s.fail("path", f"names a queries file with no queries: {qpath}")
+        _fail(where, "queries.path", f"names a queries file with no queries: {qpath}")
     if any(q.split for q in out) and not all(q.split for q in out):
-        s.fail("path", "gives 'split' for some queries but not all; give it for every query or none")
+        _fail(where, "queries.path", "gives 'split' for some queries but not all; give it for every query or none")
     return tuple(out)
