@@ -4,7 +4,8 @@
 (its model, sampling, retries and spending cap). ``await router.acomplete(query, context)`` (or the
 blocking ``router.complete``) picks the context's (prompt, N), asks the upstream for N completions
 through ``iapo_gym.llm.client.LLMClient`` (one request with ``n`` where the upstream honours it,
-else N concurrent requests; no response cache) and returns the aggregated completion:
+else N concurrent requests; no response cache; a majority vote draws them in waves and stops once
+decided, so N is its cap) and returns the aggregated completion:
 
 * majority vote: answers are extracted with the policy's extractor and bucketed as the tables
   bucket them (no answer is one bucket); the most-voted bucket wins; a tie between t buckets is
@@ -341,8 +342,12 @@ class Router:
                              options: RequestOptions | None = None) -> Routed:
         """Draw the context's N completions in waves and stop once no remaining one can change the winner.
 
-        With ``early_stop`` off, all N in one wave. Completion i is sample index i in either case, so
-        the completions drawn are the first ones of the full N and the vote gives the same answer.
+        With ``early_stop`` off, all N in one wave. Every wave gets the same ``options`` (max_tokens bound,
+        seed, spend tally: ``usage`` adds up over the waves). Where the upstream takes one request per
+        completion, completion i is sample index i with its own seed in either case, so the completions
+        drawn are the first ones of the full N and the vote gives the same answer; where it honours ``n``,
+        a wave is one request seeded by its first index, so its completions are other independent draws
+        and the answer has the distribution of the vote of all N.
         """
         assert self._client is not None
         completions: list[Completion] = []
