@@ -7,7 +7,9 @@ One logical call = N completions of one query:
 * ``direct``: the N requests straight to the upstream, concurrently (the floor);
 * ``bare proxy``: the same N requests through a bare FastAPI + httpx2 pass-through proxy (the reference);
 * ``serve``: one request to ``iapo-gym serve`` with a one-context majority-vote policy of N, which
-  renders the prompt, sends the N requests through the project's client, votes and answers;
+  renders the prompt, sends the N requests through the project's client, votes and answers; it runs
+  with ``--no-early-stop``, so that it draws all N completions as the other sides do (like with like;
+  ``--early-stop`` below measures what stopping early saves and costs);
 * ``optillm`` (``--optillm-python PY``, OptiLLM installed in a venv of its own): one chat request with
   its self-consistency approach, which always samples 5 completions, one after another, through the
   upstream's chat API (run with ``--n 5`` to compare at the same N).
@@ -167,7 +169,7 @@ def main() -> None:
         policy = mv_policy({"low": ("plain", args.n)}, extractor={"extractor": "regex", "pattern": r"\A\s*(\S)"},
                            n_max=args.n).save(folder / "policy.json")
         serve_port, bare_port = free_port(), free_port()
-        serve = start_serve(policy, spec_path, serve_port)
+        serve = start_serve(policy, spec_path, serve_port, extra=["--no-early-stop"])  # all N, as the other sides
         procs.append(serve)
         log = _log_file("bare")
         bare = subprocess.Popen([sys.executable, __file__, "--bare-proxy", str(bare_port), f"http://127.0.0.1:{up}"],
