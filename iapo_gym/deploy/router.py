@@ -70,7 +70,7 @@ class Routed:
 
     text: str
     finish: str | None
-    chosen: int  # index of the returned completion among the N
+    chosen: int  # index of the returned completion among those drawn
     context: PolicyContext
     prompt_id: str
     completions: list[Completion]
@@ -82,12 +82,12 @@ class Routed:
 
     @property
     def n(self) -> int:
-        """Completions asked of the upstream."""
+        """Completions drawn from the upstream (N, or fewer for a majority vote decided early)."""
         return len(self.completions)
 
     @property
     def completion_tokens(self) -> int:
-        """Completion tokens of all N completions, as the upstream reported them."""
+        """Completion tokens of the completions drawn, as the upstream reported them."""
         return sum(c.tokens for c in self.completions)
 
     @property
@@ -116,7 +116,8 @@ class Router:
                  seed: int = 0, early_stop: bool = True) -> None:
         """``policy``: a ``PolicyFile`` or its path; ``spec``: the upstream's collection spec or its path;
         ``seed``: the root of the tie-breaking generators; ``early_stop``: a majority vote stops drawing
-        once decided (the same answer as all N; False draws all N)."""
+        once decided (N is then a cap; ``_vote_in_waves`` says how the answer relates to the vote of all N);
+        False draws all N."""
         self.policy = policy if isinstance(policy, PolicyFile) else load_policy(policy)
         self.spec = spec if isinstance(spec, Spec) else load_spec(spec)
         self.seed = int(seed)
@@ -303,6 +304,8 @@ class Router:
     async def acomplete(self, query: str, context: PolicyContext | ContextRef = None,
                         options: RequestOptions | None = None) -> Routed:
         """Route one query: the context's prompt around ``query``, N upstream completions, aggregated.
+
+        A majority vote decided early draws fewer (``Routed.n``; the context's N is its cap).
 
         ``context``: a ``PolicyContext`` already resolved, or what ``resolve`` takes; ``options``: a
         server's per-request ``max_tokens`` bound, seed and spend tally (``RequestOptions``).
