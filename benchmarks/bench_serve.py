@@ -7,7 +7,10 @@ One logical call = N completions of one query:
 * ``direct``: the N requests straight to the upstream, concurrently (the floor);
 * ``bare proxy``: the same N requests through a bare FastAPI + httpx2 pass-through proxy (the reference);
 * ``serve``: one request to ``iapo-gym serve`` with a one-context majority-vote policy of N, which
-  renders the prompt, sends the N requests through the project's client, votes and answers;
+  renders the prompt, sends the N requests through the project's client, votes and answers; it runs
+  with ``--no-early-stop``, so that it draws all N completions as the other sides do (like with like:
+  a serve answer with ``iapo.drawn`` other than N counts as an error; ``--early-stop`` below measures
+  what stopping early saves and costs);
 * ``optillm`` (``--optillm-python PY``, OptiLLM installed in a venv of its own): one chat request with
   its self-consistency approach, which always samples 5 completions, one after another, through the
   upstream's chat API (run with ``--n 5`` to compare at the same N).
@@ -106,6 +109,10 @@ async def one_call(client: Any, side: Side, query: str, n: int, upstream_body: A
             side.errors += 1
             if side.errors <= 3:
                 print(f"  {side.name}: HTTP {r.status_code} {r.text[:200]}", file=sys.stderr)
+        elif side.mode == "serve" and r.json()["iapo"]["drawn"] != n:  # like with like: serve drew all N too
+            side.errors += 1
+            if side.errors <= 3:
+                print(f"  serve drew {r.json()['iapo']['drawn']} completions, not {n}", file=sys.stderr)
 
 
 async def run_segment(side: Side, concurrency: int, calls: int, n: int, upstream_body: Any, model: str,
@@ -167,7 +174,7 @@ def main() -> None:
         policy = mv_policy({"low": ("plain", args.n)}, extractor={"extractor": "regex", "pattern": r"\A\s*(\S)"},
                            n_max=args.n).save(folder / "policy.json")
         serve_port, bare_port = free_port(), free_port()
-        serve = start_serve(policy, spec_path, serve_port)
+        serve = start_serve(policy, spec_path, serve_port, extra=["--no-early-stop"])
         procs.append(serve)
         log = _log_file("bare")
         bare = subprocess.Popen([sys.executable, __file__, "--bare-proxy", str(bare_port), f"http://127.0.0.1:{up}"],

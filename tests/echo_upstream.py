@@ -1,7 +1,8 @@
 """A header-echoing OpenAI-compatible upstream on 127.0.0.1 (a thread of the test process) for the serve tests.
 
-Completions and chat completions answer ``answer`` for each of ``n`` choices (usage: completion tokens =
-characters of the answer, prompt tokens = words of the prompt). A prompt containing ``STATUS:NNN``
+Completions and chat completions answer ``answer`` for each of ``n`` choices, or with ``answers`` the next
+texts of that list in turn, one per choice (usage: completion tokens = characters of the answers, prompt
+tokens = words of the prompt). A prompt containing ``STATUS:NNN``
 gets HTTP NNN with a body that echoes, as some providers do, the ``Authorization`` header it received,
 the prompt and this server's address; ``SLEEP:S`` waits S seconds first. ``GET /v1/models`` answers
 ``models_status``. ``headers`` and ``bodies`` record every POST; ``posts`` counts them.
@@ -20,8 +21,10 @@ from typing import Any
 class EchoUpstream:
     """The upstream (module docstring); ``url`` is its ``/v1`` base."""
 
-    def __init__(self, answer: str = "42") -> None:
+    def __init__(self, answer: str = "42", answers: list[str] | None = None) -> None:
         self.answer = answer
+        self.answers = answers
+        self.turn = 0
         self.models_status = 200
         self.headers: list[dict[str, str]] = []
         self.bodies: list[dict[str, Any]] = []
@@ -72,16 +75,21 @@ class EchoUpstream:
                         "code": "invalid_api_key"}})
                     return
                 n = int(body.get("n") or 1)
+                texts = [outer.answer] * n
+                if outer.answers:
+                    with outer.lock:
+                        texts = [outer.answers[(outer.turn + i) % len(outer.answers)] for i in range(n)]
+                        outer.turn += n
                 if chat:
-                    choices = [{"index": i, "message": {"role": "assistant", "content": outer.answer},
-                                "finish_reason": "stop"} for i in range(n)]
+                    choices = [{"index": i, "message": {"role": "assistant", "content": t},
+                                "finish_reason": "stop"} for i, t in enumerate(texts)]
                 else:
-                    choices = [{"index": i, "text": outer.answer, "finish_reason": "stop"} for i in range(n)]
+                    choices = [{"index": i, "text": t, "finish_reason": "stop"} for i, t in enumerate(texts)]
                 self._send(200, {"id": "x", "object": "chat.completion" if chat else "text_completion",
                                  "created": 0, "model": body.get("model", "echo"), "choices": choices,
                                  "usage": {"prompt_tokens": len(prompt.split()),
-                                           "completion_tokens": n * len(outer.answer),
-                                           "total_tokens": len(prompt.split()) + n * len(outer.answer)}})
+                                           "completion_tokens": sum(len(t) for t in texts),
+                                           "total_tokens": len(prompt.split()) + sum(len(t) for t in texts)}})
 
         class Server(ThreadingHTTPServer):
             def handle_error(self, request: Any, client_address: Any) -> None:

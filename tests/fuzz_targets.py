@@ -897,10 +897,21 @@ def parse_policy(path: Path, out: Path) -> object:
 
 @functools.cache
 def policy_file_seeds() -> list[bytes]:
-    """Deployable policy files (docs/deploy.md) as ``PolicyFile.to_json`` writes them."""
+    """Deployable policy files (docs/deploy.md) as ``PolicyFile.to_json`` writes them, with and without
+    ``arm_estimates`` (outcome counts per prompt and query; Best-of-N with its outcome vectors)."""
+    import dataclasses
+
     from tests.deploy_helpers import bon_policy, mv_policy
 
-    return [mv_policy().to_json().encode(), bon_policy().to_json().encode()]
+    mv, bon = mv_policy(), bon_policy()
+    mv_estimates = {"method": "plug-in", "completions": 24, "prompts": [
+        {"id": "plain", "cost": 3.5, "queries": [[4, 1, 1], [2, 3], [0, 2, 1, 1]]},
+        {"id": "short", "cost": 1.25, "queries": [[3], [1, 0, 2]]}]}
+    bon_estimates = {"method": "plug-in", "completions": 12, "prompts": [
+        {"id": "plain", "cost": 2.0, "outcomes": [[0.5, -0.5], [1.0, 0.0], [-1.0, 1.0]],
+         "queries": [[2, 1, 3], [0, 4, 2]]}]}
+    return [doc.to_json().encode() for doc in (mv, bon, dataclasses.replace(mv, arm_estimates=mv_estimates),
+                                               dataclasses.replace(bon, arm_estimates=bon_estimates))]
 
 
 def policy_file_mutator(data: bytes, rnd: random.Random) -> bytes:

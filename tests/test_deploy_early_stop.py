@@ -9,11 +9,12 @@ import numpy as np
 
 from iapo_gym.deploy import Router
 from iapo_gym.deploy.estimates import simulate_drawn
-from iapo_gym.llm.client import Completion
+from iapo_gym.llm.client import Completion, RequestOptions, Usage
 from iapo_gym.policyfile import PolicyContext
 from iapo_gym.tables import OutcomeTable
 from iapo_gym.utility import vote_stop_points, votes_to_decide
 from tests.deploy_helpers import mv_policy
+from tests.echo_upstream import EchoUpstream
 from tests.llm_server import (
     free_port,
     llama_server,  # noqa: F401 (fixture)
@@ -121,3 +122,26 @@ def test_live_early_stop_against_llama_cpp(tmp_path: Path, proxy: int) -> None: 
                 assert e.info()["drawn"] == e.n and e.info()["n"] == f.n
                 used, cap = used + e.n, cap + f.n
     assert used < cap  # some votes were decided early
+
+
+def test_every_wave_gets_the_request_options_and_the_spend_adds_up(tmp_path: Path) -> None:
+    """A vote drawn in two waves from an upstream that honours n: each wave's request carries the caller's max_tokens
+    bound and a seed from the caller's seed (by the wave's first completion), and the request's spend tally, the
+    router's spend and the usage count both waves."""
+    with EchoUpstream(answers=["1", "2", "3", "1", "1"]) as up:  # wave 1 (n = 3): 1, 2, 3; wave 2 (n = 2): 1, 1
+        spec = write_spec(tmp_path, 0, endpoint={"base_url": up.url, "max_retries": 0}, n_max=5,
+                          scorer={"extractor": "last_number"})
+        policy = mv_policy({"low": ("plain", 5)}, n_max=5)
+        usage = Usage()
+        options = RequestOptions(max_tokens=2, seed=11, usage=usage)
+        with Router(policy, spec) as router:
+            routed = router.complete("1 + 1 =", "low", options)
+            assert router._client is not None
+            seeds = [router._client._seed(router.render(routed.context, "1 + 1 ="), i, options) for i in (0, 3)]
+            spent = router.spent
+        assert [b["n"] for b in up.bodies] == [3, 2] and [b["max_tokens"] for b in up.bodies] == [2, 2]
+        assert [b["seed"] for b in up.bodies] == seeds and seeds[0] != seeds[1]
+        assert routed.info()["answers"] == ["1", "2", "3", "1", "1"] and routed.text == "1"
+        assert routed.info()["n"] == routed.info()["drawn"] == 5
+        assert (usage.requests, usage.tokens) == (2, 5) == (spent["requests"], spent["tokens"])
+        assert routed.completion_tokens == 5 and routed.prompt_tokens == 2 * len("Q: 1 + 1 =\nA:".split())

@@ -64,11 +64,23 @@ def _get(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[i
         return exc.code, json.loads(exc.read())
 
 
+def _stop_point(answers: list[str | None], n: int) -> int:
+    """Where a vote of cap N stops: the first k whose leader leads the runner-up by more than the N - k left."""
+    for k in range(1, n + 1):
+        counts = sorted(Counter(answers[:k]).values(), reverse=True) + [0]
+        if counts[0] - counts[1] > n - k:
+            return k
+    return n
+
+
 def _check_vote(iapo: dict[str, Any], text: str, n: int) -> None:
-    """The response is the first completion of the most-voted answer, and the votes add up to N."""
-    assert iapo["n"] == n and len(iapo["answers"]) == n
+    """The response is the first completion of the most-voted answer; the vote of cap N stopped where it was first
+    decided (at least floor(N/2) + 1 completions), and the votes add up to the completions drawn."""
+    drawn = iapo["drawn"]
+    assert iapo["n"] == n and n // 2 + 1 <= drawn <= n and len(iapo["answers"]) == drawn
+    assert drawn == _stop_point(iapo["answers"], n)
     votes = dict((a, v) for a, v in iapo["votes"])
-    assert sum(votes.values()) == n
+    assert sum(votes.values()) == drawn
     assert votes[iapo["winner"]] == max(votes.values()) and iapo["winner"] in iapo["tied"]
     assert iapo["answers"][iapo["chosen"]] == iapo["winner"] == _first_char(text)
     assert iapo["answers"].index(iapo["winner"]) == iapo["chosen"]
@@ -92,7 +104,7 @@ def stack(llama_server: int, tmp_path_factory: pytest.TempPathFactory) -> object
         stop(proxy)
 
 
-def test_both_apis_with_the_openai_client_and_n_completions_upstream(stack: tuple[int, int, Path, Any]) -> None:
+def test_both_apis_with_the_openai_client_and_the_completions_drawn_upstream(stack: tuple[int, int, Path, Any]) -> None:
     serve_port, proxy_port, log, _ = stack
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{serve_port}/v1", api_key="unused", max_retries=0)
     models = client.models.list()
@@ -104,7 +116,7 @@ def test_both_apis_with_the_openai_client_and_n_completions_upstream(stack: tupl
             resp = client.completions.create(model=f"iapo/{context}", prompt=query)
             after = proxy_stats(proxy_port)
             assert resp.object == "text_completion" and len(resp.choices) == 1 and resp.model == f"iapo/{context}"
-            assert after["choices"] - before["choices"] == n  # exactly N completions upstream
+            assert after["choices"] - before["choices"] == resp.model_extra["iapo"]["drawn"]  # exactly those drawn
             assert resp.usage.completion_tokens == after["completion_tokens"] - before["completion_tokens"]
             assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
             assert resp.usage.prompt_tokens > 0
@@ -117,7 +129,7 @@ def test_both_apis_with_the_openai_client_and_n_completions_upstream(stack: tupl
                 model="anything", messages=[{"role": "user", "content": query}], extra_body={"iapo_context": context})
             after = proxy_stats(proxy_port)
             assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
-            assert after["choices"] - before["choices"] == n
+            assert after["choices"] - before["choices"] == chat.model_extra["iapo"]["drawn"]
             assert chat.usage.completion_tokens == after["completion_tokens"] - before["completion_tokens"]
             _check_vote(chat.model_extra["iapo"], chat.choices[0].message.content or "", n)
             calls += 2
@@ -129,7 +141,10 @@ def test_both_apis_with_the_openai_client_and_n_completions_upstream(stack: tupl
     served = [r for r in records if r["status"] == 200]
     assert len(served) >= calls
     last = served[-1]
-    assert last["context"] == "mid" and last["n"] == 2 and last["completion_tokens"] == resp.usage.completion_tokens
+    assert last["context"] == "mid" and last["n"] == last["drawn"] == 2  # a vote of 2 needs both
+    assert last["completion_tokens"] == resp.usage.completion_tokens
+    low = [r for r in served if r["context"] == "low"]
+    assert low and all(r["n"] == 3 and 2 <= r["drawn"] <= 3 for r in low)
     assert last["latency_ms"] > 0 and last["path"] == "/v1/completions"
 
 
@@ -153,8 +168,8 @@ def test_load_32_clients_x_20_requests(stack: tuple[int, int, Path, Any]) -> Non
                 text = r.choices[0].message.content or ""
             iapo = r.model_extra["iapo"]
             _check_vote(iapo, text, N_OF[context])
-            assert r.usage.completion_tokens >= N_OF[context]
-            out.append((context, iapo["n"], r.usage.completion_tokens))
+            assert r.usage.completion_tokens >= iapo["drawn"]
+            out.append((context, iapo["drawn"], r.usage.completion_tokens))
         return out
 
     with ThreadPoolExecutor(32) as pool:
@@ -168,7 +183,8 @@ def test_load_32_clients_x_20_requests(stack: tuple[int, int, Path, Any]) -> Non
 
 def test_bad_requests_and_the_inbound_key(tmp_path: Path) -> None:
     up, port = free_port(), free_port()
-    scripted = start_scripted({"Q: 1 + 1 =\nA:": ["2", "2", "3"], "FORBIDDEN ->": ["x"]}, tmp_path, up)
+    # a request with n = k gets the first k texts: the vote's first wave (n = 2) is 2, 3, undecided; its second (n = 1) 2
+    scripted = start_scripted({"Q: 1 + 1 =\nA:": ["2", "3", "2"], "FORBIDDEN ->": ["x"]}, tmp_path, up)
     spec = write_spec(tmp_path, up, endpoint={"max_retries": 0})
     policy = mv_policy().save(tmp_path / "policy.json")
     secret = "sk-test-9f8e7d6c5b4a"
@@ -184,6 +200,7 @@ def test_bad_requests_and_the_inbound_key(tmp_path: Path) -> None:
         client = openai.OpenAI(base_url=base, api_key=secret, max_retries=0)
         ok = client.completions.create(model="iapo/low", prompt="1 + 1 =")
         assert ok.choices[0].text == "2" and ok.model_extra["iapo"]["votes"] == [["2", 2], ["3", 1]]
+        assert ok.model_extra["iapo"]["answers"] == ["2", "3", "2"] and ok.model_extra["iapo"]["drawn"] == 3
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model="iapo/medium", prompt="1 + 1 =")
         message = str(info.value)

@@ -297,7 +297,10 @@ def test_rate_limit_429_and_health_shows_spend_only_with_the_key(tmp_path: Path)
         try:
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="inbound-key-1", max_retries=0)
             for _ in range(3):
-                assert client.completions.create(model="iapo/low", prompt="q").choices[0].text == "42"
+                ok = client.completions.create(model="iapo/low", prompt="q")
+                # every completion answers 42: the vote of N = 3 is decided by its first wave of 2
+                assert ok.choices[0].text == "42" and ok.model_extra["iapo"]["drawn"] == 2
+                assert ok.usage.completion_tokens == 2 * 2
             with pytest.raises(openai.RateLimitError) as info:
                 client.completions.create(model="iapo/low", prompt="q")
             assert info.value.body["code"] == "rate_limited" and "3 requests per minute" in info.value.message
@@ -308,8 +311,47 @@ def test_rate_limit_429_and_health_shows_spend_only_with_the_key(tmp_path: Path)
             assert "spent" not in health and "served" not in health
             status, health = _get(port, "/health", {"Authorization": "Bearer inbound-key-1"})
             assert health["budget"]["requests/minute"]["used"] == 3 and health["served"] == 3
-            assert health["budget"]["cost/day"]["used"] == pytest.approx(3 * 3 * 2 * 0.5 / 1000)  # 3 x N=3 x "42"
-            assert health["spent"] == {"requests": 3, "tokens": 18}  # the upstream honours n: one request each
+            assert health["budget"]["cost/day"]["used"] == pytest.approx(3 * 2 * 2 * 0.5 / 1000)  # 3 x 2 drawn x "42"
+            assert health["spent"] == {"requests": 3, "tokens": 12}  # the upstream honours n: one request each
+            assert up.posts == 3 and all(b["n"] == 2 for b in up.bodies)
+        finally:
+            stop(serve)
+
+
+def test_a_vote_in_waves_is_charged_whole_and_no_early_stop_draws_all_n(tmp_path: Path) -> None:
+    """Each request's vote of N = 3 needs two waves (1, 2 then 1): both carry the caller's max_tokens and seed, and the
+    serving budget, /health's spend, usage and the access log count both. With --no-early-stop one wave of all 3."""
+    with EchoUpstream(answers=["1", "2", "1"]) as up:
+        port = free_port()
+        spec = write_spec(tmp_path, 0, endpoint={"base_url": up.url}, scorer={"extractor": "last_number"})
+        policy = mv_policy().save(tmp_path / "policy.json")
+        log = tmp_path / "access.jsonl"
+        serve = start_serve(policy, spec, port, extra=["--rate", "tokens/day=1000", "--access-log", str(log)])
+        try:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+            got = [client.completions.create(model="iapo/low", prompt="q", max_tokens=2, seed=seed)
+                   for seed in (5, 5, 6)]
+            for r in got:
+                assert r.choices[0].text == "1" and r.model_extra["iapo"]["answers"] == ["1", "2", "1"]
+                assert r.model_extra["iapo"]["drawn"] == 3 and r.usage.completion_tokens == 3
+            assert [b.get("n", 1) for b in up.bodies] == [2, 1] * 3 and all(b["max_tokens"] == 2 for b in up.bodies)
+            seeds = [b["seed"] for b in up.bodies]
+            assert seeds[:2] == seeds[2:4] and len({*seeds[:2], *seeds[4:]}) == 4  # by the caller's seed and wave
+            status, health = _get(port, "/health")
+            assert health["budget"]["tokens/day"]["used"] == 9 and health["spent"] == {"requests": 6, "tokens": 9}
+            records = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
+            assert [(r["n"], r["drawn"], r["completion_tokens"]) for r in records] == [(3, 3, 3)] * 3
+        finally:
+            stop(serve)
+        up.bodies.clear()
+        up.turn = 0
+        serve = start_serve(policy, spec, port, extra=["--no-early-stop"])
+        try:
+            status, body, _ = _post(port, "/v1/completions", _body("q", "low"))
+            assert status == 200 and body["iapo"]["drawn"] == 3 and [b["n"] for b in up.bodies] == [3]
+            up.answers = ["1"]  # decided after 2 with early stopping: all 3 are drawn all the same
+            status, body, _ = _post(port, "/v1/completions", _body("q", "low"))
+            assert status == 200 and body["iapo"]["drawn"] == 3 and [b["n"] for b in up.bodies] == [3, 3]
         finally:
             stop(serve)
 
@@ -324,9 +366,10 @@ def test_a_budget_below_one_request_stops_the_command(tmp_path: Path) -> None:
 
 
 def test_600_requests_on_the_example_spec_without_a_503(llama_server: int, tmp_path: Path) -> None:  # noqa: F811
-    """The example spec caps a collection at 500 requests; serve answers 600 and more (its budget is a rate)."""
+    """The example spec caps a collection's requests; serve answers past its cap (its budget is a rate)."""
     text = (ROOT / "examples" / "collect_llamacpp.toml").read_text(encoding="utf-8")
-    assert "max_requests = 500" in text
+    cap = load_spec(ROOT / "examples" / "collect_llamacpp.toml").budget.max_requests
+    assert cap is not None and cap < 1200  # the 600 requests below draw at least 300 + 300 x 3 completions
     proxy_port = free_port()
     proxy = start_proxy(llama_server, proxy_port)
     try:
@@ -346,18 +389,19 @@ def test_600_requests_on_the_example_spec_without_a_503(llama_server: int, tmp_p
         try:
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
 
-            def run(i: int) -> tuple[int, int]:
-                context = "five" if i % 10 == 0 else "one"
+            def run(i: int) -> tuple[int, int, int]:
+                context = "five" if i % 2 == 0 else "one"
                 r = client.completions.create(model=f"iapo/{context}", prompt=f"What is {i} + 1?", max_tokens=2)
-                return r.model_extra["iapo"]["n"], r.usage.completion_tokens
+                return r.model_extra["iapo"]["n"], r.model_extra["iapo"]["drawn"], r.usage.completion_tokens
 
             with ThreadPoolExecutor(16) as pool:
                 done = list(pool.map(run, range(600)))  # any error (a 503 included) is raised here
-            assert len(done) == 600 and sum(n for n, _ in done) == 540 + 60 * 5
-            assert all(t <= n * (2 + 3) for n, t in done)  # max_tokens = 2 honoured (llama.cpp may end a character)
+            assert len(done) == 600 and sum(n for n, _, _ in done) == 300 + 300 * 5
+            assert all(n // 2 + 1 <= d <= n for n, d, _ in done)  # a vote of cap 5 draws 3 to 5
+            assert all(t <= d * (2 + 3) for _, d, t in done)  # max_tokens = 2 honoured (llama.cpp may end a character)
             status, health = _get(port, "/health")
             stats = proxy_stats(proxy_port)  # llama.cpp ignores n: one upstream request per completion
-            assert status == 200 and health["spent"]["requests"] == stats["posts"] == 840 > 500
+            assert status == 200 and health["spent"]["requests"] == stats["posts"] == sum(d for _, d, _ in done) > cap
         finally:
             printed = output(serve)
             stop(serve)

@@ -66,7 +66,11 @@ def test_streaming_with_the_official_iterator(stack: tuple[Any, int], chat: bool
                                                stream_options={"include_usage": True})
         chunks = list(stream)
         after = proxy_stats(proxy_port)
-        assert after["choices"] - before["choices"] == n
+        iapo = [c.model_extra["iapo"] for c in chunks if c.model_extra and "iapo" in c.model_extra]
+        assert len(iapo) == 1 and iapo[0]["n"] == n and iapo[0]["context"] == context
+        # exactly the completions drawn went upstream, as many as without streaming (the same seeded completions)
+        assert after["choices"] - before["choices"] == iapo[0]["drawn"] == whole.model_extra["iapo"]["drawn"]
+        assert n // 2 + 1 <= iapo[0]["drawn"] <= n
         pieces = [c.choices[0].delta.content or "" if chat else c.choices[0].text for c in chunks if c.choices]
         finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
         assert "".join(pieces) == text  # the same answer as without streaming (seeded completions and ties)
@@ -74,8 +78,6 @@ def test_streaming_with_the_official_iterator(stack: tuple[Any, int], chat: bool
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
             after["completion_tokens"] - before["completion_tokens"]
         assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens
-        iapo = [c.model_extra["iapo"] for c in chunks if c.model_extra and "iapo" in c.model_extra]
-        assert len(iapo) == 1 and iapo[0]["n"] == n and iapo[0]["context"] == context
         assert all(c.model == f"iapo/{context}" for c in chunks)
         # without include_usage: no usage chunk
         plain = list(client.completions.create(model=f"iapo/{context}", prompt=query, stream=True)) if not chat else \

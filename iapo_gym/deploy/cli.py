@@ -30,7 +30,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from iapo_gym.deploy.server import create_app, serve
 
     try:
-        router = Router(args.policy, args.upstream, seed=args.seed)
+        router = Router(args.policy, args.upstream, seed=args.seed, early_stop=not args.no_early_stop)
         limits = ServeLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                              deadline=args.deadline, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                              upstream_retries=args.upstream_retries, cors_origins=tuple(args.cors_origin or ()))
@@ -75,6 +75,9 @@ def add_commands(subparsers: Any) -> None:
                    "(Authorization: Bearer ...); without it, no key is asked")
     p.add_argument("--access-log", help="file to append JSON-lines access records to ('-': stdout)")
     p.add_argument("--seed", type=int, default=0, help="root seed of the majority-vote tie breaks (default 0)")
+    p.add_argument("--no-early-stop", action="store_true",
+                   help="draw all N completions of a majority vote in one wave (default: stop once the vote is decided, "
+                        "the same answer from fewer completions)")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds to let requests in flight finish after SIGTERM/SIGINT (default 30)")
     d = ServeLimitsDefaults()

@@ -6,7 +6,8 @@ spec's arms (``<endpoint id>/<prompt id>``) and each request goes to its arm's e
 endpoint's key only. ``await router.acomplete(query, context)`` (or the
 blocking ``router.complete``) picks the context's (prompt, N), asks the upstream for N completions
 through ``iapo_gym.llm.client.LLMClient`` (one request with ``n`` where the upstream honours it,
-else N concurrent requests; no response cache) and returns the aggregated completion:
+else N concurrent requests; no response cache; a majority vote draws them in waves and stops once
+decided, so N is its cap) and returns the aggregated completion:
 
 * majority vote: answers are extracted with the policy's extractor and bucketed as the tables
   bucket them (no answer is one bucket); the most-voted bucket wins; a tie between t buckets is
@@ -79,7 +80,7 @@ class Routed:
 
     text: str
     finish: str | None
-    chosen: int  # index of the returned completion among the N
+    chosen: int  # index of the returned completion among those drawn
     context: PolicyContext
     prompt_id: str
     completions: list[Completion]
@@ -91,12 +92,12 @@ class Routed:
 
     @property
     def n(self) -> int:
-        """Completions asked of the upstream."""
+        """Completions drawn from the upstream (N, or fewer for a majority vote decided early)."""
         return len(self.completions)
 
     @property
     def completion_tokens(self) -> int:
-        """Completion tokens of all N completions, as the upstream reported them."""
+        """Completion tokens of the completions drawn, as the upstream reported them."""
         return sum(c.tokens for c in self.completions)
 
     @property
@@ -125,7 +126,8 @@ class Router:
                  seed: int = 0, early_stop: bool = True) -> None:
         """``policy``: a ``PolicyFile`` or its path; ``spec``: the upstream's collection spec or its path;
         ``seed``: the root of the tie-breaking generators; ``early_stop``: a majority vote stops drawing
-        once decided (the same answer as all N; False draws all N)."""
+        once decided (N is then a cap; ``_vote_in_waves`` says how the answer relates to the vote of all N);
+        False draws all N."""
         self.policy = policy if isinstance(policy, PolicyFile) else load_policy(policy)
         self.spec = spec if isinstance(spec, Spec) else load_spec(spec)
         self.seed = int(seed)
@@ -339,6 +341,8 @@ class Router:
                         options: RequestOptions | None = None) -> Routed:
         """Route one query: the context's prompt around ``query``, N upstream completions, aggregated.
 
+        A majority vote decided early draws fewer (``Routed.n``; the context's N is its cap).
+
         ``context``: a ``PolicyContext`` already resolved, or what ``resolve`` takes; ``options``: a
         server's per-request ``max_tokens`` bound, seed and spend tally (``RequestOptions``).
         """
@@ -377,8 +381,12 @@ class Router:
                              options: RequestOptions | None = None) -> Routed:
         """Draw the context's N completions in waves and stop once no remaining one can change the winner.
 
-        With ``early_stop`` off, all N in one wave. Completion i is sample index i in either case, so
-        the completions drawn are the first ones of the full N and the vote gives the same answer.
+        With ``early_stop`` off, all N in one wave. Every wave gets the same ``options`` (max_tokens bound,
+        seed, spend tally: ``usage`` adds up over the waves). Where the upstream takes one request per
+        completion, completion i is sample index i with its own seed in either case, so the completions
+        drawn are the first ones of the full N and the vote gives the same answer; where it honours ``n``,
+        a wave is one request seeded by its first index, so its completions are other independent draws
+        and the answer has the distribution of the vote of all N.
         """
         client = self.client_for(ctx)
         completions: list[Completion] = []

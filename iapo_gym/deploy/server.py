@@ -11,8 +11,8 @@ one retry of an upstream call, a slot among ``max_concurrency`` with a bounded q
 the serving budget (``RateBudget``: requests, tokens, money per minute and per day). Errors have the
 OpenAI shape ``{"error": {"message", "type", "param", "code"}}`` with the project's own codes; the
 upstream's messages go only to the server's log (stderr), secrets masked (``iapo_gym.deploy.errors``).
-Each request adds one JSON line to the access log (time, path, status, latency, context, N, tokens,
-error code); keys and bodies are never logged.
+Each request adds one JSON line to the access log (time, path, status, latency, context, N, completions
+drawn, tokens, error code); keys and bodies are never logged.
 """
 
 from __future__ import annotations
@@ -313,7 +313,7 @@ class ServeApp:
             logged(499)
             return
         self.served += 1
-        record.update(context=routed.context.name, prompt=routed.prompt_id, n=routed.n,
+        record.update(context=routed.context.name, prompt=routed.prompt_id, n=routed.context.n, drawn=routed.n,
                       prompt_tokens=routed.prompt_tokens, completion_tokens=routed.completion_tokens)
         if plan.stream:
             body, content_type = self._stream_body(routed, plan, chat), b"text/event-stream; charset=utf-8"
