@@ -62,7 +62,7 @@ def test_code_blocks_are_found() -> None:
     assert any(c.startswith("iapo-gym optimize examples/collect_llamacpp.toml") for c in deploy)
     assert any(c.startswith("iapo-gym collect examples/collect_llamacpp.toml") for c in deploy)
     assert any(c.startswith("iapo-gym serve runs/arith-policy/policy.json") for c in deploy)
-    assert sum(lang == "python" for lang, _ in code_blocks("README.md")) == 2
+    assert sum(lang == "python" for lang, _ in code_blocks("README.md")) == 3
 
 
 class Runner:
