@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +81,27 @@ def start_serve(policy: Path, spec: Path, port: int, *, extra: list[str] | None 
     return proc
 
 
+#: The tiny model's answer as a policy extractor: its first visible character.
+FIRST_CHAR = {"extractor": "regex", "pattern": r"\A\s*(\S)"}
+
+
+def post_json(port: int, path: str, body: bytes, headers: dict[str, str] | None = None,
+              timeout: float = 60) -> tuple[int, dict[str, Any], Any]:
+    """POST ``body`` as JSON to 127.0.0.1:port; the status, the decoded JSON answer and the headers (errors too)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read()), resp.headers
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), exc.headers
+
+
+def get_json(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    """GET from 127.0.0.1:port; the status and the decoded JSON answer (errors too)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.deploy_helpers import mv_policy, start_scripted, start_serve
+from tests.deploy_helpers import FIRST_CHAR, get_json, mv_policy, post_json, start_scripted, start_serve
 from tests.llm_server import (
     free_port,
     llama_server,  # noqa: F401 (fixture)
@@ -36,7 +36,6 @@ from tests.llm_server import (
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-FIRST_CHAR = {"extractor": "regex", "pattern": r"\A\s*(\S)"}  # the tiny model's answer: its first visible character
 N_OF = {"low": 3, "mid": 2, "high": 1}
 
 
@@ -46,22 +45,8 @@ def _first_char(text: str) -> str | None:
 
 
 def _post(port: int, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method="POST",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-def _get(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers or {})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    status, doc, _ = post_json(port, path, body, headers)
+    return status, doc
 
 
 def _stop_point(answers: list[str | None], n: int) -> int:
@@ -275,7 +260,7 @@ def test_upstream_killed_during_load_gives_502s_then_recovers(tiny_model: Path, 
         while len([o for o in outcomes[killed_at:] if o[0] == 502]) < 10 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert serve.poll() is None
-        status, health = _get(port, "/health")  # the upstream is down: 503, with its last success and failure
+        status, health = get_json(port, "/health")  # the upstream is down: 503, with its last success and failure
         assert status == 503 and health["status"] == "upstream_down" and health["upstream"]["state"] == "down"
         assert health["upstream"]["last_success"] and health["upstream"]["last_error"] == "upstream_unavailable"
         llama = start_llama_server(tiny_model, up)  # back on the same port
@@ -286,7 +271,7 @@ def test_upstream_killed_during_load_gives_502s_then_recovers(tiny_model: Path, 
         stop_load.set()
         for t in threads:
             t.join()
-        status, health = _get(port, "/health")
+        status, health = get_json(port, "/health")
         assert status == 200 and health["status"] == "ok" and health["upstream"]["state"] == "up"
     finally:
         stop_load.set()
@@ -335,7 +320,7 @@ def test_the_specs_lifetime_cap_does_not_stop_serve(tmp_path: Path) -> None:
         for _ in range(5):
             status, body = _post(port, "/v1/completions", b'{"model": "iapo/high", "prompt": "1 + 1 ="}')
             assert status == 200 and body["choices"][0]["text"] == "2"
-        status, health = _get(port, "/health")
+        status, health = get_json(port, "/health")
         assert status == 200 and health["spent"]["requests"] == 5 and health["served"] == 5
     finally:
         stop(serve)

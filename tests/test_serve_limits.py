@@ -12,8 +12,6 @@ import shutil
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ import pytest
 from iapo_gym.deploy.limits import Rate, RateBudget, RateLimited, parse_rate
 from iapo_gym.llm.spec import load_spec
 from iapo_gym.policyfile import PolicyContext, PolicyFile, PolicyPrompt
-from tests.deploy_helpers import mv_policy, start_serve
+from tests.deploy_helpers import FIRST_CHAR, get_json, mv_policy, post_json, start_serve
 from tests.echo_upstream import EchoUpstream
 from tests.llm_server import (
     free_port,
@@ -41,27 +39,6 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
 ROOT = Path(__file__).resolve().parents[1]
-FIRST_CHAR = {"extractor": "regex", "pattern": r"\A\s*(\S)"}
-
-
-def _post(port: int, path: str, body: bytes, headers: dict[str, str] | None = None,
-          timeout: float = 60) -> tuple[int, dict[str, Any], Any]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method="POST",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read()), resp.headers
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read()), exc.headers
-
-
-def _get(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers or {})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def _body(prompt: str, context: str = "high", **extra: Any) -> bytes:
@@ -199,13 +176,13 @@ def test_the_prompt_length_limit_refuses_before_the_upstream(llama_server: int, 
     serve = start_serve(mv_policy(extractor=FIRST_CHAR).save(tmp_path / "policy.json"), spec, port,
                         extra=["--max-body-bytes", "4000000", "--max-prompt-chars", "500"])
     try:
-        status, body, _ = _post(port, "/v1/completions", _body("7 + 5 = " * 250_000))
+        status, body, _ = post_json(port, "/v1/completions", _body("7 + 5 = " * 250_000))
         assert status == 400 and body["error"]["code"] == "prompt_too_long" and body["error"]["param"] == "prompt"
         assert "2000003 characters" in body["error"]["message"]  # the template "{query} ->" counted too
-        status, body, _ = _post(port, "/v1/completions", _body("x" * 495, "low"))  # 495 + 6 > 500
+        status, body, _ = post_json(port, "/v1/completions", _body("x" * 495, "low"))  # 495 + 6 > 500
         assert status == 400 and body["error"]["code"] == "prompt_too_long"
         assert proxy_stats(proxy_port)["posts"] == 0
-        status, body, _ = _post(port, "/v1/completions", _body("x" * 400, "high"))  # "{query} ->": 403
+        status, body, _ = post_json(port, "/v1/completions", _body("x" * 400, "high"))  # "{query} ->": 403
         assert status == 200 and proxy_stats(proxy_port)["posts"] == 1
     finally:
         stop(serve)
@@ -223,7 +200,7 @@ def test_deadline_one_retry_and_a_slow_request_holds_only_its_slot(tmp_path: Pat
         try:
             # a timed-out upstream call is retried once, not endpoint.max_retries = 5 times
             start = time.monotonic()
-            status, body, headers = _post(port, "/v1/completions", _body("SLEEP:2 slow", "high"))
+            status, body, headers = post_json(port, "/v1/completions", _body("SLEEP:2 slow", "high"))
             assert status == 502 and body["error"]["code"] == "upstream_unavailable" and headers["Retry-After"]
             assert 1.1 < time.monotonic() - start < 4
             assert sum("SLEEP:2" in b["prompt"] for b in up.bodies) == 2
@@ -239,14 +216,14 @@ def test_deadline_one_retry_and_a_slow_request_holds_only_its_slot(tmp_path: Pat
 
                 def slow() -> None:
                     t = time.monotonic()
-                    results["slow"] = _post(serve2_port, "/v1/completions", _body("SLEEP:6 q", "low"))[:2]
+                    results["slow"] = post_json(serve2_port, "/v1/completions", _body("SLEEP:6 q", "low"))[:2]
                     results["slow_s"] = time.monotonic() - t
 
                 threads = [threading.Thread(target=slow)]
                 threads[0].start()
                 time.sleep(0.3)  # the slow request holds its slot and its 3 upstream calls (endpoint.concurrency 1)
                 t = time.monotonic()
-                status, body, _ = _post(serve2_port, "/v1/completions", _body("quick", "low"))
+                status, body, _ = post_json(serve2_port, "/v1/completions", _body("quick", "low"))
                 quick_s = time.monotonic() - t
                 threads[0].join(30)
                 assert status == 200 and body["choices"][0]["text"] == "42" and quick_s < 1.0
@@ -274,7 +251,7 @@ def test_a_full_queue_gives_503_with_retry_after(tmp_path: Path) -> None:
                             extra=["--max-concurrency", "1", "--max-queue", "1"])
         try:
             with ThreadPoolExecutor(4) as pool:
-                futures = [pool.submit(_post, port, "/v1/completions", _body(f"SLEEP:1.5 {i}", "high"))
+                futures = [pool.submit(post_json, port, "/v1/completions", _body(f"SLEEP:1.5 {i}", "high"))
                            for i in range(4)]
                 time.sleep(0.2)
                 got = [f.result() for f in futures]
@@ -305,11 +282,11 @@ def test_rate_limit_429_and_health_shows_spend_only_with_the_key(tmp_path: Path)
                 client.completions.create(model="iapo/low", prompt="q")
             assert info.value.body["code"] == "rate_limited" and "3 requests per minute" in info.value.message
             assert 1 <= int(info.value.response.headers["Retry-After"]) <= 60
-            status, health = _get(port, "/health")
+            status, health = get_json(port, "/health")
             assert status == 200 and health["budget"] == {"requests/minute": {"limit": 3.0},
                                                           "cost/day": {"limit": 10.0}}
             assert "spent" not in health and "served" not in health
-            status, health = _get(port, "/health", {"Authorization": "Bearer inbound-key-1"})
+            status, health = get_json(port, "/health", {"Authorization": "Bearer inbound-key-1"})
             assert health["budget"]["requests/minute"]["used"] == 3 and health["served"] == 3
             assert health["budget"]["cost/day"]["used"] == pytest.approx(3 * 2 * 2 * 0.5 / 1000)  # 3 x 2 drawn x "42"
             assert health["spent"] == {"requests": 3, "tokens": 12}  # the upstream honours n: one request each
@@ -337,7 +314,7 @@ def test_a_vote_in_waves_is_charged_whole_and_no_early_stop_draws_all_n(tmp_path
             assert [b.get("n", 1) for b in up.bodies] == [2, 1] * 3 and all(b["max_tokens"] == 2 for b in up.bodies)
             seeds = [b["seed"] for b in up.bodies]
             assert seeds[:2] == seeds[2:4] and len({*seeds[:2], *seeds[4:]}) == 4  # by the caller's seed and wave
-            status, health = _get(port, "/health")
+            status, health = get_json(port, "/health")
             assert health["budget"]["tokens/day"]["used"] == 9 and health["spent"] == {"requests": 6, "tokens": 9}
             records = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
             assert [(r["n"], r["drawn"], r["completion_tokens"]) for r in records] == [(3, 3, 3)] * 3
@@ -347,10 +324,10 @@ def test_a_vote_in_waves_is_charged_whole_and_no_early_stop_draws_all_n(tmp_path
         up.turn = 0
         serve = start_serve(policy, spec, port, extra=["--no-early-stop"])
         try:
-            status, body, _ = _post(port, "/v1/completions", _body("q", "low"))
+            status, body, _ = post_json(port, "/v1/completions", _body("q", "low"))
             assert status == 200 and body["iapo"]["drawn"] == 3 and [b["n"] for b in up.bodies] == [3]
             up.answers = ["1"]  # decided after 2 with early stopping: all 3 are drawn all the same
-            status, body, _ = _post(port, "/v1/completions", _body("q", "low"))
+            status, body, _ = post_json(port, "/v1/completions", _body("q", "low"))
             assert status == 200 and body["iapo"]["drawn"] == 3 and [b["n"] for b in up.bodies] == [3, 3]
         finally:
             stop(serve)
@@ -399,7 +376,7 @@ def test_600_requests_on_the_example_spec_without_a_503(llama_server: int, tmp_p
             assert len(done) == 600 and sum(n for n, _, _ in done) == 300 + 300 * 5
             assert all(n // 2 + 1 <= d <= n for n, d, _ in done)  # a vote of cap 5 draws 3 to 5
             assert all(t <= d * (2 + 3) for _, d, t in done)  # max_tokens = 2 honoured (llama.cpp may end a character)
-            status, health = _get(port, "/health")
+            status, health = get_json(port, "/health")
             stats = proxy_stats(proxy_port)  # llama.cpp ignores n: one upstream request per completion
             assert status == 200 and health["spent"]["requests"] == stats["posts"] == sum(d for _, d, _ in done) > cap
         finally:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.deploy_helpers import mv_policy, start_serve
+from tests.deploy_helpers import FIRST_CHAR, mv_policy, start_serve
 from tests.llm_server import (
     free_port,
     llama_server,  # noqa: F401 (fixture)
@@ -25,7 +25,6 @@ from tests.llm_server import (
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-FIRST_CHAR = {"extractor": "regex", "pattern": r"\A\s*(\S)"}
 N_OF = {"low": 3, "mid": 2, "high": 1}
 
 
