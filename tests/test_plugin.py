@@ -213,6 +213,40 @@ def test_mv_credit_rows_matches_the_exact_oracle() -> None:
             _credit_jit.credit_rows(probs[np.arange(300), gold], others, width, 16, 0)
 
 
+@pytest.mark.parametrize("width", [5, 40, 200])  # insertion sort, and numba's argsort past 32 outcomes
+def test_best_of_n_rows_match_the_exact_oracle(width: int) -> None:
+    """``bon_values`` (compiled or numpy) equals the oracle's ``bon_expected_max`` on rows with ties, zero
+    counts (padding) and one outcome, and the kernel's ``presorted`` path equals its sorting path on
+    ascending rows; the binned pooled reading moves each value by less than a bin width."""
+    from agents.plugin import _credit_jit
+    from agents.plugin.estimator import bon_values, pooled_values
+    from iapo_gym.exact import bon_expected_max
+
+    rng = np.random.default_rng(width)
+    scores = np.round(rng.normal(size=(3, 50, width)), 1)  # rounded: many ties
+    counts = rng.integers(0, 3, scores.shape).astype(np.float64)
+    counts[..., 0] = 1.0
+    counts[:, :5, 1:] = 0.0  # rows with one outcome
+    padded = np.where(counts > 0, scores, scores.min(axis=-1, keepdims=True) - 1.0)
+    exact = bon_expected_max(padded, counts, 24)
+    assert np.abs(bon_values(scores, counts, 24) - exact).max() < 1e-12
+    if _credit_jit.available():
+        compiled = _credit_jit.expected_max_rows(scores, counts, 24)
+        assert np.abs(compiled - exact).max() < 1e-12
+        ascending = np.sort(scores, axis=-1)
+        assert np.array_equal(_credit_jit.expected_max_rows(ascending, counts, 24, presorted=True),
+                              _credit_jit.expected_max_rows(ascending, counts, 24))
+    values = rng.normal(size=(2, 3000))
+    row = np.sort(rng.integers(0, 4, 3000))
+    row[:4] = np.arange(4)
+    row.sort()
+    weight = rng.integers(1, 4, 3000).astype(np.float64)
+    whole = pooled_values(values, weight, row, 4, 16)
+    binned = pooled_values(values, weight, row, 4, 16, bins=256)
+    spread = np.array([[np.ptp(values[w, row == r]) for r in range(4)] for w in range(2)])
+    assert (np.abs(binned - whole) < spread[..., None] / 256).all()
+
+
 def test_response_curve_prior_separates_a_steep_prompt_from_a_flat_one() -> None:
     """Prompt 0 is right with 0.95 on easy and 0.3 on hard queries, prompt 1 with 0.65 on both.
 

@@ -36,6 +36,10 @@ RIDGE_MAX = 1e6
 OFFSET_SWEEPS = 8
 #: Bins of a prompt's pooled Best-of-N reading once it has more distinct outcomes (``pooled_values``).
 POOL_BINS = 2048
+#: Elements (float64) of one block of the Best-of-N readings' work arrays (weightings x rows x outcomes or
+#: N): the readings go through their rows in blocks of this size, so memory does not grow with the
+#: number of weightings times rows (at 1,000 weightings and 1,000 prompts a whole pass would need tens of GiB).
+BLOCK_ELEMENTS = 1 << 22
 
 
 def check_nonnegative(**values: Any) -> tuple[float, ...]:
@@ -71,9 +75,12 @@ def mv_credit_rows(probs: np.ndarray, gold: np.ndarray, n_max: int) -> np.ndarra
     return out
 
 
-def bon_values(scores: np.ndarray, counts: np.ndarray, n_max: int) -> np.ndarray:
+def bon_values(scores: np.ndarray, counts: np.ndarray, n_max: int, presorted: bool = False) -> np.ndarray:
     """(..., rows, n_max) expected max of N = 1..n_max draws from each row's outcomes, ``scores`` (..., rows,
-    width) weighted by ``counts`` (same shape); entries of count 0 are padding (at least one count per row)."""
+    width) weighted by ``counts`` (same shape); entries of count 0 are padding (at least one count per row).
+    ``presorted``: each row's scores of positive count already ascend (the compiled kernel then skips its sort)."""
+    if _credit_jit.available():
+        return _credit_jit.expected_max_rows(scores, counts, n_max, presorted)
     padded = np.where(counts > 0, scores, np.inf)
     padded = np.where(np.isinf(padded), padded.min(axis=-1, keepdims=True), padded)  # weight 0
     return bon_expected_max(padded, counts.astype(np.float64), n_max)
@@ -109,7 +116,16 @@ def pooled_values(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_row
     total = np.bincount(flat, weights=(values * weights).ravel(), minlength=size)
     mean = np.where(mass > 0, total / np.where(mass > 0, mass, 1.0), 0.0)
     shape = (values.shape[0], n_rows, bins)
-    return bon_values(mean.reshape(shape), mass.reshape(shape), n_max)
+    return bon_values(mean.reshape(shape), mass.reshape(shape), n_max, presorted=True)  # bins ascend
+
+
+def _blocks(cost: np.ndarray) -> list[tuple[int, int]]:
+    """Consecutive [lo, hi) ranges of rows, a new one starting each time the summed ``cost`` (elements per
+    row) before a row passes a multiple of ``BLOCK_ELEMENTS``: each range costs under twice that (or is
+    one row costlier than that)."""
+    before = np.cumsum(cost) - cost
+    starts = np.flatnonzero(np.diff(before // BLOCK_ELEMENTS, prepend=-1) > 0)
+    return list(zip(starts.tolist(), np.r_[starts[1:], cost.size].tolist(), strict=True))
 
 
 class PlugInEstimator:
@@ -153,9 +169,6 @@ class PlugInEstimator:
             n_rows = self._objectives.shape[0]
             self._own = np.zeros((n_rows, self.n_prompts, self.n_max))  # sum_q w_pqN V_own(p, q, N)
             self._own_weight = np.zeros((self.n_prompts, self.n_max))  # sum_q w_pqN
-            self._slot = np.full((self.n_prompts, table.n_queries), -1, dtype=np.int64)  # (p, q) -> row of _own_values
-            self._own_values = np.zeros((0, n_rows, self.n_max))  # V_own of every pulled (p, q), by slot
-            self._slots_used = 0
 
     # ---- reading ----------------------------------------------------------------------
     def mean(self, unseen: float = np.nan) -> np.ndarray:
@@ -181,6 +194,7 @@ class PlugInEstimator:
             cell = prompts_c * self._completions.shape[1] + queries_c
             pp, qq = np.divmod(np.unique(cell), self._completions.shape[1])
             old_weight = self._own_weight_of(self._completions[pp, qq])
+            self._add_own(pp, qq, old_weight, sign=-1.0)  # take back the pairs' readings of their old counts
         np.add.at(self.atom_counts, (prompts_c, queries_c, pulls.atoms), 1)
         if self.aggregator == "mv":
             gold = self.env.table.gold
@@ -196,7 +210,7 @@ class PlugInEstimator:
             for k in range(vectors.shape[1]):
                 flat[:, k] += np.bincount(cell, weights=vectors[:, k], minlength=flat.shape[0])
             self._completions += np.bincount(cell, minlength=flat.shape[0]).reshape(self._completions.shape)
-            self._add_own(pp, qq, old_weight)
+            self._add_own(pp, qq, self._own_weight_of(self._completions[pp, qq]), sign=1.0)
         fresh = ~self._seen[pulls.prompts, pulls.queries]
         new = np.unique(np.column_stack([pulls.prompts[fresh], pulls.queries[fresh]]), axis=0)
         self._seen[new[:, 0], new[:, 1]] = True
@@ -350,38 +364,35 @@ class PlugInEstimator:
         with np.errstate(invalid="ignore"):
             return np.where(n > 0, n / (n + self.bon_prior * scale), 0.0)
 
-    def _add_own(self, pp: np.ndarray, qq: np.ndarray, old_weight: np.ndarray) -> None:
-        """Replace, in the per-prompt sums, the just-pulled (prompt, query) pairs' weighted own readings
-        w V_own: take back each pair's last one (weight ``old_weight``, (pairs, N_max); 0 if never
-        pulled) and add the one of its counts now. Each pair's V_own is kept by slot for the next time."""
+    def _add_own(self, pp: np.ndarray, qq: np.ndarray, weight: np.ndarray, sign: float) -> None:
+        """Add ``sign`` x w V_own of the (prompt, query) pairs ``pp``, ``qq`` (sorted by prompt) to the
+        per-prompt sums, ``weight`` (pairs, N_max) their w at the counts they have now (0 for a pair never
+        pulled). ``update`` takes back each pulled pair's reading (sign -1) before adding its
+        completions and adds the new one (sign +1) after: V_own is recomputed rather than stored, as
+        a store would hold (pairs, weightings, N_max), too much at a thousand weightings."""
         atoms = self.env.table.atoms
         assert atoms is not None
-        fresh = self._slot[pp, qq] < 0
-        if fresh.any():
-            need = self._slots_used + int(fresh.sum())
-            if need > self._own_values.shape[0]:
-                grown = np.zeros((max(need, 2 * self._own_values.shape[0]),) + self._own_values.shape[1:])
-                grown[:self._slots_used] = self._own_values[:self._slots_used]
-                self._own_values = grown
-            self._slot[pp[fresh], qq[fresh]] = np.arange(self._slots_used, need)
-            self._slots_used = need
-        slot = self._slot[pp, qq]
+        had = weight[:, -1] > 0  # w > 0 at every N once a pair has a completion
+        pp, qq, weight = pp[had], qq[had], weight[had]
+        if pp.size == 0:
+            return
         counts = self.atom_counts[pp, qq]  # (pairs, atoms)
-        row, a = np.nonzero(counts)
-        sizes = np.bincount(row, minlength=pp.size)
-        place = np.arange(row.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-        weight = np.zeros((pp.size, int(sizes.max())))
-        weight[row, place] = counts[row, a]
-        vectors = atoms[pp[row], qq[row], a]  # (entries, K)
-        new_weight = self._own_weight_of(self._completions[pp, qq])  # (pairs, N)
-        scores = np.zeros((self._objectives.shape[0],) + weight.shape)
-        scores[:, row, place] = (vectors @ self._objectives.T).T
-        value = bon_values(scores, np.broadcast_to(weight, scores.shape), self.n_max)  # (W, pairs, N)
-        change = new_weight[None] * value - old_weight[None] * self._own_values[slot].transpose(1, 0, 2)
-        self._own_values[slot] = value.transpose(1, 0, 2)
-        first = np.flatnonzero(np.r_[True, pp[1:] != pp[:-1]])  # pairs come sorted by prompt
-        self._own[:, pp[first]] += np.add.reduceat(change, first, axis=1)
-        self._own_weight[pp[first]] += np.add.reduceat(new_weight - old_weight, first, axis=0)
+        width = max(int((counts > 0).sum(axis=1).max()), self.n_max)
+        n_weightings = self._objectives.shape[0]
+        for lo, hi in _blocks(np.full(pp.size, n_weightings * width)):
+            block = counts[lo:hi]
+            row, a = np.nonzero(block)
+            sizes = np.bincount(row, minlength=hi - lo)
+            place = np.arange(row.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+            mass = np.zeros((hi - lo, int(sizes.max())))
+            mass[row, place] = block[row, a]
+            scores = np.zeros((n_weightings,) + mass.shape)
+            scores[:, row, place] = (atoms[pp[lo + row], qq[lo + row], a] @ self._objectives.T).T
+            value = bon_values(scores, np.broadcast_to(mass, scores.shape), self.n_max)  # (W, pairs, N)
+            value *= weight[None, lo:hi]
+            first = lo + np.flatnonzero(np.r_[True, pp[lo + 1:hi] != pp[lo:hi - 1]])
+            self._own[:, pp[first]] += sign * np.add.reduceat(value, first - lo, axis=1)
+            self._own_weight[pp[first]] += sign * np.add.reduceat(weight[lo:hi], first - lo, axis=0)
 
     def _bon_value(self, prompts: np.ndarray) -> np.ndarray:
         """(C, len(prompts), N_max) the prompts' Best-of-N task value: per query, the shrunk own reading.
@@ -396,16 +407,21 @@ class PlugInEstimator:
         """
         atoms = self.env.table.atoms
         assert atoms is not None
-        counts = self.atom_counts[prompts]
-        row, q, a = np.nonzero(counts)
         offsets = self.query_offsets()
-        values = (atoms[prompts[row], q, a] @ self._objectives.T).T - offsets[:, q]  # (W, entries)
-        pooled = pooled_values(values, counts[row, q, a], row, prompts.size, self.n_max, POOL_BINS)
-        n_queries = self._seen[prompts].sum(axis=1).astype(np.float64)[:, None]
-        cols = np.flatnonzero(self._seen[prompts].any(axis=0))  # w is 0 on the other queries
-        w = self._own_weight_of(self._completions[prompts][:, cols])  # (prompts, cols, N)
-        own = self._own[:, prompts] - np.einsum("pqn,wq->wpn", w, offsets[:, cols]) - self._own_weight[prompts] * pooled
-        out = pooled + own / n_queries
+        n_weightings = offsets.shape[0]
+        out = np.empty((n_weightings, prompts.size, self.n_max))
+        entries = (self.atom_counts[prompts] > 0).sum(axis=(1, 2))
+        for lo, hi in _blocks(n_weightings * np.maximum(np.minimum(entries, POOL_BINS), self.n_max)):
+            block = prompts[lo:hi]
+            counts = self.atom_counts[block]
+            row, q, a = np.nonzero(counts)
+            values = (atoms[block[row], q, a] @ self._objectives.T).T - offsets[:, q]  # (W, entries)
+            pooled = pooled_values(values, counts[row, q, a], row, block.size, self.n_max, POOL_BINS)
+            seen = self._seen[block]
+            cols = np.flatnonzero(seen.any(axis=0))  # w is 0 on the other queries
+            w = self._own_weight_of(self._completions[block][:, cols])  # (prompts, cols, N)
+            own = self._own[:, block] - np.einsum("pqn,wq->wpn", w, offsets[:, cols]) - self._own_weight[block] * pooled
+            out[:, lo:hi] = pooled + own / seen.sum(axis=1).astype(np.float64)[:, None]
         result: np.ndarray = out[self._objective_row]
         return result
 
@@ -415,14 +431,15 @@ class PlugInEstimator:
         completions behind it (``OFFSET_SWEEPS`` alternating sweeps from zero offsets; exact in one sweep
         when every prompt saw the same queries equally often), centred to mean 0 over the seen queries."""
         n = self._completions  # (P, Q)
-        score_sum = np.einsum("pqk,wk->wpq", self._reward_sum, self._objectives)  # (W, P, Q) summed scores
+        by_prompt = self._reward_sum.sum(axis=1) @ self._objectives.T  # (P, W) summed scores
+        by_query = self._reward_sum.sum(axis=0) @ self._objectives.T  # (Q, W)
         seen_q = n.sum(axis=0) > 0
         per_prompt = np.maximum(n.sum(axis=1), 1.0)
         per_query = np.maximum(n.sum(axis=0), 1.0)
         offsets = np.zeros((self._objectives.shape[0], n.shape[1]))
         for _ in range(OFFSET_SWEEPS):
-            level = (score_sum - n * offsets[:, None, :]).sum(axis=2) / per_prompt  # (W, P)
-            offsets = (score_sum - n * level[:, :, None]).sum(axis=1) / per_query
+            level = (by_prompt.T - offsets @ n.T) / per_prompt  # (W, P)
+            offsets = (by_query.T - level @ n) / per_query
             offsets[:, ~seen_q] = 0.0
             if seen_q.any():
                 offsets[:, seen_q] -= offsets[:, seen_q].mean(axis=1, keepdims=True)
