@@ -26,6 +26,9 @@ from iapo_gym import Policy
 MIN_DRAWS = 2
 #: The share of a budget the whole steps may spend; the rest is the budget's tail (at least half of it).
 STEPS_SHARE = 0.5
+#: Best-of-N's kappa in place of ``kappa`` (majority vote's): a maximum of N reads the top of a query's
+#: distribution, which its own completions show only as they grow, so n grows faster there.
+BON_KAPPA = 1.0
 
 
 class _Run:
@@ -53,7 +56,8 @@ class AnytimePlugIn(Agent):
     Whole steps: the first spends s0 = P q0 MIN_DRAWS completions, each later one as much as was
     spent before it, while it fits in STEPS_SHARE T. A step of b completions gives every prompt live
     in some context the same m train queries, n completions each: n = min(N_max, max(MIN_DRAWS,
-    ceil(sqrt(b / (L kappa))), ceil(b / (L |train|)))), m = floor(b / (L n)), L the live prompts.
+    ceil(sqrt(b / (L kappa))), ceil(b / (L |train|)))), m = floor(b / (L n)), L the live prompts, kappa
+    BON_KAPPA on Best-of-N.
     After a step, with s spent in all, each context keeps its top max(1, ceil(P (s0 / s)^rate)) live
     prompts by max_N of the estimate. The budget's tail (on a branch of the trajectory in
     ``train_budgets``) first re-admits, per context, every prompt it trimmed while that prompt had
@@ -65,7 +69,7 @@ class AnytimePlugIn(Agent):
     :param seed: the agent's generator (query order, ties).
     :param q0: common queries of the first step (its spend s0 = P q0 MIN_DRAWS).
     :param rate: the whole steps' trimming pace: P (s0 / s)^rate prompts live after s completions.
-    :param kappa: completions per (prompt, query) grow as sqrt(step / (live kappa)) (0: MIN_DRAWS).
+    :param kappa: majority vote: completions per (prompt, query) grow as sqrt(step / (live kappa)) (0: MIN_DRAWS).
     :param alpha: pseudo-votes of the majority-vote prior per (prompt, query).
     :param curve: ridge on the response curves' offsets (majority vote; 0: the pooled answers as prior).
     :param pretest: posterior SDs from the median slope beyond which a prompt keeps its own (0: all do).
@@ -153,8 +157,9 @@ class AnytimePlugIn(Agent):
         if not live.size or b < live.size:
             return
         n = max(MIN_DRAWS, math.ceil(b / (live.size * run.stream.pool.size)))
-        if self.kappa > 0:
-            n = max(n, math.ceil(math.sqrt(b / (live.size * self.kappa))))
+        kappa = BON_KAPPA if run.est.aggregator == "bon" else self.kappa
+        if kappa > 0:
+            n = max(n, math.ceil(math.sqrt(b / (live.size * kappa))))
         n = min(n, run.est.n_max)
         m = b // (live.size * n)
         if m == 0:
