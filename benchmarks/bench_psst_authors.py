@@ -90,6 +90,20 @@ def release_file(authors_code: Path, table_path: Path) -> Path | None:
     return next((p for p in (authors_code / "data" / name, table_path.parent / name) if p.is_file()), None)
 
 
+def authors_or_none(parser: argparse.ArgumentParser, authors_code: Path | None) -> tuple[Path, Authors | None]:
+    """Our MATH table (converted once, outside the timing) and the authors' side, or None without
+    ``--authors-code`` (only our side is measured then; a checkout without the release file is an error)."""
+    table_path = resolve_table(get_task("math"))
+    if authors_code is None:
+        print("no --authors-code: measuring our side only "
+              "(git clone https://github.com/IAPO-AAAI25/IAPO-PSST DIR; --authors-code DIR)")
+        return table_path, None
+    release = release_file(authors_code, table_path)
+    if release is None:
+        parser.error(f"no {get_entry('math').file} under {authors_code / 'data'}")
+    return table_path, Authors(authors_code, release)
+
+
 class Authors:
     """The authors' env, agents and evaluation, imported from their checkout."""
 
@@ -128,17 +142,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--eval-samples", type=int, default=10_000, help="the authors' evaluation samples")
     args = parser.parse_args()
-    table_path = resolve_table(get_task("math"))  # converts the release once, outside the timing
+    _, authors = authors_or_none(parser, args.authors_code)
     ours(args.budget, 99)  # warm: bytecode, lazy imports
-    authors: Any = None
-    if args.authors_code is None:
-        print("no --authors-code: measuring our side only "
-              "(git clone https://github.com/IAPO-AAAI25/IAPO-PSST DIR; --authors-code DIR)")
-    else:
-        release = release_file(args.authors_code, table_path)
-        if release is None:
-            parser.error(f"no {get_entry('math').file} under {args.authors_code / 'data'}")
-        authors = Authors(args.authors_code, release)
+    if authors is not None:
         authors.run(100, 99, 100)  # warm
     mine, theirs, acr_mine, acr_theirs = [], [], [], []
     for seed in range(args.repeats):

@@ -33,16 +33,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_psst_authors import AUTHORS_AGENTS, Authors, matched_params, ours, release_file  # noqa: E402
-from iapo_gym.data import resolve_table  # noqa: E402
-from iapo_gym.data.registry import get_entry  # noqa: E402
+from benchmarks.bench_psst_authors import AUTHORS_AGENTS, authors_or_none, matched_params, ours  # noqa: E402
 from iapo_gym.leaderboard.run.specs import PAPER_AGENTS, AgentSpec, parse_agent_spec  # noqa: E402
-from iapo_gym.tasks import get_task  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -122,16 +118,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     specs = [parse_agent_spec(a) for a in args.agents]
     check_params(specs)
     labels = [s.label for s in specs]
-    table_path = resolve_table(get_task("math"))  # converts the release once, outside the timing
-    authors: Any = None
-    if args.authors_code is None:
-        print("no --authors-code: measuring our side only "
-              "(git clone https://github.com/IAPO-AAAI25/IAPO-PSST DIR; --authors-code DIR)")
-    else:
-        release = release_file(args.authors_code, table_path)
-        if release is None:
-            parser.error(f"no {get_entry('math').file} under {args.authors_code / 'data'}")
-        authors = Authors(args.authors_code, release)
+    _, authors = authors_or_none(parser, args.authors_code)
     print(f"load average at start: {load()}", flush=True)
     for spec in specs:  # warm: bytecode, lazy imports, compiled loops
         ours(max(args.budgets), 99, spec.spec)
