@@ -43,9 +43,10 @@ def test_the_roster_total_is_the_median_of_each_repeats_sum() -> None:
 
 
 @pytest.mark.skipif(not (AUTHORS_CODE / "Agents").is_dir(), reason=f"the authors' code is not at {AUTHORS_CODE}")
-def test_a_small_run_against_the_authors_code(math_release: Path, monkeypatch: pytest.MonkeyPatch,
+def test_a_small_run_against_the_authors_code(math_release: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("IAPO_GYM_DATA", str(math_release.parent))
+    monkeypatch.setenv("IAPO_GYM_CACHE", str(tmp_path))  # the converted MATH table stays out of the session's cache
     main(["--authors-code", str(AUTHORS_CODE), "--budgets", "300", "--repeats", "1", "--eval-samples", "50",
           "--agents", "psst", "ucb", "triple_n1"])
     out = capsys.readouterr().out
