@@ -86,6 +86,19 @@ def bon_values(scores: np.ndarray, counts: np.ndarray, n_max: int, presorted: bo
     return bon_expected_max(padded, counts.astype(np.float64), n_max)
 
 
+def padded_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """``values`` (W, entries) and ``counts`` (entries,) of entries in rows ``row`` (sorted, every row has
+    one) laid out as (W, n_rows, width) scores and (n_rows, width) counts, each row's entries first and
+    count-0 padding after them, as ``bon_values`` reads them."""
+    sizes = np.bincount(row, minlength=n_rows)
+    place = np.arange(row.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    weight = np.zeros((n_rows, int(sizes.max())))
+    weight[row, place] = counts
+    scores = np.zeros((values.shape[0],) + weight.shape)
+    scores[:, row, place] = values
+    return scores, weight
+
+
 def pooled_values(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows: int, n_max: int,
                   bins: int | None = None) -> np.ndarray:
     """(W, n_rows, n_max) expected max of N of each row's pooled outcomes: ``values`` (W, entries) scored
@@ -98,11 +111,7 @@ def pooled_values(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_row
     """
     sizes = np.bincount(row, minlength=n_rows)
     if bins is None or int(sizes.max()) <= bins:
-        slot = np.arange(row.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-        weight = np.zeros((n_rows, int(sizes.max())))
-        weight[row, slot] = counts
-        scores = np.zeros((values.shape[0],) + weight.shape)
-        scores[:, row, slot] = values
+        scores, weight = padded_rows(values, counts, row, n_rows)
         return bon_values(scores, np.broadcast_to(weight, scores.shape), n_max)
     starts = np.cumsum(sizes) - sizes
     low = np.minimum.reduceat(values, starts, axis=1)  # (W, n_rows)
@@ -382,12 +391,8 @@ class PlugInEstimator:
         for lo, hi in _blocks(np.full(pp.size, n_weightings * width)):
             block = counts[lo:hi]
             row, a = np.nonzero(block)
-            sizes = np.bincount(row, minlength=hi - lo)
-            place = np.arange(row.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-            mass = np.zeros((hi - lo, int(sizes.max())))
-            mass[row, place] = block[row, a]
-            scores = np.zeros((n_weightings,) + mass.shape)
-            scores[:, row, place] = (atoms[pp[lo + row], qq[lo + row], a] @ self._objectives.T).T
+            projected = (atoms[pp[lo + row], qq[lo + row], a] @ self._objectives.T).T  # (W, entries)
+            scores, mass = padded_rows(projected, block[row, a], row, hi - lo)
             value = bon_values(scores, np.broadcast_to(mass, scores.shape), self.n_max)  # (W, pairs, N)
             value *= weight[None, lo:hi]
             first = lo + np.flatnonzero(np.r_[True, pp[lo + 1:hi] != pp[lo:hi - 1]])
