@@ -566,3 +566,27 @@ def test_binned_pooled_reading_is_within_a_bin_of_the_exact_one() -> None:
     for r in range(3):
         span = values[:, row == r].max(axis=1) - values[:, row == r].min(axis=1)
         assert (np.abs(binned[:, r] - exact[:, r]).max(axis=1) < span / 1024).all()
+
+
+def test_best_of_n_readings_in_blocks_equal_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocking the Best-of-N readings (``BLOCK_ELEMENTS``: here every pair and prompt a block of its own)
+    changes the memory they take, not the estimates."""
+    from agents.plugin import estimator as plugin_estimator
+
+    table = shape_bon_table(seed=4, n_prompts=5, n_queries=20, n_max=8, n_objectives=2)
+    rng = np.random.default_rng(1)
+    env = IAPOEnv(table=table)
+    env.reset(seed=2)
+    batches = []
+    for _ in range(4):
+        prompts = rng.integers(0, 5, 40)
+        batches.append(env.pull(prompts, rng.integers(1, 6, 40), queries=rng.choice(env.queries("train"), 40)))
+
+    def means(block_elements: int) -> np.ndarray:
+        monkeypatch.setattr(plugin_estimator, "BLOCK_ELEMENTS", block_elements)
+        est = PlugInEstimator(env)
+        for pulls in batches:
+            est.update(pulls)
+        return est.mean()
+
+    np.testing.assert_allclose(means(1), means(1 << 30), rtol=0, atol=1e-12)
