@@ -68,6 +68,7 @@ def _by_hand(pf: PolicyFile, weights: list[float]) -> tuple[str, int, float]:
     return c.prompt, c.n, u
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(("task", "budget", "between"), [
     ("synthetic_bernoulli", 3000, [[1.0, -0.1], [1.0, -0.5], [1.0, -0.2000001], [2.0, -0.3], [0.5, -0.05]]),
     ("synthetic_categorical", 4000, [[0.25, 0.75, -0.3], [0.55, 0.45, -0.1], [1.0, 0.0, -0.7]]),

@@ -146,6 +146,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.mark.heavy
 def test_deploy_and_collect_docs_run_against_llama_cpp(work: Path, llama_server: int) -> None:  # noqa: F811
     pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
@@ -176,6 +177,7 @@ def test_deploy_and_collect_docs_run_against_llama_cpp(work: Path, llama_server:
     assert any("bench_serve.py" in c for c in runner.ran)
 
 
+@pytest.mark.heavy
 def test_readme_commands_run(tmp_path: Path) -> None:
     runner = Runner(tmp_path, 0)
     for lang, text in code_blocks("README.md"):

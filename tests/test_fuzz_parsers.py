@@ -32,6 +32,7 @@ from tests.fuzz_targets import BOMBS, TARGETS, Target, _Member, _tar_bytes, _zip
 EXAMPLES = 120
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", sorted(TARGETS))
 def test_seeds_are_accepted(name: str) -> None:
     """The valid seeds parse: the fuzzer starts from real inputs, so its mutations reach deep code."""

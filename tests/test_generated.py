@@ -163,6 +163,7 @@ MATH_RELEASE = REPO / ".." / "shared" / "iapo-release" / "MATH_final.pkl"
 
 
 @pytest.mark.skipif(not MATH_RELEASE.is_file(), reason="the MATH release file is not at ../shared/iapo-release/")
+@pytest.mark.heavy
 def test_math_like_is_calibrated_to_math() -> None:
     from iapo_gym.data.release import read_release
     from iapo_gym.tasks.generated import mv_statistics

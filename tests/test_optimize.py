@@ -33,6 +33,7 @@ def _leaderboard_rows(out: Path) -> dict[tuple[str, int, int], tuple[list[list[i
     return {(r.agent, r.budget, r.run): (json.loads(r.arms), r.acr, r.regret) for r in rows}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kind", ["synthetic", "table file"])
 def test_optimize_on_a_table_is_the_leaderboard_run(kind: str, tmp_path: Path) -> None:
     if kind == "synthetic":  # instance r per run, stored split

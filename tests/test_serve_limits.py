@@ -342,6 +342,7 @@ def test_a_budget_below_one_request_stops_the_command(tmp_path: Path) -> None:
     assert main(["serve", str(policy), "--upstream", str(spec), "--rate", "cost/day=1"]) == 1  # no price in the spec
 
 
+@pytest.mark.heavy
 def test_600_requests_on_the_example_spec_without_a_503(llama_server: int, tmp_path: Path) -> None:  # noqa: F811
     """The example spec caps a collection's requests; serve answers past its cap (its budget is a rate)."""
     text = (ROOT / "examples" / "collect_llamacpp.toml").read_text(encoding="utf-8")
