@@ -260,7 +260,7 @@ class Router:
     async def start(self, options: ClientOptions | None = None) -> Router:
         """Open the upstream clients (one per endpoint) on the running event loop (``acomplete`` does it on first use).
 
-        ``options``: a server's cap, retry policy and concurrency instead of the spec's (``ClientOptions``);
+        ``options``: a server's cap, retry limit and concurrency instead of the spec's (``ClientOptions``);
         every endpoint's client counts against one cap.
         """
         loop = asyncio.get_running_loop()
@@ -277,7 +277,7 @@ class Router:
         if isinstance(self._score, RewardScorer):  # the reward endpoint: one failed call ends only its request
             self._score.stop_on_failure = False
             if options is not None:
-                self._score.policy = options.retry or self._score.policy
+                self._score.policy = self._score.policy.capped(options.max_retries)
                 self._score.concurrency = options.concurrency or self._score.concurrency
         for client in clients:
             client.stop_on_failure = False  # one caller's failed request must not stop the others

@@ -34,7 +34,6 @@ from iapo_gym.deploy.limits import RateBudget, RateLimited, ServeLimits
 from iapo_gym.deploy.params import MODEL_PREFIX, Plan, RequestError, read_request
 from iapo_gym.deploy.router import ContextError, EndpointError, Routed, Router
 from iapo_gym.llm.client import OVERSHOOT_TOKENS, ClientOptions, RequestOptions, SpendingCap, Usage
-from iapo_gym.llm.retry import RetryPolicy
 
 __all__ = ["AccessLog", "MODEL_PREFIX", "ServeApp", "create_app", "serve"]
 
@@ -128,7 +127,8 @@ class ServeApp:
         reward = spec.reward_route()
         self.mask = Masker([api_key, *(route.key() for route in spec.llm_routes()), reward.key() if reward else None])
         self.sampling = spec.sampling.as_dict()
-        self.retries = min(spec.endpoint.max_retries, self.limits.upstream_retries)
+        # the most attempts one upstream call can make: each endpoint's own max_retries, capped by upstream_retries
+        self.retries = max(min(e.max_retries, self.limits.upstream_retries) for e in spec.endpoints)
         if self.budget:
             worst = max(self._worst(c.n, None) for c in router.contexts)
             if worst > self.budget.largest():
@@ -147,12 +147,13 @@ class ServeApp:
         self._models_body = json.dumps({"object": "list", "data": self.models}).encode()
 
     def client_options(self) -> ClientOptions:
-        """The upstream client of a server: no lifetime cap (the budget is a rate), ``upstream_retries``, room
-        for every slot's N calls at once (one slow request holds only its own slot), requests sent directly."""
-        ep = self.router.spec.endpoint
+        """The upstream clients of a server: no lifetime cap (the budget is a rate), at most ``upstream_retries``
+        per call (each endpoint keeps its own backoff and lower max_retries), room for every slot's N calls at
+        once (one slow request holds only its own slot), requests sent directly."""
         n_max = max(c.n for c in self.router.contexts)
-        return ClientOptions(cap=SpendingCap(None, None), retry=RetryPolicy(self.retries, ep.backoff, ep.max_backoff),
-                             concurrency=max(ep.concurrency, self.limits.max_concurrency * n_max), direct=True)
+        concurrency = max(e.concurrency for e in self.router.spec.endpoints)
+        return ClientOptions(cap=SpendingCap(None, None), max_retries=self.limits.upstream_retries,
+                             concurrency=max(concurrency, self.limits.max_concurrency * n_max), direct=True)
 
     def _worst(self, n: int, max_tokens: int | None) -> int:
         return n * ((max_tokens or int(self.sampling["max_tokens"])) + OVERSHOOT_TOKENS) * (1 + self.retries)

@@ -136,13 +136,14 @@ class ClientOptions:
     """How a server's client differs from a collection's (None: the spec's own setting).
 
     ``cap``: the spending cap to count against (a server passes an unlimited one: its budget is a rate,
-    ``iapo_gym.deploy.limits``); ``retry``: the retry policy; ``concurrency``: requests on the wire at once;
+    ``iapo_gym.deploy.limits``); ``max_retries``: at most this many retries per call, below the endpoint's
+    own ``max_retries`` (each endpoint keeps its own backoff); ``concurrency``: requests on the wire at once;
     ``direct``: send each request with the HTTP client (same route hook, headers, timeout and errors), which
     costs a server a fraction of the openai client's time per request.
     """
 
     cap: SpendingCap | None = None
-    retry: RetryPolicy | None = None
+    max_retries: int | None = None
     concurrency: int | None = None
     direct: bool = False  # post the JSON body with the HTTP client itself, not the openai client's request models
 
@@ -210,8 +211,8 @@ class LLMClient:
         # "auto": learn from the first multi-completion answer whether the server honours n
         self.n_supported: bool | None = {"auto": None, "yes": True, "no": False}[spec.endpoint.use_n]
         self._rng = derive_rng(spec.build.seed, RETRY_KEY)
-        self.policy = options.retry or RetryPolicy(spec.endpoint.max_retries, spec.endpoint.backoff,
-                                                   spec.endpoint.max_backoff)
+        self.policy = RetryPolicy(spec.endpoint.max_retries, spec.endpoint.backoff, spec.endpoint.max_backoff).capped(
+            options.max_retries)
         self.concurrency = options.concurrency or spec.endpoint.concurrency
         self.direct = options.direct
         api = "/chat/completions" if spec.endpoint.api == "chat" else "/completions"

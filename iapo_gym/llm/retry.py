@@ -84,6 +84,12 @@ class RetryPolicy:
     backoff: float
     max_backoff: float
 
+    def capped(self, max_retries: int | None) -> RetryPolicy:
+        """This policy with at most ``max_retries`` retries (None: as it is); the backoff stays the endpoint's."""
+        if max_retries is None or max_retries >= self.max_retries:
+            return self
+        return RetryPolicy(max_retries, self.backoff, self.max_backoff)
+
     def delay(self, attempt: int, rng: np.random.Generator, server_asks: float | None = None) -> float:
         """Exponential backoff with jitter before retry ``attempt`` (1-based), at least ``server_asks`` seconds."""
         wait = min(self.max_backoff, self.backoff * 2 ** (attempt - 1)) * (0.5 + float(rng.random()))
