@@ -21,10 +21,10 @@ import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from iapo_gym import schemas
 
 FORMAT = "iapo-gym-policy"
 VERSION = 2
@@ -178,12 +178,9 @@ class PolicyFile:
 # ---- reading -------------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=1)
 def schema() -> dict[str, Any]:
     """The JSON Schema of the policy file (``iapo_gym/policy.schema.json``)."""
-    text = resources.files("iapo_gym").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
-    loaded: dict[str, Any] = json.loads(text)
-    return loaded
+    return schemas.load("iapo_gym", SCHEMA_FILE)
 
 
 def _digest(doc: Mapping[str, Any]) -> str:
@@ -219,12 +216,10 @@ def load_text(text: str, where: str = "policy") -> PolicyFile:
         raise PolicyFileError(f"{where}: policy file version {doc.get('version')!r} is not supported by this "
                               f"iapo-gym (it reads versions {', '.join(map(str, READS))}); use the release that "
                               "wrote it")
-    import jsonschema
-
-    errors = sorted(jsonschema.Draft202012Validator(schema()).iter_errors(doc), key=lambda e: list(e.absolute_path))
+    errors = schemas.errors("iapo_gym", SCHEMA_FILE, doc)
     if errors:
         first = errors[0]
-        at = "/".join(str(p) for p in first.absolute_path) or "(top level)"
+        at = schemas.dotted(first.absolute_path) or "(top level)"
         raise PolicyFileError(f"{where}: field {at}: {first.message} (schema {SCHEMA_FILE}"
                               + (f"; {len(errors) - 1} more problem(s)" if len(errors) > 1 else "") + ")")
     try:

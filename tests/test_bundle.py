@@ -214,7 +214,7 @@ def test_bad_bundles_refused(setup: dict[str, Any], good_bundle: Path) -> None:
     changed = members[RESULTS].replace(b'"acr": 0.', b'"acr": 1.', 1)
     _zip(tmp / "edited.zip", {**members, RESULTS: changed})
     cases["edited.zip"] = "results.jsonl has sha256 .* changed after bundling"
-    broken = {**manifest, "agents": [{**manifest["agents"][0], "source": {"sha256": "xyz", "modules": {}}}]}
+    broken = {**manifest, "agents": [{**manifest["agents"][0], "source": {**manifest["agents"][0]["source"], "sha256": "xyz"}}]}
     _zip(tmp / "badfield.zip", {**members, MANIFEST: json.dumps(broken).encode()})
     cases["badfield.zip"] = r"manifest field 'agents\[0\]\.source\.sha256': 'xyz' does not match"
     cases["bundle.rar"] = "must end in .zip or .tar.gz"

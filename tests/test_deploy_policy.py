@@ -91,7 +91,7 @@ def test_tampered_and_malformed_files_are_refused(env: IAPOEnv, tmp_path: Path) 
     def bad_type(doc: dict) -> None:
         doc["contexts"][0]["n"] = "five"
 
-    with pytest.raises(PolicyFileError, match=r"field contexts/0/n: 'five' is not of type 'integer'"):
+    with pytest.raises(PolicyFileError, match=r"field contexts\[0\]\.n: 'five' is not of type 'integer'"):
         load_policy(_rewrite(path, bad_type, resign=True))
 
     def version(doc: dict) -> None:

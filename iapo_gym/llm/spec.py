@@ -18,12 +18,11 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from iapo_gym import schemas
 from iapo_gym.data.build import jsonl_objects
 
 if sys.version_info >= (3, 11):
@@ -341,27 +340,9 @@ class Spec:
                      "the spec names no scorer.api_key_env (a reward endpoint never gets an LLM key)")
 
 
-@lru_cache(maxsize=1)
 def schema() -> dict[str, Any]:
     """The JSON Schema of the collection spec (``iapo_gym/llm/spec.schema.json``)."""
-    text = resources.files("iapo_gym.llm").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
-    loaded: dict[str, Any] = json.loads(text)
-    return loaded
-
-
-@lru_cache(maxsize=1)
-def _validator() -> Any:
-    import jsonschema
-
-    return jsonschema.Draft202012Validator(schema())
-
-
-def _dotted(path: Any) -> str:
-    """``endpoints[0].model`` from a JSON path (keys and list indices)."""
-    out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
+    return schemas.load("iapo_gym.llm", SCHEMA_FILE)
 
 
 def _shown(value: Any) -> str:
@@ -389,29 +370,29 @@ def _schema_message(where: str, error: Any) -> str:
     kind = error.validator
     if kind == "required":
         missing = [k for k in error.validator_value if k not in error.instance]
-        return f"{where}: field {_dotted([*path, missing[0]])!r} is missing"
+        return f"{where}: field {schemas.dotted([*path, missing[0]])!r} is missing"
     if kind in ("additionalProperties", "unevaluatedProperties"):
         known = _known(error.schema)
         extra = sorted(k for k in error.instance if k not in known)
-        return (f"{where}: field {_dotted([*path, extra[0]])!r} is not a known setting "
+        return (f"{where}: field {schemas.dotted([*path, extra[0]])!r} is not a known setting "
                 f"(expected one of {', '.join(known)})")
     node = _resolve(error.schema) if isinstance(error.schema, dict) else {}
     if kind in ("minItems", "maxItems", "uniqueItems") and "description" not in node:
-        return f"{where}: field {_dotted(path)!r}: {error.message}"
+        return f"{where}: field {schemas.dotted(path)!r}: {error.message}"
     what = node.get("description")
     if what is None:  # a part of a field described as a whole (e.g. one item of a list)
-        return f"{where}: field {_dotted(path)!r}: {error.message[:200]}"
+        return f"{where}: field {schemas.dotted(path)!r}: {error.message[:200]}"
     if not path:
         return f"{where}: the spec must be {what}, got {type(error.instance).__name__}"
     if node.get("x-secret"):
-        return f"{where}: field {_dotted(path)!r} must be {what}"
-    return f"{where}: field {_dotted(path)!r} must be {what}, got {_shown(error.instance)}"
+        return f"{where}: field {schemas.dotted(path)!r} must be {what}"
+    return f"{where}: field {schemas.dotted(path)!r} must be {what}, got {_shown(error.instance)}"
 
 
 def _finite_everywhere(data: Any, where: str, path: tuple[Any, ...] = ()) -> None:
     """Refuse NaN and infinity anywhere (TOML and JSON both spell them; the schema's ranges cannot)."""
     if isinstance(data, float) and not math.isfinite(data):
-        raise SpecError(f"{where}: field {_dotted(path)!r} must be a finite number, got {data!r}")
+        raise SpecError(f"{where}: field {schemas.dotted(path)!r} must be a finite number, got {data!r}")
     if isinstance(data, dict):
         for key, value in data.items():
             _finite_everywhere(value, where, (*path, key))
@@ -425,9 +406,9 @@ def check_schema(data: Any, where: str) -> None:
     if not isinstance(data, dict):
         raise SpecError(f"{where}: the spec must be a table of settings, got {type(data).__name__}")
     _finite_everywhere(data, where)
-    errors = list(_validator().iter_errors(data))
-    if errors:  # the shallowest first (a missing table before a bad value inside another), then in path order
-        first = min(errors, key=lambda e: (len(e.absolute_path), [str(p) for p in e.absolute_path]))
+    errors = schemas.errors("iapo_gym.llm", SCHEMA_FILE, data)
+    if errors:
+        first = errors[0]
         more = f" ({len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
         raise SpecError(_schema_message(where, first) + more)
 

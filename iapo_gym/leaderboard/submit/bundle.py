@@ -15,7 +15,6 @@ paths), unknown members, a newer schema version or digests that do not match are
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import inspect
 import io
@@ -36,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from iapo_gym import schemas
 from iapo_gym._version import __version__
 from iapo_gym.data.download import file_hashes
 from iapo_gym.leaderboard.run.specs import AgentSpec
@@ -362,17 +362,7 @@ def _check_member_set(path: Path, names: list[str]) -> None:
 
 
 #: The manifest's JSON Schema, shipped in the package (the one copy; docs/leaderboard.md links to it).
-SCHEMA_PATH = Path(__file__).resolve().parent / "bundle-schema.json"
-
-
-@functools.lru_cache(maxsize=1)
-def _validator() -> Any:
-    import jsonschema
-
-    schema = json.loads(SCHEMA_PATH.read_text())
-    cls = jsonschema.validators.validator_for(schema)
-    cls.check_schema(schema)
-    return cls(schema)
+SCHEMA_FILE = "bundle-schema.json"
 
 
 def validate_manifest(manifest: Any, where: str = "bundle") -> dict[str, Any]:
@@ -389,12 +379,10 @@ def validate_manifest(manifest: Any, where: str = "bundle") -> dict[str, Any]:
     if isinstance(version, int) and not isinstance(version, bool) and version > BUNDLE_SCHEMA_VERSION:
         raise BundleError(f"{where}: manifest schema version {version} is newer than this iapo-gym "
                           f"({__version__}) reads (up to {BUNDLE_SCHEMA_VERSION}); upgrade iapo-gym")
-    import jsonschema
-
-    error = jsonschema.exceptions.best_match(_validator().iter_errors(manifest))
-    if error is not None:
-        field = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error.absolute_path)
-        raise BundleError(f"{where}: manifest field {field.lstrip('.') or '(top level)'!r}: {error.message}"[:400])
+    errors = schemas.errors("iapo_gym.leaderboard.submit", SCHEMA_FILE, manifest)
+    if errors:
+        field = schemas.dotted(errors[0].absolute_path) or "(top level)"
+        raise BundleError(f"{where}: manifest field {field!r}: {errors[0].message}"[:400])
     return manifest
 
 
