@@ -70,7 +70,7 @@ class AnytimePlugIn(Agent):
     :param q0: common queries of the first step (its spend s0 = P q0 MIN_DRAWS).
     :param rate: the whole steps' trimming pace: P (s0 / s)^rate prompts live after s completions.
     :param kappa: majority vote: completions per (prompt, query) grow as sqrt(step / (live kappa)) (0: MIN_DRAWS).
-    :param alpha: pseudo-votes of the majority-vote prior per (prompt, query).
+    :param alpha: majority vote: the prior's pseudo-votes per (prompt, query) at most (below it, the empirical-Bayes weight).
     :param curve: ridge on the response curves' offsets (majority vote; 0: the pooled answers as prior).
     :param pretest: posterior SDs from the median slope beyond which a prompt keeps its own (0: all do).
     :param bon_prior: Best-of-N: the pooled reading's weight, in a query's own completions per unit of N.
