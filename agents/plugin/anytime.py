@@ -88,7 +88,7 @@ class AnytimePlugIn(Agent):
             raise ValueError(f"q0 must be an integer >= 1, got {q0!r}")
         self.q0 = int(q0)
         self.rate, self.kappa = check_nonnegative(rate=rate, kappa=kappa)
-        self.prior = dict(zip(("alpha", "curve", "pretest", "bon_prior"), check_nonnegative(
+        self.prior: dict[str, Any] = dict(zip(("alpha", "curve", "pretest", "bon_prior"), check_nonnegative(
             alpha=alpha, curve=curve, pretest=pretest, bon_prior=bon_prior), strict=True))
         (self.restore,) = check_nonnegative(restore=restore)
         _credit_jit.warm_up()

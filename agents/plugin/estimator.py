@@ -164,12 +164,14 @@ class PlugInEstimator:
     """
 
     def __init__(self, env: Any, alpha: float = 32.0, curve: float = 3.0, slope: float = 1.0,
-                 pretest: float = 2.0, bon_prior: float = 1.0) -> None:
-        """Bind to ``env``; the prior's strength (see the module docstring):
-        ``alpha`` the prior's pseudo-votes at most, ``curve`` and ``slope`` the response curves' ridges, ``pretest`` the
-        sparse-slope test, ``bon_prior`` the pooled Best-of-N reading's weight in completions per N."""
+                 pretest: float = 2.0, bon_prior: float = 1.0, empirical_bayes: bool = True) -> None:
+        """Bind to ``env``; the prior's strength (see the module docstring): ``alpha`` the majority-vote
+        prior's pseudo-votes (at most, with ``empirical_bayes``; else exactly), ``curve`` and ``slope`` the
+        response curves' ridges, ``pretest`` the sparse-slope test, ``bon_prior`` the pooled Best-of-N
+        reading's weight in completions per N."""
         self.alpha, self.curve, self.slope, self.pretest, self.bon_prior = check_nonnegative(
             alpha=alpha, curve=curve, slope=slope, pretest=pretest, bon_prior=bon_prior)
+        self.empirical_bayes = bool(empirical_bayes)
         self.table = Estimator(env)
         self.env = self.table.env
         table = self.env.table
@@ -246,7 +248,7 @@ class PlugInEstimator:
         prompts = np.unique(pulls.prompts)
         n_queries = self._seen[prompts].sum(axis=1).astype(np.float64)
         if self.aggregator == "mv":
-            credit = self._mv_credit_curve(prompts) if self.curve > 0 else self._mv_credit_pooled(prompts)
+            credit = self._mv_credit_curve(prompts) if self.curve > 0 else self._mv_credit_pooled(pulls, prompts)
             task = self._weights[:, :1, None] * credit[None]
         else:
             task = self._bon_value(prompts)
@@ -256,25 +258,28 @@ class PlugInEstimator:
         self.table.counts[:, prompts, :] = 1.0
 
     # ---- majority vote ----------------------------------------------------------------
-    def _mv_credit_pooled(self, prompts: np.ndarray) -> np.ndarray:
+    def _mv_credit_pooled(self, pulls: Pulls, prompts: np.ndarray) -> np.ndarray:
         """(len(prompts), N_max) mean credit over each prompt's queries with the query's pooled answers as
-        prior (``curve`` = 0), every seen row of ``prompts`` refreshed (the prior's weight moves with every pull)."""
-        seen = self._seen[prompts]
-        p_idx, q_idx = np.nonzero(seen)
-        pooled = self._pooled[q_idx].astype(np.float64)
-        prior = pooled / pooled.sum(axis=1, keepdims=True)
-        self._mv_rows(prompts[p_idx], q_idx, prior)
-        return self._credit[prompts].sum(axis=1) / seen.sum(axis=1)[:, None]
+        prior (``curve`` = 0), refreshing every seen row of ``prompts`` with ``empirical_bayes`` (the prior's
+        weight moves with every pull), else the pulled queries' rows."""
+        queries = np.unique(pulls.queries) if not self.empirical_bayes else np.flatnonzero(self._seen[prompts].any(axis=0))
+        p_pos, q_pos = np.nonzero(self._seen[prompts][:, queries])
+        pooled = self._pooled[queries].astype(np.float64)
+        self._mv_rows(prompts[p_pos], queries[q_pos], (pooled / pooled.sum(axis=1, keepdims=True))[q_pos])
+        return self._credit[prompts].sum(axis=1) / self._seen[prompts].sum(axis=1)[:, None]
 
     def _mv_rows(self, rows_p: np.ndarray, q_idx: np.ndarray, prior: np.ndarray) -> None:
         """Refresh the credit of the (prompt, query) rows ``rows_p``, ``q_idx`` from their votes plus
-        min(``alpha``, a_EB) pseudo-votes of ``prior`` (rows, buckets), a_EB from these rows (``prior_votes``)."""
+        min(``alpha``, a_EB) pseudo-votes of ``prior`` (rows, buckets), a_EB from these rows (``prior_votes``;
+        ``alpha`` itself without ``empirical_bayes``)."""
         gold = self.env.table.gold
         assert gold is not None
         counts = self.atom_counts[rows_p, q_idx].astype(np.float64)
         votes = counts.sum(axis=1)
         share = prior[np.arange(q_idx.size), gold[q_idx]]
-        alpha = prior_votes(self._gold_votes[rows_p, q_idx].astype(np.float64), votes, share, self.alpha)
+        alpha = self.alpha
+        if self.empirical_bayes:
+            alpha = prior_votes(self._gold_votes[rows_p, q_idx].astype(np.float64), votes, share, self.alpha)
         probs = (counts + alpha * prior) / (votes[:, None] + alpha)
         self._credit[rows_p, q_idx] = mv_credit_rows(probs, gold[q_idx], self.n_max)
 
