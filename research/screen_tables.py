@@ -4,7 +4,8 @@ Every spec of a level trains on the same table and env seed with the same agent 
 numbers); it prints, per spec and budget, the mean train-split regret (the train-optimal policy's
 train ACR minus the agent's: 0 once the agent finds it) and test regret (as the leaderboard's),
 ± SEM over levels, and each spec's paired gain over the first. Kinds: ``task:NAME`` (the
-leaderboard's resplit / instance ``level`` under ``--seed``), ``shape6`` (6 prompts, 40 train
+leaderboard's resplit / instance ``level`` under ``--seed``), ``family:FAMILY`` (generated level
+``level`` of FAMILY, its stored split), ``shape6`` (6 prompts, 40 train
 queries, one objective) and ``shape10`` (10 prompts, 160 train queries, two objectives), both
 ``tests.conftest.shape_bon_table`` with seed ``level``. For tuning: use levels and seeds never
 reported on.
@@ -34,6 +35,8 @@ from tests.conftest import shape_bon_table  # noqa: E402
 
 def level_table(kind: str, level: int, seed: int) -> tuple[OutcomeTable, int, int]:
     """(table, env seed, agent seed) of one level of ``kind``."""
+    if kind.startswith("family:"):  # generated level ``level``, its stored split (run 0)
+        return level_table(f"task:generated:{kind[7:]}:{level}", 0, seed)
     if kind.startswith("task:"):
         setup = run_setup(resolve_task(kind[5:]), level, seed)
         return setup.run_table, setup.env_seed, derive_seed(seed, "screen-tables", kind, level)
@@ -42,7 +45,7 @@ def level_table(kind: str, level: int, seed: int) -> tuple[OutcomeTable, int, in
     elif kind == "shape10":
         table = shape_bon_table(seed=level, n_prompts=10, n_queries=200, n_max=32, n_objectives=2)
     else:
-        raise SystemExit(f"--kind must be task:NAME, shape6 or shape10, got {kind!r}")
+        raise SystemExit(f"--kind must be task:NAME, family:FAMILY, shape6 or shape10, got {kind!r}")
     return table, derive_seed(seed, "screen-env", kind, level), derive_seed(seed, "screen-agent", kind, level)
 
 

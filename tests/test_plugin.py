@@ -12,6 +12,7 @@ import pytest
 import agents
 from agents.plugin import PlugInEstimator
 from agents.plugin.common import QueryStream
+from agents.plugin.estimator import prior_votes
 from iapo_gym import IAPOEnv, OutcomeTable, Pulls
 from tests.conftest import query_shifted_bon_table, shape_bon_table, tiny_bon_table, tiny_mv_table
 
@@ -104,7 +105,7 @@ def _pull_every_train_query(env: IAPOEnv, est: PlugInEstimator, pulls_per_query:
     est.update(env.pull(prompts, np.full(prompts.size, env.n_max), queries=queries))
 
 
-@pytest.mark.parametrize(("alpha", "curve"), [(0.0, 0.0), (4.0, 0.0), (4.0, 3.0)])
+@pytest.mark.parametrize(("alpha", "curve"), [(0.0, 0.0), (4.0, 0.0), (4.0, 3.0), (32.0, 0.0), (32.0, 3.0)])
 def test_plug_in_majority_vote_converges_to_the_exact_train_q_table(alpha: float, curve: float) -> None:
     table = tiny_mv_table(seed=1, n_prompts=4, n_queries=30, n_buckets=3, n_max=6)
     env = IAPOEnv(table=table)
@@ -114,6 +115,44 @@ def test_plug_in_majority_vote_converges_to_the_exact_train_q_table(alpha: float
         _pull_every_train_query(env, est, 167)
     exact = env.q_table("train")
     assert np.abs(est.mean() - exact).max() < 0.02
+
+
+def test_prior_votes_recover_the_beta_binomial_concentration() -> None:
+    """The majority-vote prior's empirical-Bayes pseudo-votes: a of gold shares Beta(a s, a (1 - s)) around the
+    prior shares s is recovered from 8 votes per row; votes that follow s exactly keep the cap, all-or-nothing
+    rows (a query every completion gets right or every one gets wrong) give the prior no weight."""
+    rng = np.random.default_rng(0)
+    rows = 40_000
+    share = rng.uniform(0.1, 0.9, rows)
+    votes = np.full(rows, 8.0)
+    for a in (2.0, 6.0, 20.0):
+        theta = rng.beta(a * share, a * (1.0 - share))
+        gold = rng.binomial(8, theta).astype(np.float64)
+        assert prior_votes(gold, votes, share, cap=1000.0) == pytest.approx(a, rel=0.15), a
+        assert prior_votes(gold, votes, share, cap=1.0) == 1.0  # at most the cap
+    assert prior_votes(rng.binomial(8, share).astype(np.float64), votes, share, cap=32.0) == 32.0
+    assert prior_votes(8.0 * (rng.random(rows) < share), votes, share, cap=32.0) < 0.1
+    assert prior_votes(np.ones(rows), np.ones(rows), share, cap=32.0) == 32.0  # no row with two votes
+
+
+def test_plug_in_majority_vote_gives_a_contradicted_prior_less_weight() -> None:
+    """On a table whose (prompt, query) gold shares are all 0 or 1 the response-curve prior explains little:
+    after 4 votes per (prompt, train query) the estimate reads each query from its own votes (pseudo-votes
+    near 0, not ``alpha``), so the estimated Q is within 0.01 of the train split's at every N."""
+    base = tiny_mv_table(seed=3, n_prompts=4, n_queries=200, n_buckets=2, n_max=6)
+    rng = np.random.default_rng(1)
+    gold_bucket = base.gold
+    right = rng.random(base.probs.shape[:2]) < 0.6  # (P, Q) every completion right, or every one wrong
+    probs = np.zeros_like(base.probs)
+    rows, cols = np.indices(right.shape)
+    probs[rows, cols, np.where(right, gold_bucket[None, :], 1 - gold_bucket[None, :])] = 1.0
+    env = IAPOEnv(table=dataclasses.replace(base, probs=probs))
+    env.reset(seed=0)
+    est = PlugInEstimator(env)
+    train = env.queries("train")
+    prompts = np.repeat(np.arange(env.n_prompts), train.size)
+    est.update(env.pull(prompts, np.full(prompts.size, 4), queries=np.tile(train, env.n_prompts)))
+    assert np.abs(est.mean() - env.q_table("train")).max() < 0.01
 
 
 def test_plug_in_best_of_n_is_exact_when_queries_share_one_distribution() -> None:

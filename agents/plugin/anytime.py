@@ -70,7 +70,7 @@ class AnytimePlugIn(Agent):
     :param q0: common queries of the first step (its spend s0 = P q0 MIN_DRAWS).
     :param rate: the whole steps' trimming pace: P (s0 / s)^rate prompts live after s completions.
     :param kappa: majority vote: completions per (prompt, query) grow as sqrt(step / (live kappa)) (0: MIN_DRAWS).
-    :param alpha: pseudo-votes of the majority-vote prior per (prompt, query).
+    :param alpha: majority vote: the prior's pseudo-votes per (prompt, query) at most (below it, the empirical-Bayes weight).
     :param curve: ridge on the response curves' offsets (majority vote; 0: the pooled answers as prior).
     :param pretest: posterior SDs from the median slope beyond which a prompt keeps its own (0: all do).
     :param bon_prior: Best-of-N: the pooled reading's weight, in a query's own completions per unit of N.
@@ -88,7 +88,7 @@ class AnytimePlugIn(Agent):
             raise ValueError(f"q0 must be an integer >= 1, got {q0!r}")
         self.q0 = int(q0)
         self.rate, self.kappa = check_nonnegative(rate=rate, kappa=kappa)
-        self.prior = dict(zip(("alpha", "curve", "pretest", "bon_prior"), check_nonnegative(
+        self.prior: dict[str, Any] = dict(zip(("alpha", "curve", "pretest", "bon_prior"), check_nonnegative(
             alpha=alpha, curve=curve, pretest=pretest, bon_prior=bon_prior), strict=True))
         (self.restore,) = check_nonnegative(restore=restore)
         _credit_jit.warm_up()

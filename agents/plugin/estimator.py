@@ -6,10 +6,13 @@ query) say little, so each is read together with a prior that shares what the ot
 prompts show; the prior's weight falls as the (prompt, query)'s own completions grow, so on a
 finite train split every estimate converges to the train-split Q as the budget grows.
 
-* Majority vote: per (prompt, query), its votes plus ``alpha`` pseudo-votes of a prior whose gold
-  share is the prompt's response curve over query difficulty (``curve`` > 0), or the query's
-  answers pooled over every prompt (``curve`` = 0); each (prompt, query)'s credit is averaged over
-  the prompt's queries.
+* Majority vote: per (prompt, query), its votes plus a = min(``alpha``, a_EB) pseudo-votes of a
+  prior whose gold share is the prompt's response curve over query difficulty (``curve`` > 0), or
+  the query's answers pooled over every prompt (``curve`` = 0); each (prompt, query)'s credit is
+  averaged over the prompt's queries. a_EB is the empirical-Bayes weight of the prior: the
+  beta-binomial concentration that the spread of the updated prompts' gold votes around the
+  prior's shares shows (``prior_votes``), so a prior the votes contradict loses its weight as
+  the evidence grows, and one they follow keeps ``alpha``.
 * Best-of-N: per (prompt, query), the expected maximum of its own outcomes, shrunk towards the
   prompt's outcomes pooled over its queries, each scored relative to its query's fitted offset
   (score ~ prompt level + query offset): the pooled reading weighs as ``bon_prior`` x N of the
@@ -50,6 +53,22 @@ def check_nonnegative(**values: Any) -> tuple[float, ...]:
             raise ValueError(f"{key} must be a number >= 0, got {value!r}")
         out.append(float(value))
     return tuple(out)
+
+
+def prior_votes(gold_votes: np.ndarray, votes: np.ndarray, share: np.ndarray, cap: float) -> float:
+    """Pseudo-votes of the majority-vote prior: the empirical-Bayes concentration a of the rows, at most ``cap``.
+
+    If each row's gold share is Beta(a s, a (1 - s)) around its prior share s, its g gold votes of n
+    have E[(g - n s)^2] = n s (1 - s) (1 + (n - 1) / (a + 1)); the moment estimate of 1 / (a + 1),
+    sum((g - n s)^2 - n s (1 - s)) / sum(n (n - 1) s (1 - s)) over the rows, clipped to
+    [1 / (cap + 1), 1], gives a in [0, cap] (``cap`` when no row has two votes).
+    """
+    var = votes * share * (1.0 - share)
+    den = float((var * (votes - 1.0)).sum())
+    if not den > 0.0:
+        return cap
+    rho = float(((gold_votes - votes * share) ** 2 - var).sum()) / den
+    return 1.0 / min(max(rho, 1.0 / (cap + 1.0)), 1.0) - 1.0
 
 
 def mv_credit_rows(probs: np.ndarray, gold: np.ndarray, n_max: int) -> np.ndarray:
@@ -145,12 +164,14 @@ class PlugInEstimator:
     """
 
     def __init__(self, env: Any, alpha: float = 32.0, curve: float = 3.0, slope: float = 1.0,
-                 pretest: float = 2.0, bon_prior: float = 1.0) -> None:
-        """Bind to ``env``; the prior's strength (see the module docstring):
-        ``alpha`` pseudo-votes, ``curve`` and ``slope`` the response curves' ridges, ``pretest`` the
-        sparse-slope test, ``bon_prior`` the pooled Best-of-N reading's weight in completions per N."""
+                 pretest: float = 2.0, bon_prior: float = 1.0, empirical_bayes: bool = True) -> None:
+        """Bind to ``env``; the prior's strength (see the module docstring): ``alpha`` the majority-vote
+        prior's pseudo-votes (at most, with ``empirical_bayes``; else exactly), ``curve`` and ``slope`` the
+        response curves' ridges, ``pretest`` the sparse-slope test, ``bon_prior`` the pooled Best-of-N
+        reading's weight in completions per N."""
         self.alpha, self.curve, self.slope, self.pretest, self.bon_prior = check_nonnegative(
             alpha=alpha, curve=curve, slope=slope, pretest=pretest, bon_prior=bon_prior)
+        self.empirical_bayes = bool(empirical_bayes)
         self.table = Estimator(env)
         self.env = self.table.env
         table = self.env.table
@@ -239,18 +260,28 @@ class PlugInEstimator:
     # ---- majority vote ----------------------------------------------------------------
     def _mv_credit_pooled(self, pulls: Pulls, prompts: np.ndarray) -> np.ndarray:
         """(len(prompts), N_max) mean credit over each prompt's queries with the query's pooled answers as
-        prior (``curve`` = 0), refreshing the pulled queries' rows of ``prompts``."""
+        prior (``curve`` = 0), refreshing every seen row of ``prompts`` with ``empirical_bayes`` (the prior's
+        weight moves with every pull), else the pulled queries' rows."""
+        queries = np.unique(pulls.queries) if not self.empirical_bayes else np.flatnonzero(self._seen[prompts].any(axis=0))
+        p_pos, q_pos = np.nonzero(self._seen[prompts][:, queries])
+        pooled = self._pooled[queries].astype(np.float64)
+        self._mv_rows(prompts[p_pos], queries[q_pos], (pooled / pooled.sum(axis=1, keepdims=True))[q_pos])
+        return self._credit[prompts].sum(axis=1) / self._seen[prompts].sum(axis=1)[:, None]
+
+    def _mv_rows(self, rows_p: np.ndarray, q_idx: np.ndarray, prior: np.ndarray) -> None:
+        """Refresh the credit of the (prompt, query) rows ``rows_p``, ``q_idx`` from their votes plus
+        min(``alpha``, a_EB) pseudo-votes of ``prior`` (rows, buckets), a_EB from these rows (``prior_votes``;
+        ``alpha`` itself without ``empirical_bayes``)."""
         gold = self.env.table.gold
         assert gold is not None
-        queries = np.unique(pulls.queries)
-        pooled = self._pooled[queries].astype(np.float64)
-        prior = pooled / pooled.sum(axis=1, keepdims=True)
-        p_pos, q_pos = np.nonzero(self._seen[prompts][:, queries])
-        p_idx = prompts[p_pos]
-        counts = self.atom_counts[p_idx, queries[q_pos]].astype(np.float64)
-        probs = (counts + self.alpha * prior[q_pos]) / (counts.sum(axis=1, keepdims=True) + self.alpha)
-        self._credit[p_idx, queries[q_pos]] = mv_credit_rows(probs, gold[queries[q_pos]], self.n_max)
-        return self._credit[prompts].sum(axis=1) / self._seen[prompts].sum(axis=1)[:, None]
+        counts = self.atom_counts[rows_p, q_idx].astype(np.float64)
+        votes = counts.sum(axis=1)
+        share = prior[np.arange(q_idx.size), gold[q_idx]]
+        alpha = self.alpha
+        if self.empirical_bayes:
+            alpha = prior_votes(self._gold_votes[rows_p, q_idx].astype(np.float64), votes, share, self.alpha)
+        probs = (counts + alpha * prior) / (votes[:, None] + alpha)
+        self._credit[rows_p, q_idx] = mv_credit_rows(probs, gold[q_idx], self.n_max)
 
     def _mv_credit_curve(self, prompts: np.ndarray) -> np.ndarray:
         """(len(prompts), N_max) mean credit over each prompt's queries, every row of ``prompts`` refreshed.
@@ -283,10 +314,7 @@ class PlugInEstimator:
         wrong[rows[unseen], (gold[q_idx[unseen]] + 1) % wrong.shape[1]] = 1.0
         prior = wrong / wrong.sum(axis=1, keepdims=True) * (1.0 - share)[:, None]
         prior[rows, gold[q_idx]] = share
-        rows_p = prompts[p_idx]
-        counts = self.atom_counts[rows_p, q_idx].astype(np.float64)
-        probs = (counts + self.alpha * prior) / (counts.sum(axis=1, keepdims=True) + self.alpha)
-        self._credit[rows_p, q_idx] = mv_credit_rows(probs, gold[q_idx], self.n_max)
+        self._mv_rows(prompts[p_idx], q_idx, prior)
         # unseen rows hold 0: sum only the columns any of them has seen
         return self._credit[prompts[:, None], cols[None, :]].sum(axis=1) / seen.sum(axis=1)[:, None]
 

@@ -46,7 +46,7 @@ class PlugInHalving(Agent):
         """Spend at most ``budget`` completions of ``env``; the best surviving arm per context."""
         base = self.base_env(env)
         budget = self.check_budget(budget)
-        est = PlugInEstimator(base, alpha=self.alpha, curve=0.0)
+        est = PlugInEstimator(base, alpha=self.alpha, curve=0.0, empirical_bayes=False)
         stream = QueryStream(base.queries(), self.rng)
         n_contexts, n_prompts, n_max = est.shape
         alive = np.ones((n_contexts, n_prompts), dtype=bool)
