@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
@@ -374,8 +373,7 @@ def test_best_of_n_reads_each_query_s_own_maximum_once_it_has_the_draws() -> Non
     env = IAPOEnv(table=table)
     env.reset(seed=0)
     exact = env.q_table("train")
-    shrunk, pooled = PlugInEstimator(env, bon_prior=1.0), PlugInEstimator(env, bon_prior=1e9)
-    light = PlugInEstimator(env, bon_prior=0.5)
+    shrunk, pooled, light = PlugInEstimator(env), PlugInEstimator(env, bon_prior=1e9), PlugInEstimator(env, bon_prior=0.5)
     few = env.pull(np.repeat(np.arange(4), 24), np.full(96, 2), queries=np.tile(env.queries("train"), 4))
     for est in (shrunk, pooled, light):
         est.update(few)
@@ -391,15 +389,17 @@ def test_best_of_n_reads_each_query_s_own_maximum_once_it_has_the_draws() -> Non
     assert np.abs(pooled.mean() - exact).max() > 0.05
 
 
-def test_best_of_n_readings_in_steps_equal_one_update() -> None:
-    """The Best-of-N estimates after six updates equal a fresh estimator's fed the same completions in one."""
+def test_best_of_n_own_sums_match_a_fresh_recount() -> None:
+    """The per-prompt sums of the shrunk own readings, kept by taking back and adding each pulled (prompt,
+    query)'s share, equal a fresh estimator's fed the same completions in one update."""
     table = shape_bon_table(seed=2, n_prompts=5, n_queries=20, n_max=8, n_objectives=2)
     env = IAPOEnv(table=table)
     env.reset(seed=3)
     rng = np.random.default_rng(0)
     stepwise, batches = PlugInEstimator(env), []
     for _ in range(6):
-        pulls = env.pull(np.arange(5).repeat(6), rng.integers(1, 9, 30), queries=rng.choice(env.queries("train"), 30))
+        prompts = rng.integers(0, 5, 30)
+        pulls = env.pull(prompts, rng.integers(1, 9, 30), queries=rng.choice(env.queries("train"), 30))
         stepwise.update(pulls)
         batches.append(pulls)
     once = PlugInEstimator(env)
@@ -407,74 +407,16 @@ def test_best_of_n_readings_in_steps_equal_one_update() -> None:
     once.update(Pulls(prompts=np.concatenate([b.prompts for b in batches]), ns=ns,
                       queries=np.concatenate([b.queries for b in batches]),
                       atoms=np.concatenate([b.atoms for b in batches]), offsets=np.concatenate([[0], np.cumsum(ns)])))
+    np.testing.assert_allclose(stepwise._own, once._own, atol=1e-9)
+    np.testing.assert_allclose(stepwise._own_weight, once._own_weight, atol=1e-12)
     np.testing.assert_allclose(stepwise.mean(), once.mean(), atol=1e-9)
 
 
-def test_best_of_n_noise_is_the_influence_function_variance() -> None:
-    """``bon_noise`` is the variance of the expected max of N's influence function: at N = 1 the outcomes'
-    variance; at every N that of the numerical derivative of the functional towards each outcome."""
-    from agents.plugin.estimator import bon_noise, bon_values
-
-    rng = np.random.default_rng(5)
-    scores = np.round(rng.normal(size=(2, 6, 9)), 1)  # ties
-    counts = rng.integers(0, 4, scores.shape).astype(np.float64)
-    counts[..., 0] = 1.0
-    noise = bon_noise(scores, counts, 12)
-    prob = counts / counts.sum(axis=-1, keepdims=True)
-    mean = (prob * scores).sum(axis=-1)
-    np.testing.assert_allclose(noise[..., 0], (prob * scores ** 2).sum(axis=-1) - mean ** 2, atol=1e-12)
-    eps = 1e-6
-    base = bon_values(scores, prob, 12)
-    influence = np.stack([(bon_values(scores, (1 - eps) * prob + eps * np.eye(9)[j], 12) - base) / eps
-                          for j in range(9)], axis=-2)  # (2, 6, outcomes, N)
-    centre = (prob[..., None] * influence).sum(axis=-2)
-    variance = (prob[..., None] * influence ** 2).sum(axis=-2) - centre ** 2
-    np.testing.assert_allclose(noise, variance, rtol=1e-4, atol=1e-6)
-
-
-def _distinct(n: int, draws: int, k: int) -> float:
-    """P(k distinct of n equally likely outcomes among ``draws`` draws): C(n, k) k! S(draws, k) / n^draws."""
-    stirling = sum((-1) ** j * math.comb(k, j) * (k - j) ** draws for j in range(k + 1)) / math.factorial(k)
-    return math.comb(n, k) * math.factorial(k) * stirling / n ** draws
-
-
-def _bon_reference(est: PlugInEstimator, prompt: int, bon_prior: float) -> np.ndarray:
-    """(objective rows, N_max) the empirical-Bayes Best-of-N value of ``prompt``, query by query."""
-    from agents.plugin.estimator import bon_noise
-    from iapo_gym.exact import bon_expected_max
-
-    atoms = est.env.table.atoms
-    offsets = est.query_offsets()
-    queries = np.flatnonzero(est.atom_counts[prompt].sum(axis=1))
-    out = []
-    for r, objective in enumerate(est._objectives):
-        scores = [atoms[prompt, q] @ objective - offsets[r, q] for q in queries]
-        weights = [est.atom_counts[prompt, q].astype(np.float64) for q in queries]
-        flat_s, flat_w = np.concatenate(scores), np.concatenate(weights)
-        pooled = bon_expected_max(flat_s[None], flat_w[None] / flat_w.sum(), est.n_max)[0]
-        noise = bon_noise(flat_s[None], flat_w[None], est.n_max)[0]
-        departures, errors, spreads = [], [], []
-        for s, w in zip(scores, weights, strict=True):
-            n = int(w.sum())
-            null = np.array([sum(_distinct(n, draws, k) * pooled[k - 1] for k in range(1, min(n, draws) + 1))
-                             for draws in range(1, est.n_max + 1)])
-            departures.append(bon_expected_max(s[None], w[None] / n, est.n_max)[0] - null)
-            spreads.append(noise / n)
-            errors.append(noise / n + (null - pooled) ** 2)
-        e, s2, m = np.array(departures), np.array(spreads), np.array(errors)
-        tau2 = np.maximum((e ** 2 - s2).mean(axis=0), 0.0)
-        with np.errstate(invalid="ignore"):
-            w = np.where(tau2 > 0, tau2 / (tau2 + bon_prior * m), 0.0)
-        out.append(pooled + (w * e).mean(axis=0))
-    return np.array(out)
-
-
 @pytest.mark.parametrize("bon_prior", [0.0, 1.0, 4.0, 1e12])
-def test_best_of_n_empirical_bayes_weight_matches_a_query_by_query_reading(bon_prior: float) -> None:
-    """Each prompt's Best-of-N value is the pooled reading plus the mean of w_q e_q, e_q the query's own
-    reading's departure from what the pooled outcomes would give from its draws and w_q = tau^2 / (tau^2 +
-    bon_prior m_q), recomputed query by query (occupancy probabilities from Stirling numbers); at a huge
-    bon_prior it is the pooled reading, at 0 the pooled reading plus the mean departure."""
+def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float) -> None:
+    """Each prompt's Best-of-N value is the pooled reading plus the mean over its queries of w_q (V_own - o_q -
+    V_pool), w_q = n_q / (n_q + bon_prior N), recomputed query by query with the exact oracle; at bon_prior
+    0 it is the mean of the queries' own readings, at a huge one the pooled reading."""
     from iapo_gym.exact import bon_expected_max
 
     table = shape_bon_table(seed=6, n_prompts=4, n_queries=15, n_max=8, n_objectives=2)
@@ -488,32 +430,23 @@ def test_best_of_n_empirical_bayes_weight_matches_a_query_by_query_reading(bon_p
                             queries=np.tile(train, 4)))
     value = est._bon_value(np.arange(4))  # (C, P, N)
     offsets = est.query_offsets()
+    scale = np.arange(1, 9, dtype=np.float64)
     for p in range(4):
-        expected = _bon_reference(est, p, bon_prior)
-        np.testing.assert_allclose(value[:, p], expected[est._objective_row], atol=1e-10)
-        flat = [np.concatenate([table.atoms[p, q] @ objective - offsets[r, q] for q in train])
-                for r, objective in enumerate(est._objectives)]
-        mass = np.concatenate([est.atom_counts[p, q] for q in train]).astype(np.float64)
-        pooled = np.array([bon_expected_max(f[None], mass[None] / mass.sum(), 8)[0] for f in flat])
-        if bon_prior == 1e12:
-            np.testing.assert_allclose(value[:, p], pooled[est._objective_row], atol=1e-6)
-        elif bon_prior <= 1.0:
-            assert np.abs(value[:, p] - pooled[est._objective_row]).max() > 1e-3  # the queries differ in shape
-
-
-def test_best_of_n_keeps_the_pooled_reading_where_queries_do_not_differ() -> None:
-    """On a table where every query shifts a prompt's outcomes by one offset (the same shape on every
-    query), the queries' own readings differ from the pooled one by noise alone: with two draws per query
-    the empirical-Bayes weight leaves the pooled reading (tau^2 = 0) at most N."""
-    table, _ = query_shifted_bon_table()
-    env = IAPOEnv(table=table)
-    env.reset(seed=0)
-    est = PlugInEstimator(env)
-    train = env.queries("train")
-    est.update(env.pull(np.repeat(np.arange(3), train.size), np.full(3 * train.size, 2), queries=np.tile(train, 3)))
-    value = est._bon_value(np.arange(3))
-    reference = _bon_reference(est, 0, 1e300)  # the pooled reading
-    assert np.mean(np.isclose(value[:, 0], reference[est._objective_row], atol=1e-12)) > 0.5
+        expected = []
+        for r, objective in enumerate(est._objectives):
+            scores = [table.atoms[p, q] @ objective - offsets[r, q] for q in train]
+            weights = [est.atom_counts[p, q].astype(np.float64) for q in train]
+            flat, mass = np.concatenate(scores), np.concatenate(weights)
+            pooled = bon_expected_max(flat[None], mass[None] / mass.sum(), 8)[0]
+            own = np.array([bon_expected_max(s[None], w[None] / w.sum(), 8)[0] for s, w in zip(scores, weights, strict=True)])
+            n = np.array([w.sum() for w in weights])[:, None]
+            weight = n / (n + bon_prior * scale)
+            expected.append(pooled + (weight * (own - pooled)).mean(axis=0))
+            if bon_prior == 0.0:
+                np.testing.assert_allclose(expected[-1], own.mean(axis=0), atol=1e-12)
+            if bon_prior == 1e12:
+                np.testing.assert_allclose(expected[-1], pooled, atol=1e-9)
+        np.testing.assert_allclose(value[:, p], np.array(expected)[est._objective_row], atol=1e-10)
 
 
 BIT_IDENTITY_TABLES = {

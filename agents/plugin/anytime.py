@@ -73,14 +73,14 @@ class AnytimePlugIn(Agent):
     :param alpha: pseudo-votes of the majority-vote prior per (prompt, query).
     :param curve: ridge on the response curves' offsets (majority vote; 0: the pooled answers as prior).
     :param pretest: posterior SDs from the median slope beyond which a prompt keeps its own (0: all do).
-    :param bon_prior: Best-of-N: the factor on a query's own reading's error in its empirical-Bayes weight.
+    :param bon_prior: Best-of-N: the pooled reading's weight, in a query's own completions per unit of N.
     :param restore: a budget's tail re-admits the prompts a context trimmed with < restore T / P completions.
     """
 
     anytime = True
 
     def __init__(self, seed: int | None = None, q0: int = 8, rate: float = 0.5, kappa: float = 12.0,
-                 alpha: float = 32.0, curve: float = 3.0, pretest: float = 2.0, bon_prior: float = 0.25,
+                 alpha: float = 32.0, curve: float = 3.0, pretest: float = 2.0, bon_prior: float = 1.0,
                  restore: float = 0.5) -> None:
         """Check and keep the hyper-parameters (the class docstring says what each does)."""
         super().__init__(seed)

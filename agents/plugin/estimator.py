@@ -12,12 +12,9 @@ finite train split every estimate converges to the train-split Q as the budget g
   the prompt's queries.
 * Best-of-N: per (prompt, query), the expected maximum of its own outcomes, shrunk towards the
   prompt's outcomes pooled over its queries, each scored relative to its query's fitted offset
-  (score ~ prompt level + query offset), with an empirical-Bayes (James-Stein) weight per prompt and
-  N: the queries' own readings differ from the pooled one by tau^2 beyond their sampling noise
-  s_q^2 = v / n_q (v the per-draw variance of an expected max of N, read from the pooled outcomes'
-  influence function), and query q's own reading weighs tau^2 / (tau^2 + ``bon_prior`` s_q^2): where the
-  queries really differ in shape it rules as soon as its noise is below that spread, where they do
-  not the pooled reading keeps it.
+  (score ~ prompt level + query offset): the pooled reading weighs as ``bon_prior`` x N of the
+  query's own completions at scale N (a maximum of N reads the top of a distribution, which
+  few own draws cannot show).
 """
 
 from __future__ import annotations
@@ -102,12 +99,10 @@ def padded_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows:
     return scores, weight
 
 
-def pooled_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows: int,
-                bins: int | None = None) -> tuple[np.ndarray, np.ndarray, bool]:
-    """Each row's pooled outcomes as ``bon_values`` reads them: (W, n_rows, width) scores, their counts (same
-    shape, or (n_rows, width) to broadcast) and whether each row's scores already ascend; ``values`` (W,
-    entries) scored outcomes, ``counts`` (entries,) their counts, ``row`` (entries,) their rows, sorted (every
-    row has one).
+def pooled_values(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows: int, n_max: int,
+                  bins: int | None = None) -> np.ndarray:
+    """(W, n_rows, n_max) expected max of N of each row's pooled outcomes: ``values`` (W, entries) scored
+    outcomes, ``counts`` (entries,) their counts, ``row`` (entries,) their rows, sorted (every row has one).
 
     With ``bins``, once some row has more than ``bins`` entries, every row is first merged into ``bins``
     equal-width bins of its score range, each at the mean score of its outcomes: the sort and the N
@@ -117,7 +112,7 @@ def pooled_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows:
     sizes = np.bincount(row, minlength=n_rows)
     if bins is None or int(sizes.max()) <= bins:
         scores, weight = padded_rows(values, counts, row, n_rows)
-        return scores, weight, False
+        return bon_values(scores, np.broadcast_to(weight, scores.shape), n_max)
     starts = np.cumsum(sizes) - sizes
     low = np.minimum.reduceat(values, starts, axis=1)  # (W, n_rows)
     width = np.maximum.reduceat(values, starts, axis=1) - low
@@ -130,53 +125,7 @@ def pooled_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows:
     total = np.bincount(flat, weights=(values * weights).ravel(), minlength=size)
     mean = np.where(mass > 0, total / np.where(mass > 0, mass, 1.0), 0.0)
     shape = (values.shape[0], n_rows, bins)
-    return mean.reshape(shape), mass.reshape(shape), True  # bins ascend
-
-
-def pooled_values(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows: int, n_max: int,
-                  bins: int | None = None) -> np.ndarray:
-    """(W, n_rows, n_max) expected max of N of each row's pooled outcomes (``pooled_rows``, same arguments)."""
-    scores, weight, presorted = pooled_rows(values, counts, row, n_rows, bins)
-    return bon_values(scores, np.broadcast_to(weight, scores.shape), n_max, presorted)
-
-
-def bon_noise(scores: np.ndarray, counts: np.ndarray, n_max: int) -> np.ndarray:
-    """(..., rows, n_max) the per-draw variance of the expected max of N = 1..n_max read from n draws of each
-    row's outcomes (``bon_values``' layout): the variance of the functional's influence function,
-    IF(y) = -N integral F(x)^(N-1) (1{x >= y} - F(x)) dx, under the row's distribution F (so the reading
-    from n draws has variance about this / n; at N = 1 it is the outcomes' variance)."""
-    key = np.where(counts > 0, scores, np.inf)
-    order = np.argsort(key, axis=-1, kind="stable")
-    x = np.take_along_axis(key, order, axis=-1)
-    mass = np.take_along_axis(np.broadcast_to(counts, scores.shape).astype(np.float64), order, axis=-1)
-    prob = mass / mass.sum(axis=-1, keepdims=True)
-    cdf = np.cumsum(prob, axis=-1)
-    with np.errstate(invalid="ignore"):
-        gap = np.diff(x, axis=-1)  # inf after the last outcome, nan between paddings
-    gap = np.concatenate([np.where(np.isfinite(gap), gap, 0.0), np.zeros(gap.shape[:-1] + (1,))], axis=-1)
-    power = np.ones_like(cdf)  # F^(N-1)
-    out = np.empty(scores.shape[:-1] + (n_max,))
-    for n in range(1, n_max + 1):
-        tail = np.cumsum((power * gap)[..., ::-1], axis=-1)[..., ::-1]  # integral from each outcome up
-        centre = (prob * tail).sum(axis=-1)
-        out[..., n - 1] = n * n * np.maximum((prob * tail * tail).sum(axis=-1) - centre * centre, 0.0)
-        power *= cdf
-    return out
-
-
-def distinct_draws(n: np.ndarray, n_max: int) -> np.ndarray:
-    """(len(n), n_max, n_max) P(k distinct of n equally likely outcomes among N draws with replacement), at
-    [i, N - 1, k - 1]: the plug-in expected max of N from n draws of F then averages the expected max of k
-    draws of F over this (the N draws from the n draws' empirical distribution see k of them, i.i.d. F)."""
-    n = np.asarray(n, dtype=np.float64)[:, None]
-    k = np.arange(1, n_max + 1, dtype=np.float64)[None, :]
-    out = np.zeros((n.shape[0], n_max, n_max))
-    out[:, 0, 0] = 1.0
-    for draws in range(1, n_max):
-        last = out[:, draws - 1]
-        out[:, draws] = last * k / n
-        out[:, draws, 1:] += last[:, :-1] * np.maximum(n - k[:, :-1], 0.0) / n
-    return out
+    return bon_values(mean.reshape(shape), mass.reshape(shape), n_max, presorted=True)  # bins ascend
 
 
 def _blocks(cost: np.ndarray) -> list[tuple[int, int]]:
@@ -196,10 +145,10 @@ class PlugInEstimator:
     """
 
     def __init__(self, env: Any, alpha: float = 32.0, curve: float = 3.0, slope: float = 1.0,
-                 pretest: float = 2.0, bon_prior: float = 0.25) -> None:
+                 pretest: float = 2.0, bon_prior: float = 1.0) -> None:
         """Bind to ``env``; the prior's strength (see the module docstring):
         ``alpha`` pseudo-votes, ``curve`` and ``slope`` the response curves' ridges, ``pretest`` the
-        sparse-slope test, ``bon_prior`` the factor on the own Best-of-N readings' sampling noise."""
+        sparse-slope test, ``bon_prior`` the pooled Best-of-N reading's weight in completions per N."""
         self.alpha, self.curve, self.slope, self.pretest, self.bon_prior = check_nonnegative(
             alpha=alpha, curve=curve, slope=slope, pretest=pretest, bon_prior=bon_prior)
         self.table = Estimator(env)
@@ -226,6 +175,9 @@ class PlugInEstimator:
             assert table.atoms is not None
             self._reward_sum = np.zeros((self.n_prompts, table.n_queries, table.atoms.shape[-1]))
             self._completions = np.zeros((self.n_prompts, table.n_queries))
+            n_rows = self._objectives.shape[0]
+            self._own = np.zeros((n_rows, self.n_prompts, self.n_max))  # sum_q w_pqN V_own(p, q, N)
+            self._own_weight = np.zeros((self.n_prompts, self.n_max))  # sum_q w_pqN
 
     # ---- reading ----------------------------------------------------------------------
     def mean(self, unseen: float = np.nan) -> np.ndarray:
@@ -247,6 +199,11 @@ class PlugInEstimator:
             return
         rep = np.repeat(np.arange(len(pulls)), pulls.ns)
         prompts_c, queries_c = pulls.prompts[rep], pulls.queries[rep]  # per completion
+        if self.aggregator == "bon":
+            cell = prompts_c * self._completions.shape[1] + queries_c
+            pp, qq = np.divmod(np.unique(cell), self._completions.shape[1])
+            old_weight = self._own_weight_of(self._completions[pp, qq])
+            self._add_own(pp, qq, old_weight, sign=-1.0)  # take back the pairs' readings of their old counts
         np.add.at(self.atom_counts, (prompts_c, queries_c, pulls.atoms), 1)
         if self.aggregator == "mv":
             gold = self.env.table.gold
@@ -258,11 +215,11 @@ class PlugInEstimator:
             atoms = self.env.table.atoms
             assert atoms is not None
             vectors = atoms[prompts_c, queries_c, pulls.atoms]  # (completions, K)
-            cell = prompts_c * self._completions.shape[1] + queries_c
             flat = self._reward_sum.reshape(-1, vectors.shape[1])
             for k in range(vectors.shape[1]):
                 flat[:, k] += np.bincount(cell, weights=vectors[:, k], minlength=flat.shape[0])
             self._completions += np.bincount(cell, minlength=flat.shape[0]).reshape(self._completions.shape)
+            self._add_own(pp, qq, self._own_weight_of(self._completions[pp, qq]), sign=1.0)
         fresh = ~self._seen[pulls.prompts, pulls.queries]
         new = np.unique(np.column_stack([pulls.prompts[fresh], pulls.queries[fresh]]), axis=0)
         self._seen[new[:, 0], new[:, 1]] = True
@@ -409,62 +366,67 @@ class PlugInEstimator:
         return out
 
     # ---- Best-of-N --------------------------------------------------------------------
+    def _own_weight_of(self, completions: np.ndarray) -> np.ndarray:
+        """(..., N_max) the weight n / (n + bon_prior N) of a query's own reading at each N, for n completions."""
+        n = completions[..., None]
+        scale = np.arange(1, self.n_max + 1, dtype=np.float64)
+        with np.errstate(invalid="ignore"):
+            return np.where(n > 0, n / (n + self.bon_prior * scale), 0.0)
+
+    def _add_own(self, pp: np.ndarray, qq: np.ndarray, weight: np.ndarray, sign: float) -> None:
+        """Add ``sign`` x w V_own of the (prompt, query) pairs ``pp``, ``qq`` (sorted by prompt) to the
+        per-prompt sums, ``weight`` (pairs, N_max) their w at the counts they have now (0 for a pair never
+        pulled). ``update`` takes back each pulled pair's reading (sign -1) before adding its
+        completions and adds the new one (sign +1) after: V_own is recomputed rather than stored, as
+        a store would hold (pairs, weightings, N_max), too much at a thousand weightings."""
+        atoms = self.env.table.atoms
+        assert atoms is not None
+        had = weight[:, -1] > 0  # w > 0 at every N once a pair has a completion
+        pp, qq, weight = pp[had], qq[had], weight[had]
+        if pp.size == 0:
+            return
+        counts = self.atom_counts[pp, qq]  # (pairs, atoms)
+        width = max(int((counts > 0).sum(axis=1).max()), self.n_max)
+        n_weightings = self._objectives.shape[0]
+        for lo, hi in _blocks(np.full(pp.size, n_weightings * width)):
+            block = counts[lo:hi]
+            row, a = np.nonzero(block)
+            projected = (atoms[pp[lo + row], qq[lo + row], a] @ self._objectives.T).T  # (W, entries)
+            scores, mass = padded_rows(projected, block[row, a], row, hi - lo)
+            value = bon_values(scores, np.broadcast_to(mass, scores.shape), self.n_max)  # (W, pairs, N)
+            value *= weight[None, lo:hi]
+            first = lo + np.flatnonzero(np.r_[True, pp[lo + 1:hi] != pp[lo:hi - 1]])
+            self._own[:, pp[first]] += sign * np.add.reduceat(value, first - lo, axis=1)
+            self._own_weight[pp[first]] += sign * np.add.reduceat(weight[lo:hi], first - lo, axis=0)
+
     def _bon_value(self, prompts: np.ndarray) -> np.ndarray:
-        """(C, len(prompts), N_max) the prompts' Best-of-N task value: the pooled reading plus each query's
-        departure from it, weighed empirical-Bayes.
+        """(C, len(prompts), N_max) the prompts' Best-of-N task value: per query, the shrunk own reading.
 
         Read relative to the fitted query offsets o_q: the pooled reading V_pool(p, N) is the expected
-        max of N of the prompt's outcomes over all its queries, each scored minus its query's offset.
-        A query's own reading from n_q draws would average B(n_q, N) = sum_k P(k distinct | n_q, N)
-        V_pool(p, k) if the query's outcomes were the pooled ones (``distinct_draws``), with sampling
-        variance s_q^2 = v(p, N) / n_q (``bon_noise`` of the pooled outcomes); its departure is
-        e_q = V_own(p, q, N) - o_q - B(n_q, N), and the queries' departures spread by tau^2 =
-        max(0, mean_q (e_q^2 - s_q^2)) beyond that noise. The value is V_pool + mean_q w_q e_q with
-        w_q = tau^2 / (tau^2 + ``bon_prior`` m_q), m_q = s_q^2 + (B(n_q, N) - V_pool)^2 the own reading's
-        mean squared error if the pooled outcomes were the query's: the pooled reading while the
-        departures are noise (tau^2 = 0), each query's own as its error falls below their spread. As
-        every query's completions grow, B -> V_pool and w -> 1 wherever the queries differ, so it
-        converges to the mean over the queries of their own readings less the mean offset, which is 0
-        once every prompt has seen every train query (as the common-query agents' prompts do).
+        max of N of the prompt's outcomes over all its queries, each scored minus its query's offset;
+        each seen query q adds w_pqN (V_own(p, q, N) - o_q - V_pool(p, N)), and the sum is divided by
+        the prompt's number of queries. With w = 0 it is the pooled reading; as every query's own
+        completions grow, w -> 1 and it is the mean over the queries of their own readings less the
+        mean offset, which is 0 once every prompt has seen every train query (as the common-query
+        agents' prompts do at large budgets).
         """
         atoms = self.env.table.atoms
         assert atoms is not None
         offsets = self.query_offsets()
         n_weightings = offsets.shape[0]
         out = np.empty((n_weightings, prompts.size, self.n_max))
-        present = self.atom_counts[prompts] > 0
-        entries = present.sum(axis=(1, 2))
-        own_cost = (self._seen[prompts] * np.maximum(present.sum(axis=2), self.n_max)).sum(axis=1)
-        pairs = self._seen[prompts].sum(axis=1)
-        cost = n_weightings * (np.maximum(np.minimum(entries, POOL_BINS), self.n_max) + own_cost) + pairs * self.n_max ** 2
-        for lo, hi in _blocks(cost):
+        entries = (self.atom_counts[prompts] > 0).sum(axis=(1, 2))
+        for lo, hi in _blocks(n_weightings * np.maximum(np.minimum(entries, POOL_BINS), self.n_max)):
             block = prompts[lo:hi]
             counts = self.atom_counts[block]
             row, q, a = np.nonzero(counts)
             values = (atoms[block[row], q, a] @ self._objectives.T).T - offsets[:, q]  # (W, entries)
-            scores, weight, presorted = pooled_rows(values, counts[row, q, a], row, block.size, POOL_BINS)
-            weight = np.broadcast_to(weight, scores.shape)
-            pooled = bon_values(scores, weight, self.n_max, presorted)  # (W, prompts, N)
-            noise = bon_noise(scores, weight, self.n_max)
+            pooled = pooled_values(values, counts[row, q, a], row, block.size, self.n_max, POOL_BINS)
             seen = self._seen[block]
-            pair_p, pair_q = np.nonzero(seen)  # sorted by prompt; each prompt has one
-            pair = np.full(seen.shape, -1)
-            pair[pair_p, pair_q] = np.arange(pair_p.size)
-            own_scores, own_mass = padded_rows(values, counts[row, q, a], pair[row, q], pair_p.size)
-            own = bon_values(own_scores, np.broadcast_to(own_mass, own_scores.shape), self.n_max)  # (W, pairs, N)
-            n = self._completions[block[pair_p], pair_q]
-            levels, which = np.unique(n, return_inverse=True)
-            null = np.einsum("pnk,wpk->wpn", distinct_draws(levels, self.n_max)[which.reshape(-1)], pooled[:, pair_p])
-            departure = own - null
-            spread = noise[:, pair_p] / n[None, :, None]  # s_q^2
-            error = spread + (null - pooled[:, pair_p]) ** 2
-            first = np.flatnonzero(np.r_[True, pair_p[1:] != pair_p[:-1]])
-            n_queries = seen.sum(axis=1).astype(np.float64)[:, None]
-            tau2 = np.maximum(np.add.reduceat(departure * departure - spread, first, axis=1) / n_queries, 0.0)
-            tau2 = tau2[:, pair_p]
-            with np.errstate(invalid="ignore", divide="ignore"):
-                w = np.where(tau2 > 0, tau2 / (tau2 + self.bon_prior * error), 0.0)
-            out[:, lo:hi] = pooled + np.add.reduceat(w * departure, first, axis=1) / n_queries
+            cols = np.flatnonzero(seen.any(axis=0))  # w is 0 on the other queries
+            w = self._own_weight_of(self._completions[block][:, cols])  # (prompts, cols, N)
+            own = self._own[:, block] - np.einsum("pqn,wq->wpn", w, offsets[:, cols]) - self._own_weight[block] * pooled
+            out[:, lo:hi] = pooled + own / seen.sum(axis=1).astype(np.float64)[:, None]
         result: np.ndarray = out[self._objective_row]
         return result
 
