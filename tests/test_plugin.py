@@ -451,6 +451,43 @@ def test_best_of_n_own_sums_match_a_fresh_recount() -> None:
     np.testing.assert_allclose(stepwise.mean(), once.mean(), atol=1e-9)
 
 
+@pytest.mark.parametrize("bon_prior", [0.0, 1.0, 4.0, 1e12])
+def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float) -> None:
+    """Each prompt's Best-of-N value is the pooled reading plus the mean over its queries of w_q (V_own - o_q -
+    V_pool), w_q = n_q / (n_q + bon_prior N), recomputed query by query with the exact oracle; at bon_prior
+    0 it is the mean of the queries' own readings, at a huge one the pooled reading."""
+    from iapo_gym.exact import bon_expected_max
+
+    table = shape_bon_table(seed=6, n_prompts=4, n_queries=15, n_max=8, n_objectives=2)
+    env = IAPOEnv(table=table)
+    env.reset(seed=1)
+    rng = np.random.default_rng(2)
+    est = PlugInEstimator(env, bon_prior=bon_prior)
+    train = env.queries("train")
+    for low in (2, 1):  # up to 16 draws of a query: some have more than N_max
+        est.update(env.pull(np.repeat(np.arange(4), train.size), rng.integers(low, 9, 4 * train.size),
+                            queries=np.tile(train, 4)))
+    value = est._bon_value(np.arange(4))  # (C, P, N)
+    offsets = est.query_offsets()
+    scale = np.arange(1, 9, dtype=np.float64)
+    for p in range(4):
+        expected = []
+        for r, objective in enumerate(est._objectives):
+            scores = [table.atoms[p, q] @ objective - offsets[r, q] for q in train]
+            weights = [est.atom_counts[p, q].astype(np.float64) for q in train]
+            flat, mass = np.concatenate(scores), np.concatenate(weights)
+            pooled = bon_expected_max(flat[None], mass[None] / mass.sum(), 8)[0]
+            own = np.array([bon_expected_max(s[None], w[None] / w.sum(), 8)[0] for s, w in zip(scores, weights, strict=True)])
+            n = np.array([w.sum() for w in weights])[:, None]
+            weight = n / (n + bon_prior * scale)
+            expected.append(pooled + (weight * (own - pooled)).mean(axis=0))
+            if bon_prior == 0.0:
+                np.testing.assert_allclose(expected[-1], own.mean(axis=0), atol=1e-12)
+            if bon_prior == 1e12:
+                np.testing.assert_allclose(expected[-1], pooled, atol=1e-9)
+        np.testing.assert_allclose(value[:, p], np.array(expected)[est._objective_row], atol=1e-10)
+
+
 BIT_IDENTITY_TABLES = {
     "mv": lambda: tiny_mv_table(seed=3, n_prompts=8, n_queries=60, n_max=8),
     "bon": lambda: shape_bon_table(seed=3, n_prompts=6, n_queries=40, n_max=16, n_objectives=2),
