@@ -90,18 +90,18 @@ def release_file(authors_code: Path, table_path: Path) -> Path | None:
     return next((p for p in (authors_code / "data" / name, table_path.parent / name) if p.is_file()), None)
 
 
-def authors_or_none(parser: argparse.ArgumentParser, authors_code: Path | None) -> tuple[Path, Authors | None]:
-    """Our MATH table (converted once, outside the timing) and the authors' side, or None without
-    ``--authors-code`` (only our side is measured then; a checkout without the release file is an error)."""
+def authors_or_none(parser: argparse.ArgumentParser, authors_code: Path | None) -> Authors | None:
+    """The authors' side, or None without ``--authors-code`` (only our side is measured then; a checkout
+    without the release file is an error); our MATH table is converted here, once, outside the timing."""
     table_path = resolve_table(get_task("math"))
     if authors_code is None:
         print("no --authors-code: measuring our side only "
               "(git clone https://github.com/IAPO-AAAI25/IAPO-PSST DIR; --authors-code DIR)")
-        return table_path, None
+        return None
     release = release_file(authors_code, table_path)
     if release is None:
         parser.error(f"no {get_entry('math').file} under {authors_code / 'data'}")
-    return table_path, Authors(authors_code, release)
+    return Authors(authors_code, release)
 
 
 class Authors:
@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--eval-samples", type=int, default=10_000, help="the authors' evaluation samples")
     args = parser.parse_args()
-    _, authors = authors_or_none(parser, args.authors_code)
+    authors = authors_or_none(parser, args.authors_code)
     ours(args.budget, 99)  # warm: bytecode, lazy imports
     if authors is not None:
         authors.run(100, 99, 100)  # warm

@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     specs = [parse_agent_spec(a) for a in args.agents]
     check_params(specs)
     labels = [s.label for s in specs]
-    _, authors = authors_or_none(parser, args.authors_code)
+    authors = authors_or_none(parser, args.authors_code)
     print(f"load average at start: {load()}", flush=True)
     for spec in specs:  # warm: bytecode, lazy imports, compiled loops
         ours(max(args.budgets), 99, spec.spec)

@@ -34,6 +34,7 @@ from iapo_gym.deploy.limits import RateBudget, RateLimited, ServeLimits
 from iapo_gym.deploy.params import MODEL_PREFIX, Plan, RequestError, read_request
 from iapo_gym.deploy.router import ContextError, EndpointError, Routed, Router
 from iapo_gym.llm.client import OVERSHOOT_TOKENS, ClientOptions, RequestOptions, SpendingCap, Usage
+from iapo_gym.llm.retry import RetryPolicy
 
 __all__ = ["AccessLog", "MODEL_PREFIX", "ServeApp", "create_app", "serve"]
 
@@ -127,8 +128,8 @@ class ServeApp:
         reward = spec.reward_route()
         self.mask = Masker([api_key, *(route.key() for route in spec.llm_routes()), reward.key() if reward else None])
         self.sampling = spec.sampling.as_dict()
-        # the most attempts one upstream call can make: each endpoint's own max_retries, capped by upstream_retries
-        self.retries = max(min(e.max_retries, self.limits.upstream_retries) for e in spec.endpoints)
+        # the most retries one upstream call can make: each endpoint's own, capped by upstream_retries
+        self.retries = max(RetryPolicy.of(e, self.limits.upstream_retries).max_retries for e in spec.endpoints)
         if self.budget:
             worst = max(self._worst(c.n, None) for c in router.contexts)
             if worst > self.budget.largest():

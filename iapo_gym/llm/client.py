@@ -211,8 +211,7 @@ class LLMClient:
         # "auto": learn from the first multi-completion answer whether the server honours n
         self.n_supported: bool | None = {"auto": None, "yes": True, "no": False}[spec.endpoint.use_n]
         self._rng = derive_rng(spec.build.seed, RETRY_KEY)
-        self.policy = RetryPolicy(spec.endpoint.max_retries, spec.endpoint.backoff, spec.endpoint.max_backoff).capped(
-            options.max_retries)
+        self.policy = RetryPolicy.of(spec.endpoint, options.max_retries)
         self.concurrency = options.concurrency or spec.endpoint.concurrency
         self.direct = options.direct
         api = "/chat/completions" if spec.endpoint.api == "chat" else "/completions"

@@ -84,6 +84,11 @@ class RetryPolicy:
     backoff: float
     max_backoff: float
 
+    @classmethod
+    def of(cls, endpoint: Any, max_retries: int | None = None) -> RetryPolicy:
+        """An endpoint's own policy (``max_retries``, ``backoff``, ``max_backoff``), at most ``max_retries`` retries."""
+        return cls(endpoint.max_retries, endpoint.backoff, endpoint.max_backoff).capped(max_retries)
+
     def capped(self, max_retries: int | None) -> RetryPolicy:
         """This policy with at most ``max_retries`` retries (None: as it is); the backoff stays the endpoint's."""
         if max_retries is None or max_retries >= self.max_retries:

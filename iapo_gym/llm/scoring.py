@@ -153,7 +153,7 @@ class RewardScorer:
         self.url = route.url
         self.objectives = spec.scorer.objectives
         ep = spec.endpoint
-        self.policy = RetryPolicy(ep.max_retries, ep.backoff, ep.max_backoff)
+        self.policy = RetryPolicy.of(ep)
         self.timeout, self.concurrency = ep.timeout, ep.concurrency
         self._rng = derive_rng(spec.build.seed, REWARD_RETRY_KEY)
         self._http: Any = None
