@@ -384,6 +384,34 @@ def test_slope_ridge_holds_every_slope_at_the_pooled_one() -> None:
     assert np.corrcoef(fits[1e6][:, 0], a)[0, 1] > 0.9
 
 
+def test_compiled_curve_fit_matches_the_numpy_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_credit_jit.fit_curves`` takes the numpy path's Newton steps: the same curves and variances to
+    rounding, from the pooled start and from a start far off (where the step halving does the work),
+    with slopes free and held at one value."""
+    from agents.plugin import _credit_jit
+
+    if not _credit_jit.available():
+        pytest.skip("numba is not installed (the fast extra) or IAPO_GYM_JIT=0: no compiled fit to compare")
+    rng = np.random.default_rng(7)
+    a, b = rng.normal(0.0, 1.0, 12), rng.normal(1.0, 0.5, 12)
+    a[0], b[0] = -4.0, 0.1  # a prompt far from the pool
+    env = IAPOEnv(table=_curve_table(a, b, rng.normal(0.0, 1.5, 120)))
+    env.reset(seed=0)
+    est = PlugInEstimator(env, alpha=32.0, curve=3.0)
+    _pull_every_train_query(env, est, 2)
+    seen, z = _difficulty(est)
+    starts = (np.column_stack([np.zeros(12), np.ones(12)]), np.column_stack([np.full(12, 8.0), np.full(12, -5.0)]))
+    fits = {}
+    for compiled in (True, False):
+        monkeypatch.setattr(_credit_jit, "available", lambda compiled=compiled: compiled)
+        fits[compiled] = [est._fit_curves(np.arange(12), seen, z, ridge, start, slope)
+                          for start in starts for ridge, slope in (((3.0, 1.0), 1.0), ((3.0, 1e6), 1.3))]
+    for (theta, variance), (theta_np, variance_np) in zip(fits[True], fits[False], strict=True):
+        np.testing.assert_allclose(theta, theta_np, rtol=0, atol=1e-9)
+        np.testing.assert_allclose(variance, variance_np, rtol=1e-9, atol=1e-12)
+    assert abs(fits[True][0][0][0, 1] - fits[True][0][0][1:, 1].mean()) > 0.3  # the far prompt's slope is its own
+
+
 def test_pretest_frees_only_the_slopes_far_from_the_median() -> None:
     """Two prompts of slope 0.2 and 2.5 among six of slope 1: ``pretest`` = 2 keeps the two fitted
     slopes and holds the six at one common slope, the fitted slopes' median (their offsets refitted),

@@ -1,5 +1,5 @@
-"""Optional numba kernels of the plug-in estimator (``PlugInEstimator``): the exact majority-vote credit
-and the exact Best-of-N expected maximum of many rows.
+"""Optional numba kernels of the plug-in estimator (``PlugInEstimator``): the exact majority-vote credit,
+the exact Best-of-N expected maximum of many rows, and the majority-vote response-curve fit.
 
 Best-of-N (``expected_max_rows``): each row's outcomes with a positive count are sorted in a
 compiled loop and E[max of N] = u_(M) - sum_j (u_(j+1) - u_(j)) F_j^N is summed for every N with
@@ -12,10 +12,14 @@ loops over blocks of rows with the same number of answer buckets, the rows in ve
 instead of numpy passes whose count grows with N_max^2 per call. The sums run in another order
 than numpy's, so values agree with the numpy path to rounding (about 1e-15), not bit for bit;
 ``tests/test_plugin.py`` compares the two. Used when ``agents._jit.enabled()``.
+
+Response curves (``fit_curves``): the safeguarded Newton fit of ``PlugInEstimator._fit_curves``, one
+prompt at a time in a compiled loop; the fits agree with the numpy path to rounding.
 """
 
 from __future__ import annotations
 
+import math
 from functools import cache
 from typing import Any
 
@@ -212,6 +216,79 @@ def expected_max_rows(scores: np.ndarray, counts: np.ndarray, n_max: int, presor
     return flat.reshape(lead + (int(n_max),))
 
 
+@_njit
+def _curve_objective(a: float, b: float, g: np.ndarray, n: np.ndarray, z: np.ndarray, lam_a: float, lam_b: float,
+                     slope: float) -> float:  # pragma: no cover - compiled
+    """One prompt's penalised log-likelihood at (a, b): ``objective`` of ``PlugInEstimator._fit_curves``."""
+    total = 0.0
+    for j in range(z.size):
+        x = a + b * z[j]
+        # logaddexp(0, -x), as numpy computes it: max(0, -x) + log1p(exp(-|x|))
+        soft = (-x if x < 0.0 else 0.0) + math.log1p(math.exp(-abs(x)))
+        total += n[j] * soft + (n[j] - g[j]) * x
+    return -total - 0.5 * (lam_a * a * a + lam_b * (b - slope) * (b - slope))
+
+
+@_njit
+def fit_curves_kernel(g: np.ndarray, n: np.ndarray, z: np.ndarray, lam_a: float, lam_b: float, slope: float,
+                      start: np.ndarray, iterations: int,
+                      halvings: int) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """``PlugInEstimator._fit_curves`` one prompt at a time: (P, 2) curves and posterior variances from ``start``.
+
+    The same safeguarded Newton steps (each halved until the penalised likelihood does not fall, to
+    rounding; a prompt stops once its step is below 1e-9) in one compiled pass per prompt instead of
+    numpy passes over (prompts x queries) arrays; the sums run in another order, so the fits agree
+    with the numpy path to rounding.
+    """
+    n_prompts = g.shape[0]
+    theta = start.copy()
+    variance = np.zeros((n_prompts, 2))
+    for p in range(n_prompts):
+        a, b = theta[p, 0], theta[p, 1]
+        value = _curve_objective(a, b, g[p], n[p], z, lam_a, lam_b, slope)
+        for _ in range(iterations):
+            grad_a, grad_b, h00, h01, h11 = -lam_a * a, -lam_b * (b - slope), lam_a, 0.0, lam_b
+            for j in range(z.size):
+                x = min(30.0, max(-30.0, a + b * z[j]))
+                mu = 1.0 / (1.0 + math.exp(-x))
+                r, w = g[p, j] - n[p, j] * mu, n[p, j] * mu * (1.0 - mu)
+                grad_a += r
+                grad_b += r * z[j]
+                h00 += w
+                h01 += w * z[j]
+                h11 += w * z[j] * z[j]
+            det = h00 * h11 - h01 * h01
+            step_a, step_b = (h11 * grad_a - h01 * grad_b) / det, (h00 * grad_b - h01 * grad_a) / det
+            variance[p, 0], variance[p, 1] = h11 / det, h00 / det
+            size = 1.0
+            accepted = False
+            for _ in range(halvings):
+                trial = _curve_objective(a + size * step_a, b + size * step_b, g[p], n[p], z, lam_a, lam_b, slope)
+                if trial >= value - 1e-12 * abs(value):
+                    value = trial
+                    accepted = True
+                    break
+                size *= 0.5
+            if not accepted:
+                size = 0.0  # no ascent left along the step: at the maximum to rounding
+            a += size * step_a
+            b += size * step_b
+            if max(abs(size * step_a), abs(size * step_b)) < 1e-9:
+                break
+        theta[p, 0], theta[p, 1] = a, b
+    return theta, variance
+
+
+def fit_curves(g: np.ndarray, n: np.ndarray, z: np.ndarray, ridge: tuple[float, float], start: np.ndarray,
+               slope: float, iterations: int, halvings: int) -> tuple[np.ndarray, np.ndarray]:
+    """(P, 2) response curves and their posterior variances of prompts with gold votes ``g`` and votes ``n``
+    (P, Q) on queries of difficulty ``z`` (Q,), compiled (``PlugInEstimator._fit_curves`` says what they are)."""
+    return fit_curves_kernel(np.ascontiguousarray(g, dtype=np.float64), np.ascontiguousarray(n, dtype=np.float64),
+                             np.ascontiguousarray(z, dtype=np.float64), float(ridge[0]), float(ridge[1]),
+                             float(slope), np.ascontiguousarray(start, dtype=np.float64), int(iterations),
+                             int(halvings))
+
+
 def available() -> bool:
     """Whether the compiled kernels run (numba installed, not switched off by ``IAPO_GYM_JIT=0``)."""
     return enabled()
@@ -226,7 +303,9 @@ def warm_up() -> None:
     if not _warm and available():
         credit_rows(np.array([0.5]), np.array([[0.3, 0.2]]), np.array([2]), 2)
         expected_max_rows(np.array([[0.0, 1.0]]), np.array([[1.0, 1.0]]), 2)  # ``presorted`` is a run-time flag
+        fit_curves(np.ones((1, 2)), np.full((1, 2), 2.0), np.array([-1.0, 1.0]), (1.0, 1.0), np.array([[0.0, 1.0]]),
+                   1.0, 2, 2)
         _warm = True
 
 
-__all__: list[Any] = ["available", "credit_rows", "expected_max_rows", "warm_up"]
+__all__: list[Any] = ["available", "credit_rows", "expected_max_rows", "fit_curves", "warm_up"]
