@@ -144,13 +144,10 @@ INSERTION_SORT_MAX = 32
 
 @_njit
 def _expected_max_block(scores: np.ndarray, counts: np.ndarray, n_max: int,
-                        presorted: bool, sample: int) -> np.ndarray:  # pragma: no cover - compiled
+                        presorted: bool) -> np.ndarray:  # pragma: no cover - compiled
     """(R, n_max) E[max of N draws], N = 1..n_max, of each row's outcomes ``scores`` (R, M) weighted by
     ``counts`` (R, M); entries of count 0 are left out (each row has one of positive count). With
-    ``presorted`` each row's scores already ascend and no sort is done. ``sample`` (``SAMPLE_*``): 0, draws
-    with replacement; else the counts are a sample of n = sum(counts) outcomes and, for N <= n, the draws
-    are without replacement (the unbiased estimate of E[max of N]: C(S_j, N) / C(n, N) in place of F_j^N,
-    S_j the cumulative count); for N > n, with replacement (1) or the sample maximum (2)."""
+    ``presorted`` each row's scores already ascend and no sort is done."""
     n_rows, width = scores.shape
     out = np.empty((n_rows, n_max))
     u = np.empty(width)
@@ -159,8 +156,6 @@ def _expected_max_block(scores: np.ndarray, counts: np.ndarray, n_max: int,
     gap = np.empty(width)
     cdf = np.empty(width)
     power = np.empty(width)
-    hyper = np.empty(width)
-    cumul = np.empty(width)
     for r in range(n_rows):
         k = 0
         for j in range(width):
@@ -187,51 +182,33 @@ def _expected_max_block(scores: np.ndarray, counts: np.ndarray, n_max: int,
             cumulative += mass[order[j]]
             cdf[j] = cumulative / total
             power[j] = cdf[j]
-            hyper[j] = cdf[j]
-            cumul[j] = cumulative
             gap[j] = u[order[j + 1]] - u[order[j]]
         top = u[order[k - 1]]
         steps = k - 1
         whole = steps - steps % 4
         for n in range(n_max):  # four partial sums, so the adds do not wait on each other
-            draws = n + 1.0
-            weight = hyper if sample > 0 and (draws <= total or sample == 2) else power
             acc0 = acc1 = acc2 = acc3 = 0.0
             for j in range(0, whole, 4):
-                acc0 += gap[j] * weight[j]
-                acc1 += gap[j + 1] * weight[j + 1]
-                acc2 += gap[j + 2] * weight[j + 2]
-                acc3 += gap[j + 3] * weight[j + 3]
+                acc0 += gap[j] * power[j]
+                acc1 += gap[j + 1] * power[j + 1]
+                acc2 += gap[j + 2] * power[j + 2]
+                acc3 += gap[j + 3] * power[j + 3]
             for j in range(whole, steps):
-                acc0 += gap[j] * weight[j]
+                acc0 += gap[j] * power[j]
             for j in range(steps):
                 power[j] *= cdf[j]
-            if sample > 0 and draws < total:  # C(S, N + 1) / C(n, N + 1) from C(S, N) / C(n, N)
-                for j in range(steps):
-                    hyper[j] *= max(cumul[j] - draws, 0.0) / (total - draws)
-            elif sample > 0:
-                for j in range(steps):
-                    hyper[j] = 0.0
             out[r, n] = top - ((acc0 + acc1) + (acc2 + acc3))
     return out
 
 
-#: ``sample`` of ``expected_max_rows``: draws with replacement; without replacement up to the sample's
-#: size, then with replacement; without replacement up to the sample's size, then its maximum.
-SAMPLE_NONE, SAMPLE_PLUGIN, SAMPLE_MAX = 0, 1, 2
-
-
-def expected_max_rows(scores: np.ndarray, counts: np.ndarray, n_max: int, presorted: bool = False,
-                      sample: int = SAMPLE_NONE) -> np.ndarray:
+def expected_max_rows(scores: np.ndarray, counts: np.ndarray, n_max: int, presorted: bool = False) -> np.ndarray:
     """(..., n_max) E[max of N draws] of each row of ``scores`` (..., M) weighted by ``counts`` (same shape,
-    or broadcastable to it); entries of count 0 are padding. ``presorted``: each row's scores ascend.
-    ``sample``: read integer counts as a sample (``_expected_max_block``)."""
+    or broadcastable to it); entries of count 0 are padding. ``presorted``: each row's scores ascend."""
     scores = np.asarray(scores, dtype=np.float64)
     counts = np.broadcast_to(np.asarray(counts, dtype=np.float64), scores.shape)
     lead, width = scores.shape[:-1], scores.shape[-1]
     flat = _expected_max_block(np.ascontiguousarray(scores.reshape(-1, width)),
-                               np.ascontiguousarray(counts.reshape(-1, width)), int(n_max), bool(presorted),
-                               int(sample))
+                               np.ascontiguousarray(counts.reshape(-1, width)), int(n_max), bool(presorted))
     return flat.reshape(lead + (int(n_max),))
 
 

@@ -81,7 +81,7 @@ class AnytimePlugIn(Agent):
 
     def __init__(self, seed: int | None = None, q0: int = 8, rate: float = 0.5, kappa: float = 12.0,
                  alpha: float = 32.0, curve: float = 3.0, pretest: float = 2.0, bon_prior: float = 1.0,
-                 restore: float = 0.5, bon_sample: int = 0, bon_weight: int = 0, bon_tail: int = 0) -> None:
+                 restore: float = 0.5) -> None:
         """Check and keep the hyper-parameters (the class docstring says what each does)."""
         super().__init__(seed)
         if isinstance(q0, bool) or not isinstance(q0, (int, np.integer)) or q0 < 1:
@@ -91,15 +91,6 @@ class AnytimePlugIn(Agent):
         self.prior: dict[str, Any] = dict(zip(("alpha", "curve", "pretest", "bon_prior"), check_nonnegative(
             alpha=alpha, curve=curve, pretest=pretest, bon_prior=bon_prior), strict=True))
         (self.restore,) = check_nonnegative(restore=restore)
-        if "BON_OWN_SCREEN" in __import__("os").environ:  # TEMPORARY: "sample,weight", same agent seed
-            screen = __import__("os").environ["BON_OWN_SCREEN"].split(",")
-            bon_sample, bon_weight = int(screen[0]), int(screen[1])
-            if len(screen) > 2:
-                self.prior["bon_prior"] = float(screen[2])
-            bon_tail = int(screen[3]) if len(screen) > 3 else 0
-        self.tail_n = int(bon_tail)  # TEMPORARY: the tail's n on Best-of-N
-        if bon_sample or bon_weight:  # TEMPORARY screen switches
-            self.prior.update(bon_sample=int(bon_sample), bon_weight=int(bon_weight))
         _credit_jit.warm_up()
 
     def params(self) -> dict[str, Any]:
@@ -160,7 +151,7 @@ class AnytimePlugIn(Agent):
                 gone = before & ~run.alive
                 run.trimmed_with[gone] = np.broadcast_to(run.drawn, gone.shape)[gone]
 
-    def _pull(self, run: _Run, b: int, tail: bool = False) -> None:
+    def _pull(self, run: _Run, b: int) -> None:
         """One step of at most ``b`` completions on common queries (nothing if not one per live prompt)."""
         live = np.flatnonzero(run.alive.any(axis=0))
         if not live.size or b < live.size:
@@ -169,8 +160,6 @@ class AnytimePlugIn(Agent):
         kappa = BON_KAPPA if run.est.aggregator == "bon" else self.kappa
         if kappa > 0:
             n = max(n, math.ceil(math.sqrt(b / (live.size * kappa))))
-        if tail and run.est.aggregator == "bon" and self.tail_n:  # TEMPORARY screen
-            n = max(n, run.est.n_max if self.tail_n == 1 else 2 * n)
         n = min(n, run.est.n_max)
         m = b // (live.size * n)
         if m == 0:
@@ -190,7 +179,7 @@ class AnytimePlugIn(Agent):
             b = (budget - run.spent) // (rounds - r)
             if b < int(run.alive.any(axis=0).sum()):
                 break
-            self._pull(run, b, tail=True)
+            self._pull(run, b)
             keep_top(run.alive, run.est, np.maximum(1, run.alive.sum(axis=1) // 2), run.stream.rng)
         n_max = run.est.n_max
         return run.est.best_arms(run.stream.rng, np.repeat(run.alive[:, :, None], n_max, axis=2))

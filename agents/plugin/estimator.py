@@ -94,35 +94,15 @@ def mv_credit_rows(probs: np.ndarray, gold: np.ndarray, n_max: int) -> np.ndarra
     return out
 
 
-def bon_values(scores: np.ndarray, counts: np.ndarray, n_max: int, presorted: bool = False,
-               sample: int = _credit_jit.SAMPLE_NONE) -> np.ndarray:
+def bon_values(scores: np.ndarray, counts: np.ndarray, n_max: int, presorted: bool = False) -> np.ndarray:
     """(..., rows, n_max) expected max of N = 1..n_max draws from each row's outcomes, ``scores`` (..., rows,
     width) weighted by ``counts`` (same shape); entries of count 0 are padding (at least one count per row).
-    ``presorted``: each row's scores of positive count already ascend (the compiled kernel then skips its sort).
-    ``sample``: the integer counts are a sample of n outcomes, drawn without replacement while N <= n
-    (``_credit_jit.expected_max_rows``)."""
+    ``presorted``: each row's scores of positive count already ascend (the compiled kernel then skips its sort)."""
     if _credit_jit.available():
-        return _credit_jit.expected_max_rows(scores, counts, n_max, presorted, sample)
+        return _credit_jit.expected_max_rows(scores, counts, n_max, presorted)
     padded = np.where(counts > 0, scores, np.inf)
     padded = np.where(np.isinf(padded), padded.min(axis=-1, keepdims=True), padded)  # weight 0
-    plugin = bon_expected_max(padded, counts.astype(np.float64), n_max)
-    if sample == _credit_jit.SAMPLE_NONE:
-        return plugin
-    order = np.argsort(padded, axis=-1, kind="stable")
-    u = np.take_along_axis(padded, order, axis=-1)
-    cumul = np.cumsum(np.take_along_axis(counts.astype(np.float64), order, axis=-1), axis=-1)
-    total, cumul = cumul[..., -1:], cumul[..., :-1]
-    gaps, top = np.diff(u, axis=-1), u[..., -1]
-    hyper = cumul / total  # C(S_j, N) / C(n, N) at N = 1
-    out = np.empty_like(plugin)
-    for n in range(n_max):
-        unbiased = top - np.einsum("...m,...m->...", gaps, hyper)
-        within = total[..., 0] >= n + 1
-        beyond = plugin[..., n] if sample == _credit_jit.SAMPLE_PLUGIN else top
-        out[..., n] = np.where(within, unbiased, beyond)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            hyper = np.where(total > n + 1, hyper * np.maximum(cumul - (n + 1), 0.0) / (total - (n + 1)), 0.0)
-    return out
+    return bon_expected_max(padded, counts.astype(np.float64), n_max)
 
 
 def padded_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -184,8 +164,7 @@ class PlugInEstimator:
     """
 
     def __init__(self, env: Any, alpha: float = 32.0, curve: float = 3.0, slope: float = 1.0,
-                 pretest: float = 2.0, bon_prior: float = 1.0, empirical_bayes: bool = True,
-                 bon_sample: int = 0, bon_weight: int = 0) -> None:
+                 pretest: float = 2.0, bon_prior: float = 1.0, empirical_bayes: bool = True) -> None:
         """Bind to ``env``; the prior's strength (see the module docstring): ``alpha`` the majority-vote
         prior's pseudo-votes (at most, with ``empirical_bayes``; else exactly), ``curve`` and ``slope`` the
         response curves' ridges, ``pretest`` the sparse-slope test, ``bon_prior`` the pooled Best-of-N
@@ -193,7 +172,6 @@ class PlugInEstimator:
         self.alpha, self.curve, self.slope, self.pretest, self.bon_prior = check_nonnegative(
             alpha=alpha, curve=curve, slope=slope, pretest=pretest, bon_prior=bon_prior)
         self.empirical_bayes = bool(empirical_bayes)
-        self.bon_sample, self.bon_weight = int(bon_sample), int(bon_weight)  # TEMPORARY screen switches
         self.table = Estimator(env)
         self.env = self.table.env
         table = self.env.table
@@ -420,17 +398,8 @@ class PlugInEstimator:
         """(..., N_max) the weight n / (n + bon_prior N) of a query's own reading at each N, for n completions."""
         n = completions[..., None]
         scale = np.arange(1, self.n_max + 1, dtype=np.float64)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            w = np.where(n > 0, n / (n + self.bon_prior * scale), 0.0)
-            if self.bon_weight == 1:  # beyond the sample's size: shrink by n / N more
-                w = np.where(scale > n, w * n / scale, w)
-            elif self.bon_weight == 2:  # beyond the sample's size only the pooled weight; within, the own reading
-                w = np.where(scale > n, w, np.where(n > 0, 1.0, 0.0))
-            elif self.bon_weight == 4:  # within: the own reading; beyond: n / (n + bon_prior (N - n))
-                w = np.where(scale > n, n / (n + self.bon_prior * (scale - n)), np.where(n > 0, 1.0, 0.0))
-            elif self.bon_weight == 3:  # within: the pooled weight counted in blocks of N beyond the first
-                w = np.where(scale > n, w, np.where(n > 0, n / (n + self.bon_prior * (scale - 1.0)), 0.0))
-            return w
+        with np.errstate(invalid="ignore"):
+            return np.where(n > 0, n / (n + self.bon_prior * scale), 0.0)
 
     def _add_own(self, pp: np.ndarray, qq: np.ndarray, weight: np.ndarray, sign: float) -> None:
         """Add ``sign`` x w V_own of the (prompt, query) pairs ``pp``, ``qq`` (sorted by prompt) to the
@@ -452,8 +421,7 @@ class PlugInEstimator:
             row, a = np.nonzero(block)
             projected = (atoms[pp[lo + row], qq[lo + row], a] @ self._objectives.T).T  # (W, entries)
             scores, mass = padded_rows(projected, block[row, a], row, hi - lo)
-            value = bon_values(scores, np.broadcast_to(mass, scores.shape), self.n_max,
-                               sample=self.bon_sample)  # (W, pairs, N)
+            value = bon_values(scores, np.broadcast_to(mass, scores.shape), self.n_max)  # (W, pairs, N)
             value *= weight[None, lo:hi]
             first = lo + np.flatnonzero(np.r_[True, pp[lo + 1:hi] != pp[lo:hi - 1]])
             self._own[:, pp[first]] += sign * np.add.reduceat(value, first - lo, axis=1)
