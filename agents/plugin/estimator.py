@@ -43,6 +43,11 @@ POOL_BINS = 2048
 #: N): the readings go through their rows in blocks of this size, so memory does not grow with the
 #: number of weightings times rows (at 1,000 weightings and 1,000 prompts a whole pass would need tens of GiB).
 BLOCK_ELEMENTS = 1 << 22
+#: Location-scale Best-of-N reading (``bon_ls``): residual draws of a query at which its own pooled residual
+#: distribution and the distribution pooled over every query weigh the same in its expected max of N.
+LS_PRIOR_DRAWS = 4.0
+#: Alternating sweeps of the prompt-scale x query-scale variance fit (``PlugInEstimator._location_scale``).
+SCALE_SWEEPS = 8
 
 
 def check_nonnegative(**values: Any) -> tuple[float, ...]:
@@ -164,7 +169,8 @@ class PlugInEstimator:
     """
 
     def __init__(self, env: Any, alpha: float = 32.0, curve: float = 3.0, slope: float = 1.0,
-                 pretest: float = 2.0, bon_prior: float = 1.0, empirical_bayes: bool = True) -> None:
+                 pretest: float = 2.0, bon_prior: float = 1.0, empirical_bayes: bool = True,
+                 bon_ls: float = 0.0) -> None:
         """Bind to ``env``; the prior's strength (see the module docstring): ``alpha`` the majority-vote
         prior's pseudo-votes (at most, with ``empirical_bayes``; else exactly), ``curve`` and ``slope`` the
         response curves' ridges, ``pretest`` the sparse-slope test, ``bon_prior`` the pooled Best-of-N
@@ -172,6 +178,7 @@ class PlugInEstimator:
         self.alpha, self.curve, self.slope, self.pretest, self.bon_prior = check_nonnegative(
             alpha=alpha, curve=curve, slope=slope, pretest=pretest, bon_prior=bon_prior)
         self.empirical_bayes = bool(empirical_bayes)
+        self.bon_ls = float(bon_ls) > 0.0
         self.table = Estimator(env)
         self.env = self.table.env
         table = self.env.table
@@ -438,6 +445,8 @@ class PlugInEstimator:
         mean offset, which is 0 once every prompt has seen every train query (as the common-query
         agents' prompts do at large budgets).
         """
+        if self.bon_ls:
+            return self._bon_value_ls(prompts)
         atoms = self.env.table.atoms
         assert atoms is not None
         offsets = self.query_offsets()
@@ -458,11 +467,74 @@ class PlugInEstimator:
         result: np.ndarray = out[self._objective_row]
         return result
 
-    def query_offsets(self) -> np.ndarray:
-        """(objective rows, Q) each query's offset in the Best-of-N score, 0 where unseen: the least-squares
-        fit of every seen (prompt, query) mean score to prompt level + query offset, weighted by the
-        completions behind it (``OFFSET_SWEEPS`` alternating sweeps from zero offsets; exact in one sweep
-        when every prompt saw the same queries equally often), centred to mean 0 over the seen queries."""
+    def _bon_value_ls(self, prompts: np.ndarray) -> np.ndarray:
+        """(C, len(prompts), N_max) the location-scale Best-of-N value: score(p, q) = level_p + o_q + scale_p e,
+        e drawn from query q's residual distribution pooled over every prompt seen on it (``_location_scale``),
+        so the pooled reading of (p, q, N) is level_p + scale_p M_q(N); per seen query it is shrunk as
+        ``_bon_value``'s by w (V_own(p, q, N) - o_q - level_p - scale_p M_q(N)), and averaged over the queries."""
+        level, offsets = self._additive_fit()
+        scale, expected = self._location_scale(level, offsets)  # (W, P), (W, Q, N)
+        seen = self._seen[prompts]
+        cols = np.flatnonzero(seen.any(axis=0))
+        n_q = seen.sum(axis=1).astype(np.float64)
+        lv, sc = level[:, prompts, None], scale[:, prompts, None]
+        pooled = lv + sc * np.einsum("pq,wqn->wpn", seen[:, cols].astype(np.float64), expected[:, cols]) / n_q[:, None]
+        w = self._own_weight_of(self._completions[prompts][:, cols])  # (prompts, cols, N)
+        prior = lv * self._own_weight[prompts][None] + sc * np.einsum("pqn,wqn->wpn", w, expected[:, cols])
+        own = self._own[:, prompts] - np.einsum("pqn,wq->wpn", w, offsets[:, cols]) - prior
+        out = pooled + own / n_q[:, None]
+        result: np.ndarray = out[self._objective_row]
+        return result
+
+    def _location_scale(self, level: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(W, P) prompt scales and (W, Q, N_max) per-query expected max of N of the scaled residuals.
+
+        The residuals r = score - level_p - o_q of every completion have variance scale_p^2 s_q^2: the
+        normal maximum-likelihood fit of the two factors from each (prompt, query)'s summed squares
+        (``SCALE_SWEEPS`` alternating sweeps). Query q's residual distribution is r / scale_p pooled over
+        every prompt seen on it; its expected max of N, M_q(N), is shrunk towards s_q times that of
+        r / (scale_p s_q) pooled over every query with weight d / (d + ``LS_PRIOR_DRAWS``), d the query's
+        draws less one (a query one prompt drew once shows no spread). 0 on unseen queries."""
+        atoms = self.env.table.atoms
+        assert atoms is not None
+        n_rows = self._objectives.shape[0]
+        n_pairs = self._completions  # (P, Q)
+        qq, pp = np.nonzero(n_pairs.T > 0)  # seen pairs, sorted by query
+        counts = self.atom_counts[pp, qq]  # (pairs, atoms)
+        pair, a = np.nonzero(counts)
+        c = counts[pair, a].astype(np.float64)
+        p, q = pp[pair], qq[pair]
+        resid = (atoms[p, q, a] @ self._objectives.T).T - level[:, p] - offsets[:, q]  # (W, entries)
+        size = n_pairs.size
+        cell = p * n_pairs.shape[1] + q
+        ss = np.stack([np.bincount(cell, weights=c * resid[k] ** 2, minlength=size) for k in range(n_rows)])
+        ss = ss.reshape((n_rows,) + n_pairs.shape)  # (W, P, Q)
+        ss_p, ss_q = ss.sum(axis=2), ss.sum(axis=1)
+        var_p = np.ones((n_rows, n_pairs.shape[0]))
+        var_q = np.ones((n_rows, n_pairs.shape[1]))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            for _ in range(SCALE_SWEEPS):
+                den = var_q @ n_pairs.T
+                var_p = np.where(den > 0, ss_p / np.where(den > 0, den, 1.0), 0.0)
+                den = var_p @ n_pairs
+                var_q = np.where(den > 0, ss_q / np.where(den > 0, den, 1.0), 0.0)
+        scale = np.sqrt(var_p)
+        s_q = np.sqrt(var_q)
+        sc = scale[:, p]
+        std = np.where(sc > 0, resid / np.where(sc > 0, sc, 1.0), 0.0)  # r / scale_p
+        queries, row = np.unique(q, return_inverse=True)
+        own = pooled_values(std, c, row, queries.size, self.n_max, POOL_BINS)  # (W, seen queries, N)
+        sq = s_q[:, q]
+        unit = np.where(sq > 0, std / np.where(sq > 0, sq, 1.0), 0.0)
+        glob = pooled_values(unit, c, np.zeros(c.size, np.int64), 1, self.n_max, POOL_BINS)[:, 0]  # (W, N)
+        draws = n_pairs[:, queries].sum(axis=0)
+        lam = (draws - 1.0) / (draws - 1.0 + LS_PRIOR_DRAWS)
+        expected = np.zeros((n_rows, n_pairs.shape[1], self.n_max))
+        expected[:, queries] = lam[None, :, None] * own + (1.0 - lam)[None, :, None] * s_q[:, queries, None] * glob[:, None]
+        return scale, expected
+
+    def _additive_fit(self) -> tuple[np.ndarray, np.ndarray]:
+        """(objective rows, P) prompt levels and (objective rows, Q) query offsets (``query_offsets``)."""
         n = self._completions  # (P, Q)
         by_prompt = self._reward_sum.sum(axis=1) @ self._objectives.T  # (P, W) summed scores
         by_query = self._reward_sum.sum(axis=0) @ self._objectives.T  # (Q, W)
@@ -476,4 +548,12 @@ class PlugInEstimator:
             offsets[:, ~seen_q] = 0.0
             if seen_q.any():
                 offsets[:, seen_q] -= offsets[:, seen_q].mean(axis=1, keepdims=True)
-        return offsets
+        level = (by_prompt.T - offsets @ n.T) / per_prompt
+        return level, offsets
+
+    def query_offsets(self) -> np.ndarray:
+        """(objective rows, Q) each query's offset in the Best-of-N score, 0 where unseen: the least-squares
+        fit of every seen (prompt, query) mean score to prompt level + query offset, weighted by the
+        completions behind it (``OFFSET_SWEEPS`` alternating sweeps from zero offsets; exact in one sweep
+        when every prompt saw the same queries equally often), centred to mean 0 over the seen queries."""
+        return self._additive_fit()[1]
