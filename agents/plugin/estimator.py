@@ -491,7 +491,7 @@ class PlugInEstimator:
 
         The residuals r = score - level_p - o_q of every completion have variance scale_p^2 s_q^2: the
         normal maximum-likelihood fit of the two factors from each (prompt, query)'s summed squares
-        (``SCALE_SWEEPS`` alternating sweeps). Query q's residual distribution is r / scale_p pooled over
+        (``SCALE_SWEEPS`` alternating sweeps), s_q^2 with ``LS_PRIOR_DRAWS`` pseudo-draws at 1. Query q's residual distribution is r / scale_p pooled over
         every prompt seen on it; its expected max of N, M_q(N), is shrunk towards s_q times that of
         r / (scale_p s_q) pooled over every query with weight d / (d + ``LS_PRIOR_DRAWS``), d the query's
         draws less one (a query one prompt drew once shows no spread). 0 on unseen queries."""
@@ -516,18 +516,19 @@ class PlugInEstimator:
             for _ in range(SCALE_SWEEPS):
                 den = var_q @ n_pairs.T
                 var_p = np.where(den > 0, ss_p / np.where(den > 0, den, 1.0), 0.0)
-                den = var_p @ n_pairs
-                var_q = np.where(den > 0, ss_q / np.where(den > 0, den, 1.0), 0.0)
+                var_q = (ss_q + LS_PRIOR_DRAWS) / (var_p @ n_pairs + LS_PRIOR_DRAWS)  # towards 1
         scale = np.sqrt(var_p)
         s_q = np.sqrt(var_q)
         sc = scale[:, p]
         std = np.where(sc > 0, resid / np.where(sc > 0, sc, 1.0), 0.0)  # r / scale_p
         queries, row = np.unique(q, return_inverse=True)
         own = pooled_values(std, c, row, queries.size, self.n_max, POOL_BINS)  # (W, seen queries, N)
-        sq = s_q[:, q]
-        unit = np.where(sq > 0, std / np.where(sq > 0, sq, 1.0), 0.0)
-        glob = pooled_values(unit, c, np.zeros(c.size, np.int64), 1, self.n_max, POOL_BINS)[:, 0]  # (W, N)
         draws = n_pairs[:, queries].sum(axis=0)
+        spread = draws[row] > 1  # a query drawn once shows no spread
+        glob = np.zeros((n_rows, self.n_max))
+        if spread.any():
+            glob = pooled_values(std[:, spread] / s_q[:, q[spread]], c[spread], np.zeros(int(spread.sum()), np.int64), 1,
+                                 self.n_max, POOL_BINS)[:, 0]  # (W, N)
         lam = (draws - 1.0) / (draws - 1.0 + LS_PRIOR_DRAWS)
         expected = np.zeros((n_rows, n_pairs.shape[1], self.n_max))
         expected[:, queries] = lam[None, :, None] * own + (1.0 - lam)[None, :, None] * s_q[:, queries, None] * glob[:, None]
