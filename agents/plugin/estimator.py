@@ -178,7 +178,7 @@ class PlugInEstimator:
         self.alpha, self.curve, self.slope, self.pretest, self.bon_prior = check_nonnegative(
             alpha=alpha, curve=curve, slope=slope, pretest=pretest, bon_prior=bon_prior)
         self.empirical_bayes = bool(empirical_bayes)
-        self.bon_ls = float(bon_ls) > 0.0
+        self.bon_ls = int(bon_ls)
         self.table = Estimator(env)
         self.env = self.table.env
         table = self.env.table
@@ -473,20 +473,24 @@ class PlugInEstimator:
         so the pooled reading of (p, q, N) is level_p + scale_p M_q(N); per seen query it is shrunk as
         ``_bon_value``'s by w (V_own(p, q, N) - o_q - level_p - scale_p M_q(N)), and averaged over the queries."""
         level, offsets = self._additive_fit()
-        scale, expected = self._location_scale(level, offsets)  # (W, P), (W, Q, N)
+        scale, expected, s_q, shape = self._location_scale(level, offsets)  # (W, P), (W, Q, N), (W, Q), (W, P, N)
         seen = self._seen[prompts]
         cols = np.flatnonzero(seen.any(axis=0))
         n_q = seen.sum(axis=1).astype(np.float64)
-        lv, sc = level[:, prompts, None], scale[:, prompts, None]
-        pooled = lv + sc * np.einsum("pq,wqn->wpn", seen[:, cols].astype(np.float64), expected[:, cols]) / n_q[:, None]
+        lv, sc, sh = level[:, prompts, None], scale[:, prompts, None], shape[:, prompts]
+        seen_f = seen[:, cols].astype(np.float64)
+        mean_q = (np.einsum("pq,wqn->wpn", seen_f, expected[:, cols]) + (seen_f @ s_q[:, cols].T).T[:, :, None] * sh)
+        pooled = lv + sc * mean_q / n_q[:, None]
         w = self._own_weight_of(self._completions[prompts][:, cols])  # (prompts, cols, N)
-        prior = lv * self._own_weight[prompts][None] + sc * np.einsum("pqn,wqn->wpn", w, expected[:, cols])
+        prior = lv * self._own_weight[prompts][None] + sc * (np.einsum("pqn,wqn->wpn", w, expected[:, cols])
+                                                              + np.einsum("pqn,wq->wpn", w, s_q[:, cols]) * sh)
         own = self._own[:, prompts] - np.einsum("pqn,wq->wpn", w, offsets[:, cols]) - prior
         out = pooled + own / n_q[:, None]
         result: np.ndarray = out[self._objective_row]
         return result
 
-    def _location_scale(self, level: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _location_scale(self, level: np.ndarray, offsets: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(W, P) prompt scales and (W, Q, N_max) per-query expected max of N of the scaled residuals.
 
         The residuals r = score - level_p - o_q of every completion have variance scale_p^2 s_q^2: the
@@ -532,7 +536,14 @@ class PlugInEstimator:
         lam = (draws - 1.0) / (draws - 1.0 + LS_PRIOR_DRAWS)
         expected = np.zeros((n_rows, n_pairs.shape[1], self.n_max))
         expected[:, queries] = lam[None, :, None] * own + (1.0 - lam)[None, :, None] * s_q[:, queries, None] * glob[:, None]
-        return scale, expected
+        shape = np.zeros((n_rows, n_pairs.shape[0], self.n_max))
+        if self.bon_ls == 2 and spread.any():
+            order = np.argsort(p[spread], kind="stable")
+            ps = p[spread][order]
+            users, prow = np.unique(ps, return_inverse=True)
+            unit = (std[:, spread] / s_q[:, q[spread]])[:, order]
+            shape[:, users] = pooled_values(unit, c[spread][order], prow, users.size, self.n_max, POOL_BINS) - glob[:, None]
+        return scale, expected, s_q, shape
 
     def _additive_fit(self) -> tuple[np.ndarray, np.ndarray]:
         """(objective rows, P) prompt levels and (objective rows, Q) query offsets (``query_offsets``)."""
