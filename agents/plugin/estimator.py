@@ -46,6 +46,8 @@ BLOCK_ELEMENTS = 1 << 22
 #: Location-scale Best-of-N reading (``bon_ls``): residual draws of a query at which its own pooled residual
 #: distribution and the distribution pooled over every query weigh the same in its expected max of N.
 LS_PRIOR_DRAWS = 4.0
+#: Bins of the location-scale reading's pooled residual distributions (``pooled_values``'s ``bins``).
+LS_BINS = 256
 #: Alternating sweeps of the prompt-scale x query-scale variance fit (``PlugInEstimator._location_scale``).
 SCALE_SWEEPS = 8
 
@@ -526,23 +528,28 @@ class PlugInEstimator:
         sc = scale[:, p]
         std = np.where(sc > 0, resid / np.where(sc > 0, sc, 1.0), 0.0)  # r / scale_p
         queries, row = np.unique(q, return_inverse=True)
-        own = pooled_values(std, c, row, queries.size, self.n_max, POOL_BINS)  # (W, seen queries, N)
+        own = pooled_values(std, c, row, queries.size, self.n_max, LS_BINS)  # (W, seen queries, N)
         draws = n_pairs[:, queries].sum(axis=0)
         spread = draws[row] > 1  # a query drawn once shows no spread
         glob = np.zeros((n_rows, self.n_max))
         if spread.any():
             glob = pooled_values(std[:, spread] / s_q[:, q[spread]], c[spread], np.zeros(int(spread.sum()), np.int64), 1,
-                                 self.n_max, POOL_BINS)[:, 0]  # (W, N)
-        lam = (draws - 1.0) / (draws - 1.0 + LS_PRIOR_DRAWS)
+                                 self.n_max, LS_BINS)[:, 0]  # (W, N)
+        if self.bon_ls >= 3:  # the query's pool weighs its draws against bon_prior N of the global pool's
+            d = (draws - 1.0)[:, None]
+            with np.errstate(invalid="ignore"):
+                lam = np.where(d > 0, d / (d + self.bon_prior * np.arange(1, self.n_max + 1)), 0.0)
+        else:
+            lam = np.broadcast_to(((draws - 1.0) / (draws - 1.0 + LS_PRIOR_DRAWS))[:, None], (draws.size, self.n_max))
         expected = np.zeros((n_rows, n_pairs.shape[1], self.n_max))
-        expected[:, queries] = lam[None, :, None] * own + (1.0 - lam)[None, :, None] * s_q[:, queries, None] * glob[:, None]
+        expected[:, queries] = lam[None] * own + (1.0 - lam)[None] * s_q[:, queries, None] * glob[:, None]
         shape = np.zeros((n_rows, n_pairs.shape[0], self.n_max))
-        if self.bon_ls == 2 and spread.any():
+        if self.bon_ls >= 2 and spread.any():
             order = np.argsort(p[spread], kind="stable")
             ps = p[spread][order]
             users, prow = np.unique(ps, return_inverse=True)
             unit = (std[:, spread] / s_q[:, q[spread]])[:, order]
-            shape[:, users] = pooled_values(unit, c[spread][order], prow, users.size, self.n_max, POOL_BINS) - glob[:, None]
+            shape[:, users] = pooled_values(unit, c[spread][order], prow, users.size, self.n_max, LS_BINS) - glob[:, None]
         return scale, expected, s_q, shape
 
     def _additive_fit(self) -> tuple[np.ndarray, np.ndarray]:
