@@ -480,6 +480,9 @@ class PlugInEstimator:
         cols = np.flatnonzero(seen.any(axis=0))
         n_q = seen.sum(axis=1).astype(np.float64)
         lv, sc, sh = level[:, prompts, None], scale[:, prompts, None], shape[:, prompts]
+        if self.bon_ls == 4:  # each prompt's shape against the mean of the read prompts' (alike in draws)
+            drawn = self._completions[prompts].sum(axis=1)
+            sh = sh - np.einsum("p,wpn->wn", drawn / drawn.sum(), sh)[:, None]
         seen_f = seen[:, cols].astype(np.float64)
         mean_q = (np.einsum("pq,wqn->wpn", seen_f, expected[:, cols]) + (seen_f @ s_q[:, cols].T).T[:, :, None] * sh)
         pooled = lv + sc * mean_q / n_q[:, None]
@@ -535,7 +538,7 @@ class PlugInEstimator:
         if spread.any():
             glob = pooled_values(std[:, spread] / s_q[:, q[spread]], c[spread], np.zeros(int(spread.sum()), np.int64), 1,
                                  self.n_max, LS_BINS)[:, 0]  # (W, N)
-        if self.bon_ls >= 3:  # the query's pool weighs its draws against bon_prior N of the global pool's
+        if self.bon_ls == 3:  # the query's pool weighs its draws against bon_prior N of the global pool's
             d = (draws - 1.0)[:, None]
             with np.errstate(invalid="ignore"):
                 lam = np.where(d > 0, d / (d + self.bon_prior * np.arange(1, self.n_max + 1)), 0.0)
