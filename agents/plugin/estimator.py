@@ -480,9 +480,12 @@ class PlugInEstimator:
         cols = np.flatnonzero(seen.any(axis=0))
         n_q = seen.sum(axis=1).astype(np.float64)
         lv, sc, sh = level[:, prompts, None], scale[:, prompts, None], shape[:, prompts]
-        if self.bon_ls == 4:  # each prompt's shape against the mean of the read prompts' (alike in draws)
+        if self.bon_ls >= 4:  # each prompt's shape against the mean of the read prompts' (alike in draws)
             drawn = self._completions[prompts].sum(axis=1)
             sh = sh - np.einsum("p,wpn->wn", drawn / drawn.sum(), sh)[:, None]
+        if self.bon_ls >= 5:  # shrunk: a prompt's draws against LS_SHAPE_DRAWS N
+            k = {5: 8.0, 6: 32.0}[self.bon_ls]
+            sh = sh * (drawn[:, None] / (drawn[:, None] + k * np.arange(1, self.n_max + 1)))[None]
         seen_f = seen[:, cols].astype(np.float64)
         mean_q = (np.einsum("pq,wqn->wpn", seen_f, expected[:, cols]) + (seen_f @ s_q[:, cols].T).T[:, :, None] * sh)
         pooled = lv + sc * mean_q / n_q[:, None]
