@@ -484,7 +484,7 @@ class PlugInEstimator:
             drawn = self._completions[prompts].sum(axis=1)
             sh = sh - np.einsum("p,wpn->wn", drawn / drawn.sum(), sh)[:, None]
         if self.bon_ls >= 5:  # shrunk: a prompt's draws against LS_SHAPE_DRAWS N
-            k = {5: 8.0, 6: 32.0}[self.bon_ls]
+            k = {5: 8.0, 6: 32.0, 7: 16.0}[self.bon_ls]
             sh = sh * (drawn[:, None] / (drawn[:, None] + k * np.arange(1, self.n_max + 1)))[None]
         seen_f = seen[:, cols].astype(np.float64)
         mean_q = (np.einsum("pq,wqn->wpn", seen_f, expected[:, cols]) + (seen_f @ s_q[:, cols].T).T[:, :, None] * sh)
