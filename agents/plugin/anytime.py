@@ -81,7 +81,7 @@ class AnytimePlugIn(Agent):
 
     def __init__(self, seed: int | None = None, q0: int = 8, rate: float = 0.5, kappa: float = 12.0,
                  alpha: float = 32.0, curve: float = 3.0, pretest: float = 2.0, bon_prior: float = 1.0,
-                 restore: float = 0.5, bon_ls: float = 0.0) -> None:
+                 restore: float = 0.5) -> None:
         """Check and keep the hyper-parameters (the class docstring says what each does)."""
         super().__init__(seed)
         if isinstance(q0, bool) or not isinstance(q0, (int, np.integer)) or q0 < 1:
@@ -91,8 +91,6 @@ class AnytimePlugIn(Agent):
         self.prior: dict[str, Any] = dict(zip(("alpha", "curve", "pretest", "bon_prior"), check_nonnegative(
             alpha=alpha, curve=curve, pretest=pretest, bon_prior=bon_prior), strict=True))
         (self.restore,) = check_nonnegative(restore=restore)
-        if bon_ls:  # temporary screen switch: the location-scale Best-of-N reading
-            self.prior["bon_ls"] = float(bon_ls)
         _credit_jit.warm_up()
 
     def params(self) -> dict[str, Any]:

@@ -13,11 +13,13 @@ finite train split every estimate converges to the train-split Q as the budget g
   beta-binomial concentration that the spread of the updated prompts' gold votes around the
   prior's shares shows (``prior_votes``), so a prior the votes contradict loses its weight as
   the evidence grows, and one they follow keeps ``alpha``.
-* Best-of-N: per (prompt, query), the expected maximum of its own outcomes, shrunk towards the
-  prompt's outcomes pooled over its queries, each scored relative to its query's fitted offset
-  (score ~ prompt level + query offset): the pooled reading weighs as ``bon_prior`` x N of the
-  query's own completions at scale N (a maximum of N reads the top of a distribution, which
-  few own draws cannot show).
+* Best-of-N: per (prompt, query), the expected maximum of its own outcomes, shrunk towards a
+  location-scale reading: score = prompt level + query offset + prompt scale x a residual drawn from
+  the query's residual distribution, which every prompt drawn on the query shares (so its expected
+  max of N is read from all their draws at once), plus the prompt's own shape over its queries,
+  shrunk by its draws (``SHAPE_DRAWS``). The pooled reading weighs as ``bon_prior`` x N of the
+  query's own completions at scale N (a maximum of N reads the top of a distribution, which few
+  own draws cannot show).
 """
 
 from __future__ import annotations
@@ -37,18 +39,21 @@ CURVE_ITERATIONS, CURVE_HALVINGS = 25, 30
 RIDGE_MAX = 1e6
 #: Alternating least-squares sweeps of ``PlugInEstimator.query_offsets``.
 OFFSET_SWEEPS = 8
-#: Bins of a prompt's pooled Best-of-N reading once it has more distinct outcomes (``pooled_values``).
-POOL_BINS = 2048
 #: Elements (float64) of one block of the Best-of-N readings' work arrays (weightings x rows x outcomes or
 #: N): the readings go through their rows in blocks of this size, so memory does not grow with the
 #: number of weightings times rows (at 1,000 weightings and 1,000 prompts a whole pass would need tens of GiB).
 BLOCK_ELEMENTS = 1 << 22
-#: Location-scale Best-of-N reading (``bon_ls``): residual draws of a query at which its own pooled residual
-#: distribution and the distribution pooled over every query weigh the same in its expected max of N.
+#: Best-of-N location-scale reading (``PlugInEstimator._location_scale``): a query's residual draws at which its
+#: own pooled residual distribution and the one pooled over every query weigh alike in its expected max of N;
+#: also the pseudo-draws, at the typical spread, of each query's spread.
 LS_PRIOR_DRAWS = 4.0
-#: Bins of the location-scale reading's pooled residual distributions (``pooled_values``'s ``bins``).
-LS_BINS = 256
-#: Alternating sweeps of the prompt-scale x query-scale variance fit (``PlugInEstimator._location_scale``).
+#: Best-of-N: a prompt's own shape (its standardized residuals pooled over its queries, against the read
+#: prompts' mean) weighs n / (n + SHAPE_DRAWS N) at N for the prompt's n completions.
+SHAPE_DRAWS = 8.0
+#: Bins of the location-scale reading's pooled residual distributions once one has more distinct outcomes
+#: (``pooled_values``'s ``bins``).
+POOL_BINS = 256
+#: Alternating sweeps of the prompt-spread x query-spread fit (``PlugInEstimator._location_scale``).
 SCALE_SWEEPS = 8
 
 
@@ -171,8 +176,7 @@ class PlugInEstimator:
     """
 
     def __init__(self, env: Any, alpha: float = 32.0, curve: float = 3.0, slope: float = 1.0,
-                 pretest: float = 2.0, bon_prior: float = 1.0, empirical_bayes: bool = True,
-                 bon_ls: float = 0.0) -> None:
+                 pretest: float = 2.0, bon_prior: float = 1.0, empirical_bayes: bool = True) -> None:
         """Bind to ``env``; the prior's strength (see the module docstring): ``alpha`` the majority-vote
         prior's pseudo-votes (at most, with ``empirical_bayes``; else exactly), ``curve`` and ``slope`` the
         response curves' ridges, ``pretest`` the sparse-slope test, ``bon_prior`` the pooled Best-of-N
@@ -180,7 +184,6 @@ class PlugInEstimator:
         self.alpha, self.curve, self.slope, self.pretest, self.bon_prior = check_nonnegative(
             alpha=alpha, curve=curve, slope=slope, pretest=pretest, bon_prior=bon_prior)
         self.empirical_bayes = bool(empirical_bayes)
-        self.bon_ls = int(bon_ls)
         self.table = Estimator(env)
         self.env = self.table.env
         table = self.env.table
@@ -439,124 +442,101 @@ class PlugInEstimator:
     def _bon_value(self, prompts: np.ndarray) -> np.ndarray:
         """(C, len(prompts), N_max) the prompts' Best-of-N task value: per query, the shrunk own reading.
 
-        Read relative to the fitted query offsets o_q: the pooled reading V_pool(p, N) is the expected
-        max of N of the prompt's outcomes over all its queries, each scored minus its query's offset;
-        each seen query q adds w_pqN (V_own(p, q, N) - o_q - V_pool(p, N)), and the sum is divided by
-        the prompt's number of queries. With w = 0 it is the pooled reading; as every query's own
-        completions grow, w -> 1 and it is the mean over the queries of their own readings less the
-        mean offset, which is 0 once every prompt has seen every train query (as the common-query
-        agents' prompts do at large budgets).
+        A location-scale reading: score(p, q) = level_p + o_q + scale_p e, e drawn from query q's residual
+        distribution, shared by the prompts (``_location_scale``), so the pooled reading of (p, q, N) is
+        level_p + scale_p (M_q(N) + s_q D_p(N)): M_q(N) the expected max of N of q's residuals pooled over
+        every prompt seen on q (scaled by scale_p), s_q q's spread, D_p(N) the prompt's own shape against
+        the mean of ``prompts``' (weighted by their completions), times n / (n + ``SHAPE_DRAWS`` N) for its n.
+        Each seen query q adds w_pqN (V_own(p, q, N) - o_q - that reading), and the
+        sum over the queries is divided by the prompt's number of queries. With w = 0 it is the pooled
+        reading; as every query's own completions grow, w -> 1 and it is the mean over the queries of their
+        own readings less the mean offset, which is 0 once every prompt has seen every train query (as
+        the common-query agents' prompts do at large budgets).
         """
-        if self.bon_ls:
-            return self._bon_value_ls(prompts)
-        atoms = self.env.table.atoms
-        assert atoms is not None
-        offsets = self.query_offsets()
-        n_weightings = offsets.shape[0]
-        out = np.empty((n_weightings, prompts.size, self.n_max))
-        entries = (self.atom_counts[prompts] > 0).sum(axis=(1, 2))
-        for lo, hi in _blocks(n_weightings * np.maximum(np.minimum(entries, POOL_BINS), self.n_max)):
-            block = prompts[lo:hi]
-            counts = self.atom_counts[block]
-            row, q, a = np.nonzero(counts)
-            values = (atoms[block[row], q, a] @ self._objectives.T).T - offsets[:, q]  # (W, entries)
-            pooled = pooled_values(values, counts[row, q, a], row, block.size, self.n_max, POOL_BINS)
-            seen = self._seen[block]
-            cols = np.flatnonzero(seen.any(axis=0))  # w is 0 on the other queries
-            w = self._own_weight_of(self._completions[block][:, cols])  # (prompts, cols, N)
-            own = self._own[:, block] - np.einsum("pqn,wq->wpn", w, offsets[:, cols]) - self._own_weight[block] * pooled
-            out[:, lo:hi] = pooled + own / seen.sum(axis=1).astype(np.float64)[:, None]
-        result: np.ndarray = out[self._objective_row]
-        return result
-
-    def _bon_value_ls(self, prompts: np.ndarray) -> np.ndarray:
-        """(C, len(prompts), N_max) the location-scale Best-of-N value: score(p, q) = level_p + o_q + scale_p e,
-        e drawn from query q's residual distribution pooled over every prompt seen on it (``_location_scale``),
-        so the pooled reading of (p, q, N) is level_p + scale_p M_q(N); per seen query it is shrunk as
-        ``_bon_value``'s by w (V_own(p, q, N) - o_q - level_p - scale_p M_q(N)), and averaged over the queries."""
         level, offsets = self._additive_fit()
-        scale, expected, s_q, shape = self._location_scale(level, offsets)  # (W, P), (W, Q, N), (W, Q), (W, P, N)
-        seen = self._seen[prompts]
-        cols = np.flatnonzero(seen.any(axis=0))
-        n_q = seen.sum(axis=1).astype(np.float64)
-        lv, sc, sh = level[:, prompts, None], scale[:, prompts, None], shape[:, prompts]
-        if self.bon_ls >= 4:  # each prompt's shape against the mean of the read prompts' (alike in draws)
-            drawn = self._completions[prompts].sum(axis=1)
-            sh = sh - np.einsum("p,wpn->wn", drawn / drawn.sum(), sh)[:, None]
-        if self.bon_ls >= 5:  # shrunk: a prompt's draws against LS_SHAPE_DRAWS N
-            k = {5: 8.0, 6: 32.0, 7: 16.0}[self.bon_ls]
-            sh = sh * (drawn[:, None] / (drawn[:, None] + k * np.arange(1, self.n_max + 1)))[None]
-        seen_f = seen[:, cols].astype(np.float64)
-        mean_q = (np.einsum("pq,wqn->wpn", seen_f, expected[:, cols]) + (seen_f @ s_q[:, cols].T).T[:, :, None] * sh)
-        pooled = lv + sc * mean_q / n_q[:, None]
-        w = self._own_weight_of(self._completions[prompts][:, cols])  # (prompts, cols, N)
-        prior = lv * self._own_weight[prompts][None] + sc * (np.einsum("pqn,wqn->wpn", w, expected[:, cols])
-                                                              + np.einsum("pqn,wq->wpn", w, s_q[:, cols]) * sh)
-        own = self._own[:, prompts] - np.einsum("pqn,wq->wpn", w, offsets[:, cols]) - prior
-        out = pooled + own / n_q[:, None]
+        scale, expected, spread, shape = self._location_scale(level, offsets)  # (W, P), (W, Q, N), (W, Q), (W, P, N)
+        n_weightings, scale_n = offsets.shape[0], np.arange(1, self.n_max + 1, dtype=np.float64)
+        drawn = self._completions[prompts].sum(axis=1)
+        sh = shape[:, prompts]
+        sh = sh - np.einsum("p,wpn->wn", drawn / drawn.sum(), sh)[:, None]  # against the read prompts' mean
+        sh *= (drawn[:, None] / (drawn[:, None] + SHAPE_DRAWS * scale_n))[None]
+        out = np.empty((n_weightings, prompts.size, self.n_max))
+        seen_all = self._seen[prompts]
+        cols = np.flatnonzero(seen_all.any(axis=0))  # w is 0 on the other queries
+        expected_cols = expected[:, cols]
+        for lo, hi in _blocks(np.full(prompts.size, max(n_weightings, 1) * cols.size * self.n_max)):
+            block = prompts[lo:hi]
+            seen = seen_all[lo:hi, cols].astype(np.float64)
+            n_q = seen.sum(axis=1)[:, None]
+            lv, sc = level[:, block, None], scale[:, block, None]
+            w = self._own_weight_of(self._completions[block][:, cols])  # (prompts, cols, N)
+            shape_q = (seen @ spread[:, cols].T).T[:, :, None] * sh[:, lo:hi]
+            pooled = lv + sc * (np.einsum("pq,wqn->wpn", seen, expected_cols, optimize=True) + shape_q) / n_q
+            by_n = np.matmul(w.transpose(2, 0, 1), expected_cols.transpose(2, 1, 0)).transpose(2, 1, 0)  # (W, p, N)
+            prior = lv * self._own_weight[block][None] + sc * (by_n + np.einsum("pqn,wq->wpn", w, spread[:, cols])
+                                                               * sh[:, lo:hi])
+            own = self._own[:, block] - np.einsum("pqn,wq->wpn", w, offsets[:, cols]) - prior
+            out[:, lo:hi] = pooled + own / n_q
         result: np.ndarray = out[self._objective_row]
         return result
 
     def _location_scale(self, level: np.ndarray, offsets: np.ndarray
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(W, P) prompt scales and (W, Q, N_max) per-query expected max of N of the scaled residuals.
+        """Per objective row: (W, P) prompt scales, (W, Q, N_max) queries' expected max of N of the scaled
+        residuals, (W, Q) query spreads and (W, P, N_max) prompts' own shapes; 0 where unseen.
 
         The residuals r = score - level_p - o_q of every completion have variance scale_p^2 s_q^2: the
-        normal maximum-likelihood fit of the two factors from each (prompt, query)'s summed squares
-        (``SCALE_SWEEPS`` alternating sweeps), s_q^2 with ``LS_PRIOR_DRAWS`` pseudo-draws at 1. Query q's residual distribution is r / scale_p pooled over
-        every prompt seen on it; its expected max of N, M_q(N), is shrunk towards s_q times that of
-        r / (scale_p s_q) pooled over every query with weight d / (d + ``LS_PRIOR_DRAWS``), d the query's
-        draws less one (a query one prompt drew once shows no spread). 0 on unseen queries."""
+        normal maximum-likelihood fit of the two factors from the summed squares (``SCALE_SWEEPS``
+        alternating sweeps), s_q^2 with ``LS_PRIOR_DRAWS`` pseudo-draws at 1. Query q's residual
+        distribution is r / scale_p pooled over every prompt seen on it; its expected max of N, M_q(N), is
+        shrunk towards s_q G(N), G that of u = r / (scale_p s_q) pooled over every query, with weight
+        d / (d + ``LS_PRIOR_DRAWS``), d the query's draws less one (a query drawn once shows no spread and
+        stays out of G). A prompt's own shape is G_p(N) - G(N), G_p that of its own u pooled over its queries.
+        Computed in blocks of objective rows (``BLOCK_ELEMENTS``)."""
         atoms = self.env.table.atoms
         assert atoms is not None
         n_rows = self._objectives.shape[0]
         n_pairs = self._completions  # (P, Q)
+        n_prompts, n_queries = n_pairs.shape
         qq, pp = np.nonzero(n_pairs.T > 0)  # seen pairs, sorted by query
         counts = self.atom_counts[pp, qq]  # (pairs, atoms)
         pair, a = np.nonzero(counts)
         c = counts[pair, a].astype(np.float64)
         p, q = pp[pair], qq[pair]
-        resid = (atoms[p, q, a] @ self._objectives.T).T - level[:, p] - offsets[:, q]  # (W, entries)
-        size = n_pairs.size
-        cell = p * n_pairs.shape[1] + q
-        ss = np.stack([np.bincount(cell, weights=c * resid[k] ** 2, minlength=size) for k in range(n_rows)])
-        ss = ss.reshape((n_rows,) + n_pairs.shape)  # (W, P, Q)
-        ss_p, ss_q = ss.sum(axis=2), ss.sum(axis=1)
-        var_p = np.ones((n_rows, n_pairs.shape[0]))
-        var_q = np.ones((n_rows, n_pairs.shape[1]))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            for _ in range(SCALE_SWEEPS):
-                den = var_q @ n_pairs.T
-                var_p = np.where(den > 0, ss_p / np.where(den > 0, den, 1.0), 0.0)
-                var_q = (ss_q + LS_PRIOR_DRAWS) / (var_p @ n_pairs + LS_PRIOR_DRAWS)  # towards 1
-        scale = np.sqrt(var_p)
-        s_q = np.sqrt(var_q)
-        sc = scale[:, p]
-        std = np.where(sc > 0, resid / np.where(sc > 0, sc, 1.0), 0.0)  # r / scale_p
         queries, row = np.unique(q, return_inverse=True)
-        own = pooled_values(std, c, row, queries.size, self.n_max, LS_BINS)  # (W, seen queries, N)
         draws = n_pairs[:, queries].sum(axis=0)
-        spread = draws[row] > 1  # a query drawn once shows no spread
-        glob = np.zeros((n_rows, self.n_max))
-        if spread.any():
-            glob = pooled_values(std[:, spread] / s_q[:, q[spread]], c[spread], np.zeros(int(spread.sum()), np.int64), 1,
-                                 self.n_max, LS_BINS)[:, 0]  # (W, N)
-        if self.bon_ls == 3:  # the query's pool weighs its draws against bon_prior N of the global pool's
-            d = (draws - 1.0)[:, None]
-            with np.errstate(invalid="ignore"):
-                lam = np.where(d > 0, d / (d + self.bon_prior * np.arange(1, self.n_max + 1)), 0.0)
-        else:
-            lam = np.broadcast_to(((draws - 1.0) / (draws - 1.0 + LS_PRIOR_DRAWS))[:, None], (draws.size, self.n_max))
-        expected = np.zeros((n_rows, n_pairs.shape[1], self.n_max))
-        expected[:, queries] = lam[None] * own + (1.0 - lam)[None] * s_q[:, queries, None] * glob[:, None]
-        shape = np.zeros((n_rows, n_pairs.shape[0], self.n_max))
-        if self.bon_ls >= 2 and spread.any():
-            order = np.argsort(p[spread], kind="stable")
-            ps = p[spread][order]
-            users, prow = np.unique(ps, return_inverse=True)
-            unit = (std[:, spread] / s_q[:, q[spread]])[:, order]
-            shape[:, users] = pooled_values(unit, c[spread][order], prow, users.size, self.n_max, LS_BINS) - glob[:, None]
-        return scale, expected, s_q, shape
+        spread_ok = draws[row] > 1  # a query drawn once shows no spread
+        order = np.argsort(p[spread_ok], kind="stable")
+        users, prow = np.unique(p[spread_ok][order], return_inverse=True)
+        lam = ((draws - 1.0) / (draws - 1.0 + LS_PRIOR_DRAWS))[None, :, None]
+        scale = np.zeros((n_rows, n_prompts))
+        spread = np.zeros((n_rows, n_queries))
+        expected = np.zeros((n_rows, n_queries, self.n_max))
+        shape = np.zeros((n_rows, n_prompts, self.n_max))
+        for lo, hi in _blocks(np.full(n_rows, max(c.size, 1))):
+            ws = slice(lo, hi)
+            resid = (atoms[p, q, a] @ self._objectives[ws].T).T - level[ws][:, p] - offsets[ws][:, q]  # (W, entries)
+            sq = c * resid ** 2
+            ss_p = np.stack([np.bincount(p, weights=x, minlength=n_prompts) for x in sq])
+            ss_q = np.stack([np.bincount(q, weights=x, minlength=n_queries) for x in sq])
+            var_q = np.ones((hi - lo, n_queries))
+            with np.errstate(invalid="ignore", divide="ignore"):
+                for _ in range(SCALE_SWEEPS):
+                    den = var_q @ n_pairs.T
+                    var_p = np.where(den > 0, ss_p / np.where(den > 0, den, 1.0), 0.0)
+                    var_q = (ss_q + LS_PRIOR_DRAWS) / (var_p @ n_pairs + LS_PRIOR_DRAWS)  # towards 1
+            scale[ws], spread[ws] = np.sqrt(var_p), np.sqrt(var_q)
+            sc = scale[ws][:, p]
+            std = np.where(sc > 0, resid / np.where(sc > 0, sc, 1.0), 0.0)  # r / scale_p
+            own = pooled_values(std, c, row, queries.size, self.n_max, POOL_BINS)  # (W, seen queries, N)
+            glob = np.zeros((hi - lo, self.n_max))
+            if spread_ok.any():
+                unit = std[:, spread_ok] / spread[ws][:, q[spread_ok]]
+                glob = pooled_values(unit, c[spread_ok], np.zeros(unit.shape[1], np.int64), 1, self.n_max, POOL_BINS)[:, 0]
+                shape[ws, users] = pooled_values(unit[:, order], c[spread_ok][order], prow, users.size, self.n_max,
+                                                 POOL_BINS) - glob[:, None]
+            expected[ws, queries] = lam * own + (1.0 - lam) * spread[ws][:, queries, None] * glob[:, None]
+        return scale, expected, spread, shape
 
     def _additive_fit(self) -> tuple[np.ndarray, np.ndarray]:
         """(objective rows, P) prompt levels and (objective rows, Q) query offsets (``query_offsets``)."""
