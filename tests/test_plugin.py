@@ -433,7 +433,7 @@ def test_pretest_frees_only_the_slopes_far_from_the_median() -> None:
 
 
 def test_best_of_n_reads_each_query_s_own_maximum_once_it_has_the_draws() -> None:
-    """On queries that differ in the shape of the prompts' score distributions, the pooled (query-centred)
+    """On queries that differ in the shape of the prompts' score distributions, the pooled (location-scale)
     reading keeps an error no number of draws removes; the per-query reading it is shrunk towards
     converges to the train-split Q, and with few draws per query stays near the pooled one."""
     table = shape_bon_table(seed=1, n_prompts=4, n_queries=30, n_max=16)
@@ -480,12 +480,16 @@ def test_best_of_n_own_sums_match_a_fresh_recount() -> None:
 
 
 @pytest.mark.parametrize("bon_prior", [0.0, 1.0, 4.0, 1e12])
-def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float) -> None:
-    """Each prompt's Best-of-N value is the pooled reading plus the mean over its queries of w_q (V_own - o_q -
-    V_pool), w_q = n_q / (n_q + bon_prior N), recomputed query by query with the exact oracle; at bon_prior
-    0 it is the mean of the queries' own readings, at a huge one the pooled reading."""
+def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each prompt's Best-of-N value is the mean over its queries of the location-scale reading plus w_q (V_own -
+    o_q - that reading), w_q = n_q / (n_q + bon_prior N), recomputed query by query with the exact oracle
+    (unbinned): the scales' fit, each query's pooled residuals, the pool over every query (a query drawn once
+    stays out of it) and each prompt's shrunk shape against the read prompts' mean; at bon_prior 0 it is the
+    mean of the queries' own readings."""
+    import agents.plugin.estimator as estimator
     from iapo_gym.exact import bon_expected_max
 
+    monkeypatch.setattr(estimator, "POOL_BINS", 10 ** 6)
     table = shape_bon_table(seed=6, n_prompts=4, n_queries=15, n_max=8, n_objectives=2)
     env = IAPOEnv(table=table)
     env.reset(seed=1)
@@ -495,25 +499,49 @@ def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float) -> 
     for low in (2, 1):  # up to 16 draws of a query: some have more than N_max
         est.update(env.pull(np.repeat(np.arange(4), train.size), rng.integers(low, 9, 4 * train.size),
                             queries=np.tile(train, 4)))
+    est.update(env.pull(np.array([0]), np.array([1]), queries=env.queries("test")[:1]))  # one draw, one prompt
     value = est._bon_value(np.arange(4))  # (C, P, N)
-    offsets = est.query_offsets()
-    scale = np.arange(1, 9, dtype=np.float64)
-    for p in range(4):
-        expected = []
-        for r, objective in enumerate(est._objectives):
-            scores = [table.atoms[p, q] @ objective - offsets[r, q] for q in train]
-            weights = [est.atom_counts[p, q].astype(np.float64) for q in train]
-            flat, mass = np.concatenate(scores), np.concatenate(weights)
-            pooled = bon_expected_max(flat[None], mass[None] / mass.sum(), 8)[0]
-            own = np.array([bon_expected_max(s[None], w[None] / w.sum(), 8)[0] for s, w in zip(scores, weights, strict=True)])
-            n = np.array([w.sum() for w in weights])[:, None]
-            weight = n / (n + bon_prior * scale)
-            expected.append(pooled + (weight * (own - pooled)).mean(axis=0))
-            if bon_prior == 0.0:
-                np.testing.assert_allclose(expected[-1], own.mean(axis=0), atol=1e-12)
-            if bon_prior == 1e12:
-                np.testing.assert_allclose(expected[-1], pooled, atol=1e-9)
-        np.testing.assert_allclose(value[:, p], np.array(expected)[est._objective_row], atol=1e-10)
+    level, offsets = est._additive_fit()
+    n, counts = est._completions, est.atom_counts
+    scale_n = np.arange(1, 9, dtype=np.float64)
+    seen_q = np.flatnonzero(n.sum(axis=0) > 0)
+
+    def emax(parts: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        x, w = np.concatenate([v for v, _ in parts]), np.concatenate([c for _, c in parts]).astype(np.float64)
+        return bon_expected_max(x[None], w[None] / w.sum(), 8)[0]
+
+    for r, objective in enumerate(est._objectives):
+        resid = {(p, q): table.atoms[p, q] @ objective - level[r, p] - offsets[r, q] for p in range(4) for q in seen_q
+                 if n[p, q] > 0}
+        ss = np.zeros(n.shape)
+        for (p, q), x in resid.items():
+            ss[p, q] = (counts[p, q] * x ** 2).sum()
+        var_q = np.ones(n.shape[1])
+        for _ in range(estimator.SCALE_SWEEPS):
+            var_p = ss.sum(axis=1) / (n @ var_q)
+            var_q = (ss.sum(axis=0) + estimator.LS_PRIOR_DRAWS) / (var_p @ n + estimator.LS_PRIOR_DRAWS)
+        sp, sq = np.sqrt(var_p), np.sqrt(var_q)
+        unit = {(p, q): (x / sp[p] / sq[q], counts[p, q]) for (p, q), x in resid.items() if n[:, q].sum() > 1}
+        pool = emax(list(unit.values()))
+        shape = np.array([emax([u for (pp, _), u in unit.items() if pp == p]) - pool for p in range(4)])
+        drawn = n.sum(axis=1)
+        shape -= (drawn / drawn.sum()) @ shape
+        shape *= drawn[:, None] / (drawn[:, None] + estimator.SHAPE_DRAWS * scale_n)
+        for p in range(4):
+            total = np.zeros(8)
+            queries = [q for q in seen_q if n[p, q] > 0]
+            for q in queries:
+                d = n[:, q].sum() - 1.0
+                lam = d / (d + estimator.LS_PRIOR_DRAWS)
+                own_pool = emax([(x / sp[pp], counts[pp, q]) for (pp, qq), x in resid.items() if qq == q])
+                reading = level[r, p] + sp[p] * (lam * own_pool + (1.0 - lam) * sq[q] * pool + sq[q] * shape[p])
+                own = bon_expected_max((table.atoms[p, q] @ objective)[None], counts[p, q][None] / n[p, q], 8)[0]
+                weight = n[p, q] / (n[p, q] + bon_prior * scale_n)
+                total += reading + weight * (own - offsets[r, q] - reading)
+                if bon_prior == 0.0:
+                    np.testing.assert_allclose(weight, 1.0)
+            for context in np.flatnonzero(est._objective_row == r):
+                np.testing.assert_allclose(value[context, p], total / len(queries), atol=1e-10)
 
 
 BIT_IDENTITY_TABLES = {

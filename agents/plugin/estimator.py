@@ -13,11 +13,13 @@ finite train split every estimate converges to the train-split Q as the budget g
   beta-binomial concentration that the spread of the updated prompts' gold votes around the
   prior's shares shows (``prior_votes``), so a prior the votes contradict loses its weight as
   the evidence grows, and one they follow keeps ``alpha``.
-* Best-of-N: per (prompt, query), the expected maximum of its own outcomes, shrunk towards the
-  prompt's outcomes pooled over its queries, each scored relative to its query's fitted offset
-  (score ~ prompt level + query offset): the pooled reading weighs as ``bon_prior`` x N of the
-  query's own completions at scale N (a maximum of N reads the top of a distribution, which
-  few own draws cannot show).
+* Best-of-N: per (prompt, query), the expected maximum of its own outcomes, shrunk towards a
+  location-scale reading: score = prompt level + query offset + prompt scale x a residual drawn from
+  the query's residual distribution, which every prompt drawn on the query shares (so its expected
+  max of N is read from all their draws at once), plus the prompt's own shape over its queries,
+  shrunk by its draws (``SHAPE_DRAWS``). The pooled reading weighs as ``bon_prior`` x N of the
+  query's own completions at scale N (a maximum of N reads the top of a distribution, which few
+  own draws cannot show).
 """
 
 from __future__ import annotations
@@ -37,12 +39,22 @@ CURVE_ITERATIONS, CURVE_HALVINGS = 25, 30
 RIDGE_MAX = 1e6
 #: Alternating least-squares sweeps of ``PlugInEstimator.query_offsets``.
 OFFSET_SWEEPS = 8
-#: Bins of a prompt's pooled Best-of-N reading once it has more distinct outcomes (``pooled_values``).
-POOL_BINS = 2048
 #: Elements (float64) of one block of the Best-of-N readings' work arrays (weightings x rows x outcomes or
 #: N): the readings go through their rows in blocks of this size, so memory does not grow with the
 #: number of weightings times rows (at 1,000 weightings and 1,000 prompts a whole pass would need tens of GiB).
 BLOCK_ELEMENTS = 1 << 22
+#: Best-of-N location-scale reading (``PlugInEstimator._location_scale``): a query's residual draws at which its
+#: own pooled residual distribution and the one pooled over every query weigh alike in its expected max of N;
+#: also the pseudo-draws, at the typical spread, of each query's spread.
+LS_PRIOR_DRAWS = 4.0
+#: Best-of-N: a prompt's own shape (its standardized residuals pooled over its queries, against the read
+#: prompts' mean) weighs n / (n + SHAPE_DRAWS N) at N for the prompt's n completions.
+SHAPE_DRAWS = 8.0
+#: Bins of the location-scale reading's pooled residual distributions once one has more distinct outcomes
+#: (``pooled_values``'s ``bins``).
+POOL_BINS = 256
+#: Alternating sweeps of the prompt-spread x query-spread fit (``PlugInEstimator._location_scale``).
+SCALE_SWEEPS = 8
 
 
 def check_nonnegative(**values: Any) -> tuple[float, ...]:
@@ -433,39 +445,104 @@ class PlugInEstimator:
     def _bon_value(self, prompts: np.ndarray) -> np.ndarray:
         """(C, len(prompts), N_max) the prompts' Best-of-N task value: per query, the shrunk own reading.
 
-        Read relative to the fitted query offsets o_q: the pooled reading V_pool(p, N) is the expected
-        max of N of the prompt's outcomes over all its queries, each scored minus its query's offset;
-        each seen query q adds w_pqN (V_own(p, q, N) - o_q - V_pool(p, N)), and the sum is divided by
-        the prompt's number of queries. With w = 0 it is the pooled reading; as every query's own
-        completions grow, w -> 1 and it is the mean over the queries of their own readings less the
-        mean offset, which is 0 once every prompt has seen every train query (as the common-query
-        agents' prompts do at large budgets).
+        A location-scale reading: score(p, q) = level_p + o_q + scale_p e, e drawn from query q's residual
+        distribution, shared by the prompts (``_location_scale``), so the pooled reading of (p, q, N) is
+        level_p + scale_p (M_q(N) + s_q D_p(N)): M_q(N) the expected max of N of q's residuals pooled over
+        every prompt seen on q (scaled by scale_p), s_q q's spread, D_p(N) the prompt's own shape against
+        the mean of ``prompts``' (weighted by their completions), times n / (n + ``SHAPE_DRAWS`` N) for its n.
+        Each seen query q adds w_pqN (V_own(p, q, N) - o_q - that reading), and the
+        sum over the queries is divided by the prompt's number of queries. With w = 0 it is the pooled
+        reading; as every query's own completions grow, w -> 1 and it is the mean over the queries of their
+        own readings less the mean offset, which is 0 once every prompt has seen every train query (as
+        the common-query agents' prompts do at large budgets).
         """
-        atoms = self.env.table.atoms
-        assert atoms is not None
-        offsets = self.query_offsets()
-        n_weightings = offsets.shape[0]
+        level, offsets = self._additive_fit()
+        scale, expected, spread, shape = self._location_scale(level, offsets)  # (W, P), (W, Q, N), (W, Q), (W, P, N)
+        n_weightings, scale_n = offsets.shape[0], np.arange(1, self.n_max + 1, dtype=np.float64)
+        drawn = self._completions[prompts].sum(axis=1)
+        sh = shape[:, prompts]
+        sh = sh - np.einsum("p,wpn->wn", drawn / drawn.sum(), sh)[:, None]  # against the read prompts' mean
+        sh *= (drawn[:, None] / (drawn[:, None] + SHAPE_DRAWS * scale_n))[None]
         out = np.empty((n_weightings, prompts.size, self.n_max))
-        entries = (self.atom_counts[prompts] > 0).sum(axis=(1, 2))
-        for lo, hi in _blocks(n_weightings * np.maximum(np.minimum(entries, POOL_BINS), self.n_max)):
+        seen_all = self._seen[prompts]
+        cols = np.flatnonzero(seen_all.any(axis=0))  # w is 0 on the other queries
+        expected_cols = expected[:, cols]
+        for lo, hi in _blocks(np.full(prompts.size, max(n_weightings, 1) * cols.size * self.n_max)):
             block = prompts[lo:hi]
-            counts = self.atom_counts[block]
-            row, q, a = np.nonzero(counts)
-            values = (atoms[block[row], q, a] @ self._objectives.T).T - offsets[:, q]  # (W, entries)
-            pooled = pooled_values(values, counts[row, q, a], row, block.size, self.n_max, POOL_BINS)
-            seen = self._seen[block]
-            cols = np.flatnonzero(seen.any(axis=0))  # w is 0 on the other queries
+            seen = seen_all[lo:hi, cols].astype(np.float64)
+            n_q = seen.sum(axis=1)[:, None]
+            lv, sc = level[:, block, None], scale[:, block, None]
             w = self._own_weight_of(self._completions[block][:, cols])  # (prompts, cols, N)
-            own = self._own[:, block] - np.einsum("pqn,wq->wpn", w, offsets[:, cols]) - self._own_weight[block] * pooled
-            out[:, lo:hi] = pooled + own / seen.sum(axis=1).astype(np.float64)[:, None]
+            shape_q = (seen @ spread[:, cols].T).T[:, :, None] * sh[:, lo:hi]
+            pooled = lv + sc * (np.einsum("pq,wqn->wpn", seen, expected_cols, optimize=True) + shape_q) / n_q
+            by_n = np.matmul(w.transpose(2, 0, 1), expected_cols.transpose(2, 1, 0)).transpose(2, 1, 0)  # (W, p, N)
+            prior = lv * self._own_weight[block][None] + sc * (by_n + np.einsum("pqn,wq->wpn", w, spread[:, cols])
+                                                               * sh[:, lo:hi])
+            own = self._own[:, block] - np.einsum("pqn,wq->wpn", w, offsets[:, cols]) - prior
+            out[:, lo:hi] = pooled + own / n_q
         result: np.ndarray = out[self._objective_row]
         return result
 
-    def query_offsets(self) -> np.ndarray:
-        """(objective rows, Q) each query's offset in the Best-of-N score, 0 where unseen: the least-squares
-        fit of every seen (prompt, query) mean score to prompt level + query offset, weighted by the
-        completions behind it (``OFFSET_SWEEPS`` alternating sweeps from zero offsets; exact in one sweep
-        when every prompt saw the same queries equally often), centred to mean 0 over the seen queries."""
+    def _location_scale(self, level: np.ndarray, offsets: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per objective row: (W, P) prompt scales, (W, Q, N_max) queries' expected max of N of the scaled
+        residuals, (W, Q) query spreads and (W, P, N_max) prompts' own shapes; 0 where unseen.
+
+        The residuals r = score - level_p - o_q of every completion have variance scale_p^2 s_q^2: the
+        normal maximum-likelihood fit of the two factors from the summed squares (``SCALE_SWEEPS``
+        alternating sweeps), s_q^2 with ``LS_PRIOR_DRAWS`` pseudo-draws at 1. Query q's residual
+        distribution is r / scale_p pooled over every prompt seen on it; its expected max of N, M_q(N), is
+        shrunk towards s_q G(N), G that of u = r / (scale_p s_q) pooled over every query, with weight
+        d / (d + ``LS_PRIOR_DRAWS``), d the query's draws less one (a query drawn once shows no spread and
+        stays out of G). A prompt's own shape is G_p(N) - G(N), G_p that of its own u pooled over its queries.
+        Computed in blocks of objective rows (``BLOCK_ELEMENTS``)."""
+        atoms = self.env.table.atoms
+        assert atoms is not None
+        n_rows = self._objectives.shape[0]
+        n_pairs = self._completions  # (P, Q)
+        n_prompts, n_queries = n_pairs.shape
+        qq, pp = np.nonzero(n_pairs.T > 0)  # seen pairs, sorted by query
+        counts = self.atom_counts[pp, qq]  # (pairs, atoms)
+        pair, a = np.nonzero(counts)
+        c = counts[pair, a].astype(np.float64)
+        p, q = pp[pair], qq[pair]
+        queries, row = np.unique(q, return_inverse=True)
+        draws = n_pairs[:, queries].sum(axis=0)
+        spread_ok = draws[row] > 1  # a query drawn once shows no spread
+        order = np.argsort(p[spread_ok], kind="stable")
+        users, prow = np.unique(p[spread_ok][order], return_inverse=True)
+        lam = ((draws - 1.0) / (draws - 1.0 + LS_PRIOR_DRAWS))[None, :, None]
+        scale = np.zeros((n_rows, n_prompts))
+        spread = np.zeros((n_rows, n_queries))
+        expected = np.zeros((n_rows, n_queries, self.n_max))
+        shape = np.zeros((n_rows, n_prompts, self.n_max))
+        for lo, hi in _blocks(np.full(n_rows, max(c.size, 1))):
+            ws = slice(lo, hi)
+            resid = (atoms[p, q, a] @ self._objectives[ws].T).T - level[ws][:, p] - offsets[ws][:, q]  # (W, entries)
+            sq = c * resid ** 2
+            ss_p = np.stack([np.bincount(p, weights=x, minlength=n_prompts) for x in sq])
+            ss_q = np.stack([np.bincount(q, weights=x, minlength=n_queries) for x in sq])
+            var_q = np.ones((hi - lo, n_queries))
+            with np.errstate(invalid="ignore", divide="ignore"):
+                for _ in range(SCALE_SWEEPS):
+                    den = var_q @ n_pairs.T
+                    var_p = np.where(den > 0, ss_p / np.where(den > 0, den, 1.0), 0.0)
+                    var_q = (ss_q + LS_PRIOR_DRAWS) / (var_p @ n_pairs + LS_PRIOR_DRAWS)  # towards 1
+            scale[ws], spread[ws] = np.sqrt(var_p), np.sqrt(var_q)
+            sc = scale[ws][:, p]
+            std = np.where(sc > 0, resid / np.where(sc > 0, sc, 1.0), 0.0)  # r / scale_p
+            own = pooled_values(std, c, row, queries.size, self.n_max, POOL_BINS)  # (W, seen queries, N)
+            glob = np.zeros((hi - lo, self.n_max))
+            if spread_ok.any():
+                unit = std[:, spread_ok] / spread[ws][:, q[spread_ok]]
+                glob = pooled_values(unit, c[spread_ok], np.zeros(unit.shape[1], np.int64), 1, self.n_max, POOL_BINS)[:, 0]
+                shape[ws, users] = pooled_values(unit[:, order], c[spread_ok][order], prow, users.size, self.n_max,
+                                                 POOL_BINS) - glob[:, None]
+            expected[ws, queries] = lam * own + (1.0 - lam) * spread[ws][:, queries, None] * glob[:, None]
+        return scale, expected, spread, shape
+
+    def _additive_fit(self) -> tuple[np.ndarray, np.ndarray]:
+        """(objective rows, P) prompt levels and (objective rows, Q) query offsets (``query_offsets``)."""
         n = self._completions  # (P, Q)
         by_prompt = self._reward_sum.sum(axis=1) @ self._objectives.T  # (P, W) summed scores
         by_query = self._reward_sum.sum(axis=0) @ self._objectives.T  # (Q, W)
@@ -479,4 +556,12 @@ class PlugInEstimator:
             offsets[:, ~seen_q] = 0.0
             if seen_q.any():
                 offsets[:, seen_q] -= offsets[:, seen_q].mean(axis=1, keepdims=True)
-        return offsets
+        level = (by_prompt.T - offsets @ n.T) / per_prompt
+        return level, offsets
+
+    def query_offsets(self) -> np.ndarray:
+        """(objective rows, Q) each query's offset in the Best-of-N score, 0 where unseen: the least-squares
+        fit of every seen (prompt, query) mean score to prompt level + query offset, weighted by the
+        completions behind it (``OFFSET_SWEEPS`` alternating sweeps from zero offsets; exact in one sweep
+        when every prompt saw the same queries equally often), centred to mean 0 over the seen queries."""
+        return self._additive_fit()[1]
