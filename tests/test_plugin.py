@@ -284,6 +284,17 @@ def test_best_of_n_rows_match_the_exact_oracle(width: int) -> None:
     binned = pooled_values(values, weight, row, 4, 16, bins=256)
     spread = np.array([[np.ptp(values[w, row == r]) for r in range(4)] for w in range(2)])
     assert (np.abs(binned - whole) < spread[..., None] / 256).all()
+    if _credit_jit.available():  # the compiled binning: the numpy binning's bins, bit for bit
+        from agents.plugin.estimator import binned_rows
+
+        values[:, row == 2] = 0.5  # a row of one score: zero width
+        sizes = np.bincount(row, minlength=4)
+        compiled_bins = binned_rows(values, weight, row, sizes, 64)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_credit_jit, "available", lambda: False)
+            numpy_bins = binned_rows(values, weight, row, sizes, 64)
+        assert all(np.array_equal(c, n) for c, n in zip(compiled_bins, numpy_bins, strict=True))
+        assert (numpy_bins[1].sum(axis=-1) == np.bincount(row, weights=weight)).all()
 
 
 def test_response_curve_prior_separates_a_steep_prompt_from_a_flat_one() -> None:
