@@ -733,3 +733,40 @@ def test_best_of_n_readings_in_blocks_equal_one_pass(monkeypatch: pytest.MonkeyP
         return est.mean()
 
     np.testing.assert_allclose(means(1), means(1 << 30), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("pool_bins", "read"), [(256, [1, 3]), (4, [1, 3]), (8, [1])])
+def test_location_scale_of_the_read_prompts_equals_their_rows_of_the_whole(pool_bins: int, read: list[int],
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_location_scale`` for some prompts computes only their shapes and their queries' expected maxima, each
+    as among all of them, bit for bit (the choice to bin is the whole set's: with 8 bins prompt 1's few
+    outcomes alone would not be binned): the fits, the query readings the prompts use and their shapes
+    equal the whole computation's."""
+    from agents.plugin import estimator as plugin_estimator
+
+    monkeypatch.setattr(plugin_estimator, "POOL_BINS", pool_bins)
+    table = shape_bon_table(seed=3, n_prompts=6, n_queries=40, n_max=8, n_objectives=2)
+    env = IAPOEnv(table=table)
+    env.reset(seed=1)
+    rng = np.random.default_rng(2)
+    est = PlugInEstimator(env)
+    train = env.queries("train")
+    assert train.size >= 28
+    others = np.array([0, 2, 3, 4, 5])
+    for _ in range(3):
+        prompts = others[rng.integers(0, 5, 60)]
+        est.update(env.pull(prompts, rng.integers(1, 6, 60), queries=rng.choice(train[:20], 60)))
+    est.update(env.pull(np.full(4, 1), np.full(4, 2), queries=train[20:24]))  # prompt 1: few outcomes, its own queries
+    est.update(env.pull(np.array([3, 3]), np.array([3, 3]), queries=train[20:22]))
+    est.update(env.pull(np.full(4, 5), np.full(4, 3), queries=train[24:28]))  # queries only 5 saw
+    level, offsets = est._additive_fit()
+    whole = est._location_scale(level, offsets, np.arange(6))
+    part = est._location_scale(level, offsets, np.array(read))
+    for name, a, b in zip(("scale", "spread"), whole[::2], part[::2], strict=True):
+        assert np.array_equal(a, b), name
+    cols = np.flatnonzero(est._seen[read].any(axis=0))
+    assert np.array_equal(part[1][:, cols], whole[1][:, cols])
+    assert np.array_equal(part[3][:, read], whole[3][:, read])
+    unread = np.setdiff1d(np.arange(6), read)
+    assert not part[3][:, unread].any() and whole[3][:, unread].any()  # the others are not computed
+    assert not part[1][:, train[24:28]].any() and whole[1][:, train[24:28]].any()

@@ -131,17 +131,20 @@ def padded_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows:
 
 
 def pooled_values(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows: int, n_max: int,
-                  bins: int | None = None) -> np.ndarray:
+                  bins: int | None = None, binned: bool | None = None) -> np.ndarray:
     """(W, n_rows, n_max) expected max of N of each row's pooled outcomes: ``values`` (W, entries) scored
     outcomes, ``counts`` (entries,) their counts, ``row`` (entries,) their rows, sorted (every row has one).
 
     With ``bins``, once some row has more than ``bins`` entries, every row is first merged into ``bins``
     equal-width bins of its score range, each at the mean score of its outcomes: the sort and the N
     passes then cost ``bins`` per row instead of the entries, and each expected maximum moves by less
-    than one bin width.
+    than one bin width. ``binned`` (with ``bins``) makes that choice for the caller, so that a subset of
+    the rows reads as it would among all of them.
     """
     sizes = np.bincount(row, minlength=n_rows)
-    if bins is None or int(sizes.max()) <= bins:
+    if binned is None:
+        binned = bins is not None and int(sizes.max()) > bins
+    if bins is None or not binned:
         scores, weight = padded_rows(values, counts, row, n_rows)
         return bon_values(scores, np.broadcast_to(weight, scores.shape), n_max)
     mean, mass = binned_rows(values, counts, row, sizes, bins)
@@ -470,7 +473,7 @@ class PlugInEstimator:
         the common-query agents' prompts do at large budgets).
         """
         level, offsets = self._additive_fit()
-        scale, expected, spread, shape = self._location_scale(level, offsets)  # (W, P), (W, Q, N), (W, Q), (W, P, N)
+        scale, expected, spread, shape = self._location_scale(level, offsets, prompts)  # (W, P), (W, Q, N), (W, Q), (W, P, N)
         n_weightings, scale_n = offsets.shape[0], np.arange(1, self.n_max + 1, dtype=np.float64)
         drawn = self._completions[prompts].sum(axis=1)
         sh = shape[:, prompts]
@@ -496,7 +499,7 @@ class PlugInEstimator:
         result: np.ndarray = out[self._objective_row]
         return result
 
-    def _location_scale(self, level: np.ndarray, offsets: np.ndarray
+    def _location_scale(self, level: np.ndarray, offsets: np.ndarray, prompts: np.ndarray
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Per objective row: (W, P) prompt scales, (W, Q, N_max) queries' expected max of N of the scaled
         residuals, (W, Q) query spreads and (W, P, N_max) prompts' own shapes; 0 where unseen.
@@ -508,7 +511,9 @@ class PlugInEstimator:
         shrunk towards s_q G(N), G that of u = r / (scale_p s_q) pooled over every query, with weight
         d / (d + ``LS_PRIOR_DRAWS``), d the query's draws less one (a query drawn once shows no spread and
         stays out of G). A prompt's own shape is G_p(N) - G(N), G_p that of its own u pooled over its queries.
-        Computed in blocks of objective rows (``BLOCK_ELEMENTS``)."""
+        M_q is computed only for the queries ``prompts`` have seen and the shapes only for ``prompts`` (the
+        rest stay 0; each row reads as among all of them). Computed in blocks of objective rows
+        (``BLOCK_ELEMENTS``)."""
         atoms = self.env.table.atoms
         assert atoms is not None
         n_rows = self._objectives.shape[0]
@@ -522,9 +527,17 @@ class PlugInEstimator:
         queries, row = np.unique(q, return_inverse=True)
         draws = n_pairs[:, queries].sum(axis=0)
         spread_ok = draws[row] > 1  # a query drawn once shows no spread
-        order = np.argsort(p[spread_ok], kind="stable")
-        users, prow = np.unique(p[spread_ok][order], return_inverse=True)
-        lam = ((draws - 1.0) / (draws - 1.0 + LS_PRIOR_DRAWS))[None, :, None]
+        read = np.zeros(n_prompts, dtype=bool)
+        read[prompts] = True
+        mine = spread_ok & read[p]  # the read prompts' entries of their shapes
+        order = np.argsort(p[mine], kind="stable")
+        users, prow = np.unique(p[mine][order], return_inverse=True)
+        shape_binned = bool(spread_ok.any()) and int(np.bincount(p[spread_ok]).max()) > POOL_BINS
+        needed = self._seen[prompts].any(axis=0)[queries]  # the queries the read prompts have seen
+        wanted = needed[row]
+        wanted_queries, wanted_row = np.unique(row[wanted], return_inverse=True)
+        query_binned = int(np.bincount(row).max()) > POOL_BINS
+        lam = ((draws - 1.0) / (draws - 1.0 + LS_PRIOR_DRAWS))[None, wanted_queries, None]
         scale = np.zeros((n_rows, n_prompts))
         spread = np.zeros((n_rows, n_queries))
         expected = np.zeros((n_rows, n_queries, self.n_max))
@@ -545,14 +558,18 @@ class PlugInEstimator:
             scale[ws], spread[ws] = np.sqrt(var_p), np.sqrt(var_q)
             sc = scale[ws][:, p]
             std = np.where(sc > 0, resid / np.where(sc > 0, sc, 1.0), 0.0)  # r / scale_p
-            own = pooled_values(std, c, row, queries.size, self.n_max, POOL_BINS)  # (W, seen queries, N)
+            own = pooled_values(std[:, wanted], c[wanted], wanted_row, wanted_queries.size, self.n_max, POOL_BINS,
+                                query_binned)  # (W, wanted queries, N)
             glob = np.zeros((hi - lo, self.n_max))
             if spread_ok.any():
                 unit = std[:, spread_ok] / spread[ws][:, q[spread_ok]]
                 glob = pooled_values(unit, c[spread_ok], np.zeros(unit.shape[1], np.int64), 1, self.n_max, POOL_BINS)[:, 0]
-                shape[ws, users] = pooled_values(unit[:, order], c[spread_ok][order], prow, users.size, self.n_max,
-                                                 POOL_BINS) - glob[:, None]
-            expected[ws, queries] = lam * own + (1.0 - lam) * spread[ws][:, queries, None] * glob[:, None]
+                if users.size:
+                    mine_unit = unit[:, mine[spread_ok]]
+                    shape[ws, users] = pooled_values(mine_unit[:, order], c[mine][order], prow, users.size, self.n_max,
+                                                     POOL_BINS, shape_binned) - glob[:, None]
+            at = queries[wanted_queries]
+            expected[ws, at] = lam * own + (1.0 - lam) * spread[ws][:, at, None] * glob[:, None]
         return scale, expected, spread, shape
 
     def _additive_fit(self) -> tuple[np.ndarray, np.ndarray]:
