@@ -175,6 +175,14 @@ def binned_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, sizes: 
     return mean.reshape(shape), mass.reshape(shape)
 
 
+def _row_sums(values: np.ndarray, index: np.ndarray, size: int) -> np.ndarray:
+    """(W, size) sums of each row of ``values`` (W, entries) by ``index`` (entries,): one ``np.bincount`` over
+    all rows at once (each sum adds its entries in the same order as a bincount per row), not a Python
+    loop over the weightings."""
+    flat = (np.arange(values.shape[0])[:, None] * size + index[None, :]).ravel()
+    return np.bincount(flat, weights=values.ravel(), minlength=values.shape[0] * size).reshape(values.shape[0], size)
+
+
 def _blocks(cost: np.ndarray) -> list[tuple[int, int]]:
     """Consecutive [lo, hi) ranges of rows, a new one starting each time the summed ``cost`` (elements per
     row) before a row passes a multiple of ``BLOCK_ELEMENTS``: each range costs under twice that (or is
@@ -547,8 +555,8 @@ class PlugInEstimator:
             ws = slice(lo, hi)
             resid = (outcomes @ self._objectives[ws].T).T - level[ws][:, p] - offsets[ws][:, q]  # (W, entries)
             sq = c * resid ** 2
-            ss_p = np.stack([np.bincount(p, weights=x, minlength=n_prompts) for x in sq])
-            ss_q = np.stack([np.bincount(q, weights=x, minlength=n_queries) for x in sq])
+            ss_p = _row_sums(sq, p, n_prompts)
+            ss_q = _row_sums(sq, q, n_queries)
             var_q = np.ones((hi - lo, n_queries))
             with np.errstate(invalid="ignore", divide="ignore"):
                 for _ in range(SCALE_SWEEPS):
