@@ -13,6 +13,10 @@ instead of numpy passes whose count grows with N_max^2 per call. The sums run in
 than numpy's, so values agree with the numpy path to rounding (about 1e-15), not bit for bit;
 ``tests/test_plugin.py`` compares the two. Used when ``agents._jit.enabled()``.
 
+Best-of-N readings (``clipped_readings``): each prompt's location-scale readings over its seen queries, held
+within the outcomes' score range and summed with their weights, in one loop instead of a (weightings x
+prompts x queries x N) work array; the sums agree with the numpy path to rounding.
+
 Response curves (``fit_curves``): the safeguarded Newton fit of ``PlugInEstimator._fit_curves``, one
 prompt at a time in a compiled loop; the fits agree with the numpy path to rounding.
 """
@@ -326,6 +330,41 @@ def bin_rows(values: np.ndarray, counts: np.ndarray, starts: np.ndarray, sizes: 
                       int(bins))
 
 
+@_njit
+def _clipped_block(level: np.ndarray, offsets: np.ndarray, scale: np.ndarray, expected: np.ndarray,
+                   spread: np.ndarray, shape: np.ndarray, weight: np.ndarray, seen: np.ndarray, low: np.ndarray,
+                   high: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """(W, P, N) sum over each prompt's seen queries of weight x its clipped location-scale reading, in one
+    pass (no (W, P, Q, N) work array)."""
+    n_weightings, n_prompts = level.shape
+    n_queries, n_max = expected.shape[1], expected.shape[2]
+    out = np.zeros((n_weightings, n_prompts, n_max))
+    for w in range(n_weightings):
+        lo, hi = low[w], high[w]
+        for p in range(n_prompts):
+            lv, sc = level[w, p], scale[w, p]
+            for q in range(n_queries):
+                if not seen[p, q]:
+                    continue
+                base, sq = lv + offsets[w, q], spread[w, q]
+                for n in range(n_max):
+                    r = base + sc * (expected[w, q, n] + sq * shape[w, p, n])
+                    out[w, p, n] += weight[p, q, n] * min(max(r, lo), hi)
+    return out
+
+
+def clipped_readings(level: np.ndarray, offsets: np.ndarray, scale: np.ndarray, expected: np.ndarray,
+                     spread: np.ndarray, shape: np.ndarray, weight: np.ndarray, seen: np.ndarray, low: np.ndarray,
+                     high: np.ndarray) -> np.ndarray:
+    """(W, P, N) sum over q of weight[p, q, n] clip(level[w, p] + offsets[w, q] + scale[w, p] (expected[w, q, n]
+    + spread[w, q] shape[w, p, n]), low[w], high[w]) over the queries ``seen`` (P, Q) marks: the Best-of-N
+    readings' sum of ``PlugInEstimator._bon_value`` (the numpy path's to rounding)."""
+    def f64(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a, dtype=np.float64)
+    return _clipped_block(f64(level), f64(offsets), f64(scale), f64(expected), f64(spread), f64(shape), f64(weight),
+                          np.ascontiguousarray(seen, dtype=np.bool_), f64(low), f64(high))
+
+
 def available() -> bool:
     """Whether the compiled kernels run (numba installed, not switched off by ``IAPO_GYM_JIT=0``)."""
     return enabled()
@@ -341,9 +380,12 @@ def warm_up() -> None:
         credit_rows(np.array([0.5]), np.array([[0.3, 0.2]]), np.array([2]), 2)
         expected_max_rows(np.array([[0.0, 1.0]]), np.array([[1.0, 1.0]]), 2)  # ``presorted`` is a run-time flag
         bin_rows(np.array([[0.0, 1.0]]), np.ones(2), np.zeros(1, np.int64), np.full(1, 2), 2)
+        one = np.ones((1, 1))
+        clipped_readings(one, one, one, np.ones((1, 1, 1)), one, np.ones((1, 1, 1)), np.ones((1, 1, 1)),
+                         np.ones((1, 1), dtype=bool), np.zeros(1), np.ones(1))
         fit_curves(np.ones((1, 2)), np.full((1, 2), 2.0), np.array([-1.0, 1.0]), (1.0, 1.0), np.array([[0.0, 1.0]]),
                    1.0, 2, 2)
         _warm = True
 
 
-__all__: list[Any] = ["available", "bin_rows", "credit_rows", "expected_max_rows", "fit_curves", "warm_up"]
+__all__: list[Any] = ["available", "bin_rows", "clipped_readings", "credit_rows", "expected_max_rows", "fit_curves", "warm_up"]

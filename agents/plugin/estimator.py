@@ -17,9 +17,10 @@ finite train split every estimate converges to the train-split Q as the budget g
   location-scale reading: score = prompt level + query offset + prompt scale x a residual drawn from
   the query's residual distribution, which every prompt drawn on the query shares (so its expected
   max of N is read from all their draws at once), plus the prompt's own shape over its queries,
-  shrunk by its draws (``SHAPE_DRAWS``). The pooled reading weighs as ``bon_prior`` x N of the
-  query's own completions at scale N (a maximum of N reads the top of a distribution, which few
-  own draws cannot show).
+  shrunk by its draws (``SHAPE_DRAWS``), held within the range the table's outcomes can score (a
+  residual pooled from a prompt far from the range's top would read past it). The pooled reading
+  weighs as ``bon_prior`` x N of the query's own completions at scale N (a maximum of N reads the
+  top of a distribution, which few own draws cannot show).
 """
 
 from __future__ import annotations
@@ -175,6 +176,15 @@ def binned_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, sizes: 
     return mean.reshape(shape), mass.reshape(shape)
 
 
+def score_range(atoms: np.ndarray, objectives: np.ndarray) -> np.ndarray:
+    """(2, W) the lowest and highest score ``objectives`` (W, K) can give any outcome of ``atoms`` (..., K): per
+    weighting, the corner of the objectives' box of ranges it scores lowest and highest (one pass over the atoms)."""
+    k = range(atoms.shape[-1])  # one objective at a time: numpy reduces a strided column faster than an axis-0 (.., K)
+    low = np.array([atoms[..., i].min() for i in k]) * objectives
+    high = np.array([atoms[..., i].max() for i in k]) * objectives
+    return np.stack([np.minimum(low, high).sum(axis=1), np.maximum(low, high).sum(axis=1)])
+
+
 def _row_sums(values: np.ndarray, index: np.ndarray, size: int) -> np.ndarray:
     """(W, size) sums of each row of ``values`` (W, entries) by ``index`` (entries,): one ``np.bincount`` over
     all rows at once (each sum adds its entries in the same order as a bincount per row), not a Python
@@ -234,7 +244,7 @@ class PlugInEstimator:
             self._completions = np.zeros((self.n_prompts, table.n_queries))
             n_rows = self._objectives.shape[0]
             self._own = np.zeros((n_rows, self.n_prompts, self.n_max))  # sum_q w_pqN V_own(p, q, N)
-            self._own_weight = np.zeros((self.n_prompts, self.n_max))  # sum_q w_pqN
+            self._score_range = score_range(table.atoms, self._objectives)  # (2, W): no outcome scores beyond
 
     # ---- reading ----------------------------------------------------------------------
     def mean(self, unseen: float = np.nan) -> np.ndarray:
@@ -464,18 +474,17 @@ class PlugInEstimator:
             value *= weight[None, lo:hi]
             first = lo + np.flatnonzero(np.r_[True, pp[lo + 1:hi] != pp[lo:hi - 1]])
             self._own[:, pp[first]] += sign * np.add.reduceat(value, first - lo, axis=1)
-            self._own_weight[pp[first]] += sign * np.add.reduceat(weight[lo:hi], first - lo, axis=0)
 
     def _bon_value(self, prompts: np.ndarray) -> np.ndarray:
         """(C, len(prompts), N_max) the prompts' Best-of-N task value: per query, the shrunk own reading.
 
         A location-scale reading: score(p, q) = level_p + o_q + scale_p e, e drawn from query q's residual
         distribution, shared by the prompts (``_location_scale``), so the pooled reading of (p, q, N) is
-        level_p + scale_p (M_q(N) + s_q D_p(N)): M_q(N) the expected max of N of q's residuals pooled over
-        every prompt seen on q (scaled by scale_p), s_q q's spread, D_p(N) the prompt's own shape against
-        the mean of ``prompts``' (weighted by their completions), times n / (n + ``SHAPE_DRAWS`` N) for its n.
-        Each seen query q adds w_pqN (V_own(p, q, N) - o_q - that reading), and the
-        sum over the queries is divided by the prompt's number of queries. With w = 0 it is the pooled
+        R = level_p + o_q + scale_p (M_q(N) + s_q D_p(N)), held within the outcomes' score range: M_q(N) the
+        expected max of N of q's residuals pooled over every prompt seen on q (scaled by scale_p), s_q q's
+        spread, D_p(N) the prompt's own shape against the mean of ``prompts``' (weighted by their
+        completions), times n / (n + ``SHAPE_DRAWS`` N) for its n. The value is the mean over the prompt's
+        seen queries of R + w_pqN (V_own(p, q, N) - R), less their mean offset. With w = 0 it is the pooled
         reading; as every query's own completions grow, w -> 1 and it is the mean over the queries of their
         own readings less the mean offset, which is 0 once every prompt has seen every train query (as
         the common-query agents' prompts do at large budgets).
@@ -491,19 +500,24 @@ class PlugInEstimator:
         seen_all = self._seen[prompts]
         cols = np.flatnonzero(seen_all.any(axis=0))  # w is 0 on the other queries
         expected_cols = expected[:, cols]
+        low, high = self._score_range[:, :, None, None, None]
+        offsets_cols, spread_cols = offsets[:, None, cols, None], spread[:, None, cols, None]
         for lo, hi in _blocks(np.full(prompts.size, max(n_weightings, 1) * cols.size * self.n_max)):
             block = prompts[lo:hi]
             seen = seen_all[lo:hi, cols].astype(np.float64)
             n_q = seen.sum(axis=1)[:, None]
-            lv, sc = level[:, block, None], scale[:, block, None]
             w = self._own_weight_of(self._completions[block][:, cols])  # (prompts, cols, N)
-            shape_q = (seen @ spread[:, cols].T).T[:, :, None] * sh[:, lo:hi]
-            pooled = lv + sc * (np.einsum("pq,wqn->wpn", seen, expected_cols, optimize=True) + shape_q) / n_q
-            by_n = np.matmul(w.transpose(2, 0, 1), expected_cols.transpose(2, 1, 0)).transpose(2, 1, 0)  # (W, p, N)
-            prior = lv * self._own_weight[block][None] + sc * (by_n + np.einsum("pqn,wq->wpn", w, spread[:, cols])
-                                                               * sh[:, lo:hi])
-            own = self._own[:, block] - np.einsum("pqn,wq->wpn", w, offsets[:, cols]) - prior
-            out[:, lo:hi] = pooled + own / n_q
+            if _credit_jit.available():
+                pooled = _credit_jit.clipped_readings(level[:, block], offsets[:, cols], scale[:, block], expected_cols,
+                                                      spread[:, cols], sh[:, lo:hi], seen[:, :, None] - w, seen > 0,
+                                                      low.ravel(), high.ravel())
+            else:
+                reading = expected_cols[:, None] + spread_cols * sh[:, lo:hi, None, :]  # (W, prompts, cols, N)
+                reading *= scale[:, block, None, None]
+                reading += level[:, block, None, None] + offsets_cols
+                np.clip(reading, low, high, out=reading)
+                pooled = np.einsum("pqn,wpqn->wpn", seen[:, :, None] - w, reading, optimize=True)  # sum_q (1 - w) R
+            out[:, lo:hi] = (pooled + self._own[:, block]) / n_q - (seen @ offsets[:, cols].T).T[:, :, None] / n_q
         result: np.ndarray = out[self._objective_row]
         return result
 
