@@ -178,7 +178,8 @@ def binned_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, sizes: 
 
 def score_range(atoms: np.ndarray, objectives: np.ndarray) -> np.ndarray:
     """(2, W) the lowest and highest score ``objectives`` (W, K) can give any outcome of ``atoms`` (..., K): per
-    weighting, the corner of the objectives' box of ranges it scores lowest and highest (one pass over the atoms)."""
+    weighting, the corner of the objectives' box of ranges it scores lowest and highest (a min and a max pass over
+    each objective's column of the atoms)."""
     k = range(atoms.shape[-1])  # one objective at a time: numpy reduces a strided column faster than an axis-0 (.., K)
     low = np.array([atoms[..., i].min() for i in k]) * objectives
     high = np.array([atoms[..., i].max() for i in k]) * objectives
@@ -500,24 +501,23 @@ class PlugInEstimator:
         seen_all = self._seen[prompts]
         cols = np.flatnonzero(seen_all.any(axis=0))  # w is 0 on the other queries
         expected_cols = expected[:, cols]
-        low, high = self._score_range[:, :, None, None, None]
-        offsets_cols, spread_cols = offsets[:, None, cols, None], spread[:, None, cols, None]
+        low, high = self._score_range  # (W,) each
+        offsets_cols, spread_cols = offsets[:, cols], spread[:, cols]
         for lo, hi in _blocks(np.full(prompts.size, max(n_weightings, 1) * cols.size * self.n_max)):
             block = prompts[lo:hi]
-            seen = seen_all[lo:hi, cols].astype(np.float64)
-            n_q = seen.sum(axis=1)[:, None]
-            w = self._own_weight_of(self._completions[block][:, cols])  # (prompts, cols, N)
+            seen = seen_all[lo:hi, cols]
+            n_q = seen.sum(axis=1)[:, None].astype(np.float64)
+            weight = seen[:, :, None] - self._own_weight_of(self._completions[block][:, cols])  # 1 - w, 0 unseen
             if _credit_jit.available():
-                pooled = _credit_jit.clipped_readings(level[:, block], offsets[:, cols], scale[:, block], expected_cols,
-                                                      spread[:, cols], sh[:, lo:hi], seen[:, :, None] - w, seen > 0,
-                                                      low.ravel(), high.ravel())
+                shrunk = _credit_jit.clipped_readings(level[:, block], offsets_cols, scale[:, block], expected_cols,
+                                                      spread_cols, sh[:, lo:hi], weight, seen, low, high)
             else:
-                reading = expected_cols[:, None] + spread_cols * sh[:, lo:hi, None, :]  # (W, prompts, cols, N)
+                reading = expected_cols[:, None] + spread_cols[:, None, :, None] * sh[:, lo:hi, None, :]  # (W, p, q, N)
                 reading *= scale[:, block, None, None]
-                reading += level[:, block, None, None] + offsets_cols
-                np.clip(reading, low, high, out=reading)
-                pooled = np.einsum("pqn,wpqn->wpn", seen[:, :, None] - w, reading, optimize=True)  # sum_q (1 - w) R
-            out[:, lo:hi] = (pooled + self._own[:, block]) / n_q - (seen @ offsets[:, cols].T).T[:, :, None] / n_q
+                reading += level[:, block, None, None] + offsets_cols[:, None, :, None]
+                np.clip(reading, low[:, None, None, None], high[:, None, None, None], out=reading)
+                shrunk = np.einsum("pqn,wpqn->wpn", weight, reading, optimize=True)  # sum_q (1 - w) R
+            out[:, lo:hi] = (shrunk + self._own[:, block]) / n_q - (seen @ offsets_cols.T).T[:, :, None] / n_q
         result: np.ndarray = out[self._objective_row]
         return result
 
