@@ -297,6 +297,36 @@ def test_best_of_n_rows_match_the_exact_oracle(width: int) -> None:
         assert (numpy_bins[1].sum(axis=-1) == np.bincount(row, weights=weight)).all()
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_unbiased_best_of_n_rows_are_the_mean_max_over_subsets(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bon_values_and_subset_means``' second part, of a row of counted draws, is the mean of max over every
+    N-subset of the draws (PSST's U-statistic, ``bon_subset_weights``, on the sorted draws) for N <= n and 0
+    beyond, on rows with ties, padding and one draw, and its first part is ``bon_values``; both the compiled
+    kernel (one pass for the two) and the numpy path."""
+    from agents.estimator import bon_subset_weights
+    from agents.plugin import _credit_jit
+    from agents.plugin.estimator import bon_values, bon_values_and_subset_means
+
+    if compiled and not _credit_jit.available():
+        pytest.skip("numba is not installed (the fast extra) or IAPO_GYM_JIT=0: no compiled path to check")
+    monkeypatch.setattr(_credit_jit, "available", lambda: compiled)
+    rng = np.random.default_rng(4)
+    scores = np.round(rng.normal(size=(2, 40, 7)), 1)  # many ties
+    counts = rng.integers(0, 4, (40, 7)).astype(np.float64)
+    counts[:, 0] = np.maximum(counts[:, 0], 1.0)
+    counts[:3, 1:] = 0.0
+    counts[3] = [1, 0, 0, 0, 0, 0, 0]  # one draw
+    plug_in, got = bon_values_and_subset_means(scores, np.broadcast_to(counts, scores.shape), 12)
+    np.testing.assert_allclose(plug_in, bon_values(scores, np.broadcast_to(counts, scores.shape), 12), atol=1e-12)
+    for w in range(2):
+        for r in range(40):
+            draws = np.sort(np.repeat(scores[w, r], counts[r].astype(np.int64)))
+            n = draws.size
+            want = np.zeros(12)
+            want[:min(n, 12)] = (draws @ bon_subset_weights(n))[:12]
+            np.testing.assert_allclose(got[w, r], want, atol=1e-12)
+
+
 def test_response_curve_prior_separates_a_steep_prompt_from_a_flat_one() -> None:
     """Prompt 0 is right with 0.95 on easy and 0.3 on hard queries, prompt 1 with 0.65 on both.
 
@@ -486,6 +516,7 @@ def test_best_of_n_own_sums_match_a_fresh_recount() -> None:
                       queries=np.concatenate([b.queries for b in batches]),
                       atoms=np.concatenate([b.atoms for b in batches]), offsets=np.concatenate([[0], np.cumsum(ns)])))
     np.testing.assert_allclose(stepwise._own, once._own, atol=1e-9)
+    np.testing.assert_allclose(stepwise._own_unbiased, once._own_unbiased, atol=1e-9)
     np.testing.assert_allclose(stepwise.mean(), once.mean(), atol=1e-9)
 
 
@@ -493,13 +524,15 @@ def test_best_of_n_own_sums_match_a_fresh_recount() -> None:
 @pytest.mark.parametrize("bon_prior", [0.0, 1.0, 4.0, 1e12])
 def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float, compiled: bool,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each prompt's Best-of-N value is the mean over its queries of the location-scale reading plus w_q (V_own -
-    o_q - that reading), w_q = n_q / (n_q + bon_prior N), the reading held within the outcomes' score range,
-    recomputed query by query with the exact oracle
-    (unbinned): the scales' fit, each query's pooled residuals, the pool over every query (a query drawn once
-    stays out of it) and each prompt's shrunk shape against the read prompts' mean; at bon_prior 0 it is the
-    mean of the queries' own readings. Both the compiled kernels and the numpy path."""
+    """Each prompt's Best-of-N value is the mean over its queries of the location-scale reading R_q plus
+    K / (k + K) w_q (V_own - o_q - R_q), w_q = n_q / (n_q + bon_prior N), plus the correction: the sum over the k
+    queries with n_q >= N of (U_q - o_q - R_q) / (k + K), U_q the mean max over the query's N-subsets (PSST's
+    U-statistic) and K ``CORRECTION_QUERIES`` (set low here, so the correction weighs). R is held within the outcomes'
+    score range and recomputed query by query with the exact oracle (unbinned): the scales' fit, each query's pooled
+    residuals, the pool over every query (a query drawn once stays out of it) and each prompt's shrunk shape
+    against the read prompts' mean. Both the compiled kernels and the numpy path."""
     import agents.plugin.estimator as estimator
+    from agents.estimator import bon_subset_weights
     from agents.plugin import _credit_jit
     from iapo_gym.exact import bon_expected_max
 
@@ -507,6 +540,7 @@ def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float, com
         pytest.skip("numba is not installed (the fast extra) or IAPO_GYM_JIT=0: no compiled path to check")
     monkeypatch.setattr(_credit_jit, "available", lambda: compiled)
     monkeypatch.setattr(estimator, "POOL_BINS", 10 ** 6)
+    monkeypatch.setattr(estimator, "CORRECTION_QUERIES", 3.0)
     table = shape_bon_table(seed=6, n_prompts=4, n_queries=15, n_max=8, n_objectives=2)
     table = dataclasses.replace(table, atoms=np.minimum(table.atoms, 0.5))  # a ceiling the readings meet
     env = IAPOEnv(table=table)
@@ -549,8 +583,10 @@ def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float, com
         shape -= (drawn / drawn.sum()) @ shape
         shape *= drawn[:, None] / (drawn[:, None] + estimator.SHAPE_DRAWS * scale_n)
         for p in range(4):
-            total = np.zeros(8)
+            total, correction = np.zeros(8), np.zeros(8)
             queries = [q for q in seen_q if n[p, q] > 0]
+            k = (n[p, queries][:, None] >= scale_n).sum(axis=0)
+            shrink = 3.0 / (k + 3.0)
             for q in queries:
                 d = n[:, q].sum() - 1.0
                 lam = d / (d + estimator.LS_PRIOR_DRAWS)
@@ -560,11 +596,16 @@ def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float, com
                 clipped += int(np.sum(reading + offsets[r, q] == high))
                 own = bon_expected_max((table.atoms[p, q] @ objective)[None], counts[p, q][None] / n[p, q], 8)[0]
                 weight = n[p, q] / (n[p, q] + bon_prior * scale_n)
-                total += reading + weight * (own - offsets[r, q] - reading)
+                total += reading + shrink * weight * (own - offsets[r, q] - reading)
+                draws = np.sort(np.repeat(table.atoms[p, q] @ objective, counts[p, q]))
+                reached = min(draws.size, 8)
+                unbiased = (draws @ bon_subset_weights(draws.size))[:reached]
+                correction[:reached] += (unbiased - offsets[r, q] - reading[:reached]) / (k[:reached] + 3.0)
                 if bon_prior == 0.0:
                     np.testing.assert_allclose(weight, 1.0)
+            assert k[0] > k[-1] > 0  # some queries reach N_max and some do not
             for context in np.flatnonzero(est._objective_row == r):
-                np.testing.assert_allclose(value[context, p], total / len(queries), atol=1e-10)
+                np.testing.assert_allclose(value[context, p], total / len(queries) + correction, atol=1e-10)
     assert clipped > 0  # some readings pass the top of the range: the clip is checked too
 
 

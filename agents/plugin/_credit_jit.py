@@ -4,7 +4,8 @@ the exact Best-of-N expected maximum of many rows, and the majority-vote respons
 Best-of-N (``expected_max_rows``): each row's outcomes with a positive count are sorted in a
 compiled loop and E[max of N] = u_(M) - sum_j (u_(j+1) - u_(j)) F_j^N is summed for every N with
 the powers in a row-sized buffer, instead of numpy passes over (rows x outcomes) arrays per N; the
-result is that of ``iapo_gym.exact.bon_expected_max`` to rounding (about 1e-15).
+result is that of ``iapo_gym.exact.bon_expected_max`` to rounding (about 1e-15). With ``subsets`` the same
+pass also gives each row's mean max over the N-subsets of its draws (F_j^N read as C(c_j, N) / C(n, N)).
 
 Majority vote (``credit_rows``): computes what ``iapo_gym.utility.mv_expected_credit`` computes (the tie-aware generating-function
 sum of ``vote_credit_series``, 1/(1+ties) integrated by Gauss-Legendre quadrature) in compiled
@@ -151,37 +152,49 @@ INSERTION_SORT_MAX = 32
 
 
 @_njit
-def _expected_max_block(scores: np.ndarray, counts: np.ndarray, n_max: int,
-                        presorted: bool) -> np.ndarray:  # pragma: no cover - compiled
-    """(R, n_max) E[max of N draws], N = 1..n_max, of each row's outcomes ``scores`` (R, M) weighted by
-    ``counts`` (R, M); entries of count 0 are left out (each row has one of positive count). With
-    ``presorted`` each row's scores already ascend and no sort is done."""
+def _sorted_row(scores: np.ndarray, counts: np.ndarray, r: int, presorted: bool, u: np.ndarray, mass: np.ndarray,
+                order: np.ndarray) -> int:  # pragma: no cover - compiled
+    """Row r's outcomes of positive count into ``u`` and ``mass``, ``order`` their ascending order; their number."""
+    k = 0
+    for j in range(scores.shape[1]):
+        if counts[r, j] > 0:
+            u[k], mass[k] = scores[r, j], counts[r, j]
+            k += 1
+    if presorted:
+        for j in range(k):
+            order[j] = j
+    elif k <= INSERTION_SORT_MAX:  # ties need no rule: their gap is 0
+        for j in range(k):
+            i = j
+            while i > 0 and u[order[i - 1]] > u[j]:
+                order[i] = order[i - 1]
+                i -= 1
+            order[i] = j
+    else:
+        order[:k] = np.argsort(u[:k])
+    return k
+
+
+@_njit
+def _expected_max_block(scores: np.ndarray, counts: np.ndarray, n_max: int, presorted: bool,
+                        subsets: bool) -> np.ndarray:  # pragma: no cover - compiled
+    """(1 + subsets, R, n_max): [0] E[max of N draws], N = 1..n_max, of each row's outcomes ``scores`` (R, M)
+    weighted by ``counts`` (R, M); entries of count 0 are left out (each row has one of positive count). With
+    ``presorted`` each row's scores already ascend and no sort is done. With ``subsets`` (integer counts, n in
+    all), [1] the mean max over the N-subsets of the row's n draws from the same sort: F_j^N read as
+    C(c_j, N) / C(n, N) for the c_j draws at or below the j-th outcome; 0 for N > n."""
     n_rows, width = scores.shape
-    out = np.empty((n_rows, n_max))
+    out = np.empty((2 if subsets else 1, n_rows, n_max))
     u = np.empty(width)
     mass = np.empty(width)
     order = np.empty(width, dtype=np.int64)
     gap = np.empty(width)
     cdf = np.empty(width)
     power = np.empty(width)
+    below = np.empty(width)
+    ratio = np.empty(width)
     for r in range(n_rows):
-        k = 0
-        for j in range(width):
-            if counts[r, j] > 0:
-                u[k], mass[k] = scores[r, j], counts[r, j]
-                k += 1
-        if presorted:
-            for j in range(k):
-                order[j] = j
-        elif k <= INSERTION_SORT_MAX:  # ties need no rule: their gap is 0
-            for j in range(k):
-                i = j
-                while i > 0 and u[order[i - 1]] > u[j]:
-                    order[i] = order[i - 1]
-                    i -= 1
-                order[i] = j
-        else:
-            order[:k] = np.argsort(u[:k])
+        k = _sorted_row(scores, counts, r, presorted, u, mass, order)
         total = 0.0
         for j in range(k):
             total += mass[j]
@@ -205,19 +218,51 @@ def _expected_max_block(scores: np.ndarray, counts: np.ndarray, n_max: int,
                 acc0 += gap[j] * power[j]
             for j in range(steps):
                 power[j] *= cdf[j]
-            out[r, n] = top - ((acc0 + acc1) + (acc2 + acc3))
+            out[0, r, n] = top - ((acc0 + acc1) + (acc2 + acc3))
+        if not subsets:
+            continue
+        cumulative = 0.0
+        for j in range(steps):
+            cumulative += mass[order[j]]
+            below[j] = cumulative
+            ratio[j] = cdf[j]
+        # ratio_j = C(c_j, N) / C(n, N) is 0 for the j below ``first``, where c_j < N: the sums start at the multiple
+        # of 4 at or below it, so each term goes to the partial sum it would in a sum over every j (the same bits)
+        first = 0
+        for n in range(int(total), n_max):
+            out[1, r, n] = 0.0  # N > the row's draws
+        for n in range(min(n_max, int(total))):
+            while first < steps and below[first] < n + 1:
+                first += 1
+            acc0 = acc1 = acc2 = acc3 = 0.0
+            for j in range(first - first % 4, whole, 4):
+                acc0 += gap[j] * ratio[j]
+                acc1 += gap[j + 1] * ratio[j + 1]
+                acc2 += gap[j + 2] * ratio[j + 2]
+                acc3 += gap[j + 3] * ratio[j + 3]
+            for j in range(max(whole, first), steps):
+                acc0 += gap[j] * ratio[j]
+            out[1, r, n] = top - ((acc0 + acc1) + (acc2 + acc3))
+            left = total - n - 1.0  # draws left once N are taken: C(c_j, N + 1) / C(n, N + 1) next
+            if left > 0:
+                for j in range(first, steps):
+                    ratio[j] *= max(below[j] - n - 1.0, 0.0) / left
     return out
 
 
-def expected_max_rows(scores: np.ndarray, counts: np.ndarray, n_max: int, presorted: bool = False) -> np.ndarray:
+def expected_max_rows(scores: np.ndarray, counts: np.ndarray, n_max: int, presorted: bool = False,
+                      subsets: bool = False) -> np.ndarray:
     """(..., n_max) E[max of N draws] of each row of ``scores`` (..., M) weighted by ``counts`` (same shape,
-    or broadcastable to it); entries of count 0 are padding. ``presorted``: each row's scores ascend."""
+    or broadcastable to it); entries of count 0 are padding. ``presorted``: each row's scores ascend.
+    ``subsets``: (2, ..., n_max), [1] each row's mean max over the N-subsets of its draws (``counts``; 0 for
+    N > n), from the same pass."""
     scores = np.asarray(scores, dtype=np.float64)
     counts = np.broadcast_to(np.asarray(counts, dtype=np.float64), scores.shape)
     lead, width = scores.shape[:-1], scores.shape[-1]
     flat = _expected_max_block(np.ascontiguousarray(scores.reshape(-1, width)),
-                               np.ascontiguousarray(counts.reshape(-1, width)), int(n_max), bool(presorted))
-    return flat.reshape(lead + (int(n_max),))
+                               np.ascontiguousarray(counts.reshape(-1, width)), int(n_max), bool(presorted),
+                               bool(subsets))
+    return flat.reshape((2,) + lead + (int(n_max),)) if subsets else flat[0].reshape(lead + (int(n_max),))
 
 
 @_njit

@@ -20,7 +20,12 @@ finite train split every estimate converges to the train-split Q as the budget g
   shrunk by its draws (``SHAPE_DRAWS``), held within the range the table's outcomes can score (a
   residual pooled from a prompt far from the range's top would read past it). The pooled reading
   weighs as ``bon_prior`` x N of the query's own completions at scale N (a maximum of N reads the
-  top of a distribution, which few own draws cannot show).
+  top of a distribution, which few own draws cannot show). Both readings are biased (the pooled one
+  by the location-scale model's misfit, the plug-in one low for N near n), and by amounts that differ
+  between prompts; so each prompt's value at N is also corrected by the mean, over its k queries with at
+  least N draws, of their unbiased reading (the mean max over N-subsets of their draws) less the pooled
+  one, weighted k / (k + ``CORRECTION_QUERIES``), the shrunk readings keeping the rest: as a prompt's
+  queries reach N draws the estimate becomes unbiased, whatever the model's misfit.
 """
 
 from __future__ import annotations
@@ -56,6 +61,9 @@ SHAPE_DRAWS = 8.0
 POOL_BINS = 256
 #: Alternating sweeps of the prompt-spread x query-spread fit (``PlugInEstimator._location_scale``).
 SCALE_SWEEPS = 8
+#: Best-of-N: a prompt's correction at N, the mean over its k queries with at least N own draws of their unbiased
+#: reading less the location-scale one, weighs k / (k + CORRECTION_QUERIES) (``PlugInEstimator._bon_value``).
+CORRECTION_QUERIES = 256.0
 
 
 def check_nonnegative(**values: Any) -> tuple[float, ...]:
@@ -116,6 +124,35 @@ def bon_values(scores: np.ndarray, counts: np.ndarray, n_max: int, presorted: bo
     padded = np.where(counts > 0, scores, np.inf)
     padded = np.where(np.isinf(padded), padded.min(axis=-1, keepdims=True), padded)  # weight 0
     return bon_expected_max(padded, counts.astype(np.float64), n_max)
+
+
+def bon_values_and_subset_means(scores: np.ndarray, counts: np.ndarray, n_max: int) -> tuple[np.ndarray, np.ndarray]:
+    """``bon_values`` and ``bon_subset_means`` of the same rows (``counts`` the draws), in one compiled pass
+    (one sort per row) when the kernels run."""
+    if _credit_jit.available():
+        both = _credit_jit.expected_max_rows(scores, counts, n_max, subsets=True)
+        return both[0], both[1]
+    return bon_values(scores, counts, n_max), bon_subset_means(scores, counts, n_max)
+
+
+def bon_subset_means(scores: np.ndarray, counts: np.ndarray, n_max: int) -> np.ndarray:
+    """(..., rows, n_max) each row's mean max over the N-subsets of its n draws (``counts`` of ``scores``, as
+    ``bon_values`` reads them), 0 for N > n: top - sum_j gap_j C(c_j, N) / C(n, N), c_j the draws at or below the
+    j-th smallest outcome. ``agents.estimator.bon_subset_weights``' U-statistic, written for counted outcomes."""
+    order = np.argsort(np.where(counts > 0, scores, np.inf), axis=-1, kind="stable")
+    ordered = np.take_along_axis(scores, order, axis=-1)
+    below = np.cumsum(np.take_along_axis(np.broadcast_to(counts, scores.shape), order, axis=-1), axis=-1)
+    n = below[..., -1:].astype(np.float64)
+    distinct = (counts > 0).sum(axis=-1, keepdims=True)
+    top = np.take_along_axis(ordered, distinct - 1, axis=-1)[..., 0]
+    gap = np.where(np.arange(scores.shape[-1] - 1) < distinct - 1, np.diff(ordered, axis=-1), 0.0)
+    ratio = np.ones(gap.shape)  # C(c_j, N) / C(n, N), one factor per N
+    out = np.zeros(scores.shape[:-1] + (n_max,))
+    for m in range(n_max):
+        left = n - m
+        ratio *= np.maximum(below[..., :-1] - m, 0.0) / np.where(left > 0, left, 1.0)
+        out[..., m] = np.where(left[..., 0] > 0, top - (gap * ratio).sum(axis=-1), 0.0)
+    return out
 
 
 def padded_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -245,6 +282,7 @@ class PlugInEstimator:
             self._completions = np.zeros((self.n_prompts, table.n_queries))
             n_rows = self._objectives.shape[0]
             self._own = np.zeros((n_rows, self.n_prompts, self.n_max))  # sum_q w_pqN V_own(p, q, N)
+            self._own_unbiased = np.zeros((n_rows, self.n_prompts, self.n_max))  # sum_{q: n_pq >= N} U(p, q, N)
             self._score_range = score_range(table.atoms, self._objectives)  # (2, W): no outcome scores beyond
 
     # ---- reading ----------------------------------------------------------------------
@@ -270,8 +308,7 @@ class PlugInEstimator:
         if self.aggregator == "bon":
             cell = prompts_c * self._completions.shape[1] + queries_c
             pp, qq = np.divmod(np.unique(cell), self._completions.shape[1])
-            old_weight = self._own_weight_of(self._completions[pp, qq])
-            self._add_own(pp, qq, old_weight, sign=-1.0)  # take back the pairs' readings of their old counts
+            self._add_own(pp, qq, sign=-1.0)  # take back the pairs' readings of their old counts
         np.add.at(self.atom_counts, (prompts_c, queries_c, pulls.atoms), 1)
         if self.aggregator == "mv":
             gold = self.env.table.gold
@@ -287,7 +324,7 @@ class PlugInEstimator:
             for k in range(vectors.shape[1]):
                 flat[:, k] += np.bincount(cell, weights=vectors[:, k], minlength=flat.shape[0])
             self._completions += np.bincount(cell, minlength=flat.shape[0]).reshape(self._completions.shape)
-            self._add_own(pp, qq, self._own_weight_of(self._completions[pp, qq]), sign=1.0)
+            self._add_own(pp, qq, sign=1.0)
         fresh = ~self._seen[pulls.prompts, pulls.queries]
         new = np.unique(np.column_stack([pulls.prompts[fresh], pulls.queries[fresh]]), axis=0)
         self._seen[new[:, 0], new[:, 1]] = True
@@ -451,18 +488,24 @@ class PlugInEstimator:
         with np.errstate(invalid="ignore"):
             return np.where(n > 0, n / (n + self.bon_prior * scale), 0.0)
 
-    def _add_own(self, pp: np.ndarray, qq: np.ndarray, weight: np.ndarray, sign: float) -> None:
-        """Add ``sign`` x w V_own of the (prompt, query) pairs ``pp``, ``qq`` (sorted by prompt) to the
-        per-prompt sums, ``weight`` (pairs, N_max) their w at the counts they have now (0 for a pair never
-        pulled). ``update`` takes back each pulled pair's reading (sign -1) before adding its
-        completions and adds the new one (sign +1) after: V_own is recomputed rather than stored, as
-        a store would hold (pairs, weightings, N_max), too much at a thousand weightings."""
+    def _has_draws(self, completions: np.ndarray) -> np.ndarray:
+        """(..., N_max) whether n completions of a (prompt, query) reach N (its unbiased reading exists)."""
+        return completions[..., None] >= np.arange(1, self.n_max + 1)
+
+    def _add_own(self, pp: np.ndarray, qq: np.ndarray, sign: float) -> None:
+        """Add ``sign`` x the own readings of the (prompt, query) pairs ``pp``, ``qq`` (sorted by prompt) at the
+        counts they have now to the per-prompt sums: w V_own (the plug-in) and, at each N their draws reach,
+        U (the unbiased mean max over N-subsets). ``update`` takes back each pulled pair's readings (sign -1)
+        before adding its completions and adds the new ones (sign +1) after: they are recomputed rather than
+        stored, as a store would hold (pairs, weightings, N_max), too much at a thousand weightings."""
         atoms = self.env.table.atoms
         assert atoms is not None
-        had = weight[:, -1] > 0  # w > 0 at every N once a pair has a completion
-        pp, qq, weight = pp[had], qq[had], weight[had]
+        completions = self._completions[pp, qq]
+        had = completions > 0
+        pp, qq, completions = pp[had], qq[had], completions[had]
         if pp.size == 0:
             return
+        weight = self._own_weight_of(completions)
         counts = self.atom_counts[pp, qq]  # (pairs, atoms)
         width = max(int((counts > 0).sum(axis=1).max()), self.n_max)
         n_weightings = self._objectives.shape[0]
@@ -471,10 +514,12 @@ class PlugInEstimator:
             row, a = np.nonzero(block)
             projected = (atoms[pp[lo + row], qq[lo + row], a] @ self._objectives.T).T  # (W, entries)
             scores, mass = padded_rows(projected, block[row, a], row, hi - lo)
-            value = bon_values(scores, np.broadcast_to(mass, scores.shape), self.n_max)  # (W, pairs, N)
-            value *= weight[None, lo:hi]
+            mass = np.broadcast_to(mass, scores.shape)
             first = lo + np.flatnonzero(np.r_[True, pp[lo + 1:hi] != pp[lo:hi - 1]])
-            self._own[:, pp[first]] += sign * np.add.reduceat(value, first - lo, axis=1)
+            plug_in, unbiased = bon_values_and_subset_means(scores, mass, self.n_max)  # (W, pairs, N); U 0 for N > n
+            plug_in *= weight[None, lo:hi]
+            for sums, value in ((self._own, plug_in), (self._own_unbiased, unbiased)):
+                sums[:, pp[first]] += sign * np.add.reduceat(value, first - lo, axis=1)
 
     def _bon_value(self, prompts: np.ndarray) -> np.ndarray:
         """(C, len(prompts), N_max) the prompts' Best-of-N task value: per query, the shrunk own reading.
@@ -485,10 +530,13 @@ class PlugInEstimator:
         expected max of N of q's residuals pooled over every prompt seen on q (scaled by scale_p), s_q q's
         spread, D_p(N) the prompt's own shape against the mean of ``prompts``' (weighted by their
         completions), times n / (n + ``SHAPE_DRAWS`` N) for its n. The value is the mean over the prompt's
-        seen queries of R + w_pqN (V_own(p, q, N) - R), less their mean offset. With w = 0 it is the pooled
-        reading; as every query's own completions grow, w -> 1 and it is the mean over the queries of their
-        own readings less the mean offset, which is 0 once every prompt has seen every train query (as
-        the common-query agents' prompts do at large budgets).
+        seen queries of R + (1 - lam) w_pqN (V_own(p, q, N) - R), plus lam times the mean over the k of them
+        with n_pq >= N of U(p, q, N) - R (U the unbiased mean max over N-subsets), lam = k / (k +
+        ``CORRECTION_QUERIES``), less their mean offset. As a query's own completions grow, w -> 1; as more of the
+        prompt's queries reach N draws, lam grows and the correction removes the readings' mean bias; either
+        way it tends to the mean over the queries of their own readings less the mean offset, which is 0 once
+        every prompt has seen every train query (as the common-query agents' prompts do at large budgets).
+        One weighted sum of R per prompt and N: weights (1 - (1 - lam) w) / |seen| and - lam / k.
         """
         level, offsets = self._additive_fit()
         scale, expected, spread, shape = self._location_scale(level, offsets, prompts)  # (W, P), (W, Q, N), (W, Q), (W, P, N)
@@ -507,7 +555,12 @@ class PlugInEstimator:
             block = prompts[lo:hi]
             seen = seen_all[lo:hi, cols]
             n_q = seen.sum(axis=1)[:, None].astype(np.float64)
-            weight = seen[:, :, None] - self._own_weight_of(self._completions[block][:, cols])  # 1 - w, 0 unseen
+            completions = self._completions[block][:, cols]
+            checked = self._has_draws(completions)  # (p, q, N): U(p, q, N) exists
+            k = checked.sum(axis=1).astype(np.float64)  # (p, N)
+            shrink = CORRECTION_QUERIES / (k + CORRECTION_QUERIES)  # 1 - the correction's weight
+            weight = (seen[:, :, None] - shrink[:, None] * self._own_weight_of(completions)) / n_q[:, :, None]
+            weight -= checked / (k + CORRECTION_QUERIES)[:, None]
             if _credit_jit.available():
                 shrunk = _credit_jit.clipped_readings(level[:, block], offsets_cols, scale[:, block], expected_cols,
                                                       spread_cols, sh[:, lo:hi], weight, seen, low, high)
@@ -516,8 +569,9 @@ class PlugInEstimator:
                 reading *= scale[:, block, None, None]
                 reading += level[:, block, None, None] + offsets_cols[:, None, :, None]
                 np.clip(reading, low[:, None, None, None], high[:, None, None, None], out=reading)
-                shrunk = np.einsum("pqn,wpqn->wpn", weight, reading, optimize=True)  # sum_q (1 - w) R
-            out[:, lo:hi] = (shrunk + self._own[:, block]) / n_q - (seen @ offsets_cols.T).T[:, :, None] / n_q
+                shrunk = np.einsum("pqn,wpqn->wpn", weight, reading, optimize=True)  # sum_q weight R
+            own = shrink[None] * self._own[:, block] / n_q + self._own_unbiased[:, block] / (k + CORRECTION_QUERIES)[None]
+            out[:, lo:hi] = shrunk + own - (seen @ offsets_cols.T).T[:, :, None] / n_q
         result: np.ndarray = out[self._objective_row]
         return result
 
