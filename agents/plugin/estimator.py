@@ -24,8 +24,8 @@ finite train split every estimate converges to the train-split Q as the budget g
   by the location-scale model's misfit, the plug-in one low for N near n), and by amounts that differ
   between prompts; so each prompt's value at N is also corrected by the mean, over its k queries with at
   least N draws, of their unbiased reading (the mean max over N-subsets of their draws) less the pooled
-  one, weighted k / (k + ``CORRECTION_QUERIES``), the shrunk readings keeping the rest: as a prompt's
-  queries reach N draws the estimate becomes unbiased, whatever the model's misfit.
+  one, weighted k / (k + ``CORRECTION_QUERIES``), the shrunk readings keeping the rest: the more of a
+  prompt's queries reach N draws, the less of the readings' bias is left, whatever the model's misfit.
 """
 
 from __future__ import annotations
@@ -533,7 +533,7 @@ class PlugInEstimator:
         seen queries of R + (1 - lam) w_pqN (V_own(p, q, N) - R), plus lam times the mean over the k of them
         with n_pq >= N of U(p, q, N) - R (U the unbiased mean max over N-subsets), lam = k / (k +
         ``CORRECTION_QUERIES``), less their mean offset. As a query's own completions grow, w -> 1; as more of the
-        prompt's queries reach N draws, lam grows and the correction removes the readings' mean bias; either
+        prompt's queries reach N draws, lam grows and the correction removes more of the readings' bias; either
         way it tends to the mean over the queries of their own readings less the mean offset, which is 0 once
         every prompt has seen every train query (as the common-query agents' prompts do at large budgets).
         One weighted sum of R per prompt and N: weights (1 - (1 - lam) w) / |seen| and - lam / k.
