@@ -192,7 +192,6 @@ def _expected_max_block(scores: np.ndarray, counts: np.ndarray, n_max: int, pres
     cdf = np.empty(width)
     power = np.empty(width)
     below = np.empty(width)
-    ratio = np.empty(width)
     for r in range(n_rows):
         k = _sorted_row(scores, counts, r, presorted, u, mass, order)
         total = 0.0
@@ -221,11 +220,11 @@ def _expected_max_block(scores: np.ndarray, counts: np.ndarray, n_max: int, pres
             out[0, r, n] = top - ((acc0 + acc1) + (acc2 + acc3))
         if not subsets:
             continue
+        ratio = cdf  # C(c_j, 1) / C(n, 1); the plug-in pass is done with the cdf, so it becomes the ratios in place
         cumulative = 0.0
         for j in range(steps):
             cumulative += mass[order[j]]
             below[j] = cumulative
-            ratio[j] = cdf[j]
         # ratio_j = C(c_j, N) / C(n, N) is 0 for the j below ``first``, where c_j < N: the sums start at the multiple
         # of 4 at or below it, so each term goes to the partial sum it would in a sum over every j (the same bits)
         first = 0
