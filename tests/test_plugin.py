@@ -327,6 +327,60 @@ def test_unbiased_best_of_n_rows_are_the_mean_max_over_subsets(compiled: bool, m
             np.testing.assert_allclose(got[w, r], want, atol=1e-12)
 
 
+def test_location_scale_kernels_equal_their_numpy_operations_bit_for_bit() -> None:
+    """The compiled pieces of the Best-of-N pass give the numpy operations' values bit for bit: the per-prompt
+    segment sums of the own readings (``np.add.reduceat``, segments of 1 to 300 rows, past numpy's 128-term
+    pairwise blocks), the residuals and their squared sums (``np.bincount``), the standardized residuals, the
+    gathered division by the query spreads, the binning of gathered columns, and the expected maximum with
+    counts shared by every weighting."""
+    from agents.plugin import _credit_jit
+
+    if not _credit_jit.available():
+        pytest.skip("numba is not installed (the fast extra) or IAPO_GYM_JIT=0: no compiled path to check")
+    rng = np.random.default_rng(11)
+    n_rows, width, n_max = 700, 9, 40
+    counts = rng.integers(0, 5, (n_rows, width)).astype(np.float64)
+    counts[:, 0] = np.maximum(counts[:, 0], 1.0)
+    scores = np.round(rng.normal(size=(3, n_rows, width)) * np.exp(rng.normal(size=(3, n_rows, 1)) * 3), 2)
+    weight = rng.random((n_rows, n_max))
+    bounds = np.array([0, 1, 3, 10, 138, 139, 439, 600, 700])
+    plug_in, unbiased = _credit_jit.expected_max_rows(scores, np.broadcast_to(counts, scores.shape), n_max,
+                                                      subsets=True)
+    sums = _credit_jit.segment_readings(scores, counts, n_max, weight, bounds)
+    assert np.array_equal(sums[0], np.add.reduceat(plug_in * weight, bounds[:-1], axis=1))
+    assert np.array_equal(sums[1], np.add.reduceat(unbiased, bounds[:-1], axis=1))
+    assert np.array_equal(_credit_jit.expected_max_rows(scores, counts, n_max), plug_in)  # counts not copied per row
+
+    n_entries, n_prompts, n_queries = 5000, 30, 50
+    prompt, query = rng.integers(0, n_prompts, n_entries), np.sort(rng.integers(0, n_queries, n_entries))
+    draws = rng.integers(1, 6, n_entries).astype(np.float64)
+    projected = rng.normal(size=(n_entries, 4))
+    level, offsets = rng.normal(size=(4, n_prompts)), rng.normal(size=(4, n_queries))
+    resid, ss_prompt, ss_query = _credit_jit.residual_sums(projected, level, offsets, prompt, query, draws, n_prompts,
+                                                           n_queries)
+    numpy_resid = projected.T - level[:, prompt] - offsets[:, query]
+    assert np.array_equal(resid, numpy_resid)
+    square = draws * numpy_resid ** 2
+    for got, index, size in ((ss_prompt, prompt, n_prompts), (ss_query, query, n_queries)):
+        assert np.array_equal(got, np.stack([np.bincount(index, weights=row, minlength=size) for row in square]))
+    scale = np.abs(rng.normal(size=(4, n_prompts)))
+    scale[:, 3] = 0.0  # a prompt without spread
+    by_prompt = scale[:, prompt]
+    std = _credit_jit.standardize(resid.copy(), scale, prompt)
+    assert np.array_equal(std, np.where(by_prompt > 0, numpy_resid / np.where(by_prompt > 0, by_prompt, 1.0), 0.0))
+    spread = np.abs(rng.normal(size=(4, n_queries))) + 0.1
+    entries = np.sort(rng.choice(n_entries, 3000, replace=False))
+    unit = _credit_jit.over_spread(std, spread, query, entries)
+    assert unit.flags.c_contiguous and np.array_equal(unit, std[:, entries] / spread[:, query[entries]])
+    picked = entries[np.argsort(prompt[entries], kind="stable")]  # gathered columns, grouped by prompt
+    sizes = np.bincount(prompt[picked], minlength=n_prompts)
+    starts = np.cumsum(sizes) - sizes
+    assert (sizes > 0).all()
+    in_place = _credit_jit.bin_rows(std, draws[picked], starts, sizes, 64, picked)
+    gathered = _credit_jit.bin_rows(np.ascontiguousarray(std[:, picked]), draws[picked], starts, sizes, 64)
+    assert all(np.array_equal(a, b) for a, b in zip(in_place, gathered, strict=True))
+
+
 def test_response_curve_prior_separates_a_steep_prompt_from_a_flat_one() -> None:
     """Prompt 0 is right with 0.95 on easy and 0.3 on hard queries, prompt 1 with 0.65 on both.
 

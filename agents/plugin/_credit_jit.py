@@ -152,13 +152,14 @@ INSERTION_SORT_MAX = 32
 
 
 @_njit
-def _sorted_row(scores: np.ndarray, counts: np.ndarray, r: int, presorted: bool, u: np.ndarray, mass: np.ndarray,
-                order: np.ndarray) -> int:  # pragma: no cover - compiled
-    """Row r's outcomes of positive count into ``u`` and ``mass``, ``order`` their ascending order; their number."""
+def _sorted_row(scores: np.ndarray, counts: np.ndarray, r: int, count_row: int, presorted: bool, u: np.ndarray,
+                mass: np.ndarray, order: np.ndarray) -> int:  # pragma: no cover - compiled
+    """Row r's outcomes (their counts in row ``count_row`` of ``counts``) of positive count into ``u`` and
+    ``mass``, ``order`` their ascending order; their number."""
     k = 0
     for j in range(scores.shape[1]):
-        if counts[r, j] > 0:
-            u[k], mass[k] = scores[r, j], counts[r, j]
+        if counts[count_row, j] > 0:
+            u[k], mass[k] = scores[r, j], counts[count_row, j]
             k += 1
     if presorted:
         for j in range(k):
@@ -176,76 +177,239 @@ def _sorted_row(scores: np.ndarray, counts: np.ndarray, r: int, presorted: bool,
 
 
 @_njit
+def _row_scratch(width: int) -> tuple[np.ndarray, ...]:  # pragma: no cover - compiled
+    """The buffers of ``_sorted_row`` (outcomes, counts) and ``_row_readings`` (gap, cdf, power, below) for rows of
+    ``width``."""
+    return np.empty(width), np.empty(width), np.empty(width), np.empty(width), np.empty(width), np.empty(width)
+
+
+@_njit
+def _row_readings(u: np.ndarray, mass: np.ndarray, order: np.ndarray, k: int, n_max: int, subsets: bool,
+                  plug_in: np.ndarray, subset_means: np.ndarray, gap: np.ndarray, cdf: np.ndarray, power: np.ndarray,
+                  below: np.ndarray) -> None:  # pragma: no cover - compiled
+    """One row's E[max of N draws], N = 1..n_max, into ``plug_in``, and with ``subsets`` its mean max over the
+    N-subsets of its draws into ``subset_means``: the row's k outcomes ``u`` of counts ``mass`` in the ascending
+    ``order`` (``_sorted_row``); ``gap``, ``cdf``, ``power`` and ``below`` are scratch of at least k."""
+    total = 0.0
+    for j in range(k):
+        total += mass[j]
+    cumulative = 0.0
+    for j in range(k - 1):  # F_j and the step to the next sorted outcome
+        cumulative += mass[order[j]]
+        cdf[j] = cumulative / total
+        power[j] = cdf[j]
+        gap[j] = u[order[j + 1]] - u[order[j]]
+    top = u[order[k - 1]]
+    steps = k - 1
+    whole = steps - steps % 4
+    n = 0
+    while n + 4 <= n_max:  # four N at once: the same operations per N, one pass over the row instead of four
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = 0.0
+        for j in range(0, whole, 4):
+            g, x, f = gap[j], power[j], cdf[j]
+            a0 += g * x
+            x *= f
+            b0 += g * x
+            x *= f
+            c0 += g * x
+            x *= f
+            d0 += g * x
+            power[j] = x * f
+            g, x, f = gap[j + 1], power[j + 1], cdf[j + 1]
+            a1 += g * x
+            x *= f
+            b1 += g * x
+            x *= f
+            c1 += g * x
+            x *= f
+            d1 += g * x
+            power[j + 1] = x * f
+            g, x, f = gap[j + 2], power[j + 2], cdf[j + 2]
+            a2 += g * x
+            x *= f
+            b2 += g * x
+            x *= f
+            c2 += g * x
+            x *= f
+            d2 += g * x
+            power[j + 2] = x * f
+            g, x, f = gap[j + 3], power[j + 3], cdf[j + 3]
+            a3 += g * x
+            x *= f
+            b3 += g * x
+            x *= f
+            c3 += g * x
+            x *= f
+            d3 += g * x
+            power[j + 3] = x * f
+        for j in range(whole, steps):
+            g, x, f = gap[j], power[j], cdf[j]
+            a0 += g * x
+            x *= f
+            b0 += g * x
+            x *= f
+            c0 += g * x
+            x *= f
+            d0 += g * x
+            power[j] = x * f
+        plug_in[n] = top - ((a0 + a1) + (a2 + a3))
+        plug_in[n + 1] = top - ((b0 + b1) + (b2 + b3))
+        plug_in[n + 2] = top - ((c0 + c1) + (c2 + c3))
+        plug_in[n + 3] = top - ((d0 + d1) + (d2 + d3))
+        n += 4
+    for m in range(n, n_max):  # the last N one at a time; four partial sums, so the adds do not wait on each other
+        acc0 = acc1 = acc2 = acc3 = 0.0
+        for j in range(0, whole, 4):
+            acc0 += gap[j] * power[j]
+            acc1 += gap[j + 1] * power[j + 1]
+            acc2 += gap[j + 2] * power[j + 2]
+            acc3 += gap[j + 3] * power[j + 3]
+        for j in range(whole, steps):
+            acc0 += gap[j] * power[j]
+        for j in range(steps):
+            power[j] *= cdf[j]
+        plug_in[m] = top - ((acc0 + acc1) + (acc2 + acc3))
+    if not subsets:
+        return
+    ratio = cdf  # C(c_j, 1) / C(n, 1); the plug-in pass is done with the cdf, so it becomes the ratios in place
+    cumulative = 0.0
+    for j in range(steps):
+        cumulative += mass[order[j]]
+        below[j] = cumulative
+    # ratio_j = C(c_j, N) / C(n, N) is 0 for the j below ``first``, where c_j < N: the sums start at the multiple
+    # of 4 at or below it, so each term goes to the partial sum it would in a sum over every j (the same bits)
+    first = 0
+    for n in range(int(total), n_max):
+        subset_means[n] = 0.0  # N > the row's draws
+    for n in range(min(n_max, int(total))):
+        while first < steps and below[first] < n + 1:
+            first += 1
+        acc0 = acc1 = acc2 = acc3 = 0.0
+        for j in range(first - first % 4, whole, 4):
+            acc0 += gap[j] * ratio[j]
+            acc1 += gap[j + 1] * ratio[j + 1]
+            acc2 += gap[j + 2] * ratio[j + 2]
+            acc3 += gap[j + 3] * ratio[j + 3]
+        for j in range(max(whole, first), steps):
+            acc0 += gap[j] * ratio[j]
+        subset_means[n] = top - ((acc0 + acc1) + (acc2 + acc3))
+        left = total - n - 1.0  # draws left once N are taken: C(c_j, N + 1) / C(n, N + 1) next
+        if left > 0:
+            for j in range(first, steps):
+                ratio[j] *= max(below[j] - n - 1.0, 0.0) / left
+
+
+@_njit
 def _expected_max_block(scores: np.ndarray, counts: np.ndarray, n_max: int, presorted: bool,
                         subsets: bool) -> np.ndarray:  # pragma: no cover - compiled
     """(1 + subsets, R, n_max): [0] E[max of N draws], N = 1..n_max, of each row's outcomes ``scores`` (R, M)
-    weighted by ``counts`` (R, M); entries of count 0 are left out (each row has one of positive count). With
+    weighted by ``counts`` (R', M), R a multiple of R' (row r's counts are row r % R'); entries of count 0 are left
+    out (each row has one of positive count). With
     ``presorted`` each row's scores already ascend and no sort is done. With ``subsets`` (integer counts, n in
     all), [1] the mean max over the N-subsets of the row's n draws from the same sort: F_j^N read as
     C(c_j, N) / C(n, N) for the c_j draws at or below the j-th outcome; 0 for N > n."""
     n_rows, width = scores.shape
     out = np.empty((2 if subsets else 1, n_rows, n_max))
-    u = np.empty(width)
-    mass = np.empty(width)
+    u, mass, gap, cdf, power, below = _row_scratch(width)
     order = np.empty(width, dtype=np.int64)
-    gap = np.empty(width)
-    cdf = np.empty(width)
-    power = np.empty(width)
-    below = np.empty(width)
     for r in range(n_rows):
-        k = _sorted_row(scores, counts, r, presorted, u, mass, order)
-        total = 0.0
-        for j in range(k):
-            total += mass[j]
-        cumulative = 0.0
-        for j in range(k - 1):  # F_j and the step to the next sorted outcome
-            cumulative += mass[order[j]]
-            cdf[j] = cumulative / total
-            power[j] = cdf[j]
-            gap[j] = u[order[j + 1]] - u[order[j]]
-        top = u[order[k - 1]]
-        steps = k - 1
-        whole = steps - steps % 4
-        for n in range(n_max):  # four partial sums, so the adds do not wait on each other
-            acc0 = acc1 = acc2 = acc3 = 0.0
-            for j in range(0, whole, 4):
-                acc0 += gap[j] * power[j]
-                acc1 += gap[j + 1] * power[j + 1]
-                acc2 += gap[j + 2] * power[j + 2]
-                acc3 += gap[j + 3] * power[j + 3]
-            for j in range(whole, steps):
-                acc0 += gap[j] * power[j]
-            for j in range(steps):
-                power[j] *= cdf[j]
-            out[0, r, n] = top - ((acc0 + acc1) + (acc2 + acc3))
-        if not subsets:
-            continue
-        ratio = cdf  # C(c_j, 1) / C(n, 1); the plug-in pass is done with the cdf, so it becomes the ratios in place
-        cumulative = 0.0
-        for j in range(steps):
-            cumulative += mass[order[j]]
-            below[j] = cumulative
-        # ratio_j = C(c_j, N) / C(n, N) is 0 for the j below ``first``, where c_j < N: the sums start at the multiple
-        # of 4 at or below it, so each term goes to the partial sum it would in a sum over every j (the same bits)
-        first = 0
-        for n in range(int(total), n_max):
-            out[1, r, n] = 0.0  # N > the row's draws
-        for n in range(min(n_max, int(total))):
-            while first < steps and below[first] < n + 1:
-                first += 1
-            acc0 = acc1 = acc2 = acc3 = 0.0
-            for j in range(first - first % 4, whole, 4):
-                acc0 += gap[j] * ratio[j]
-                acc1 += gap[j + 1] * ratio[j + 1]
-                acc2 += gap[j + 2] * ratio[j + 2]
-                acc3 += gap[j + 3] * ratio[j + 3]
-            for j in range(max(whole, first), steps):
-                acc0 += gap[j] * ratio[j]
-            out[1, r, n] = top - ((acc0 + acc1) + (acc2 + acc3))
-            left = total - n - 1.0  # draws left once N are taken: C(c_j, N + 1) / C(n, N + 1) next
-            if left > 0:
-                for j in range(first, steps):
-                    ratio[j] *= max(below[j] - n - 1.0, 0.0) / left
+        k = _sorted_row(scores, counts, r, r % counts.shape[0], presorted, u, mass, order)
+        _row_readings(u, mass, order, k, n_max, subsets, out[0, r], out[-1, r], gap, cdf, power, below)
+    return out
+
+
+@_njit
+def _pairwise_leaf(values: np.ndarray, start: int, count: int, column: int) -> float:  # pragma: no cover - compiled
+    """numpy's ``pairwise_sum`` of ``values[start:start + count, column]`` for count <= 128 (``PW_BLOCKSIZE``):
+    sequential from 0.0 below 8 terms, else 8 interleaved partial sums combined as a tree, then the rest."""
+    if count < 8:
+        res = 0.0
+        for i in range(start, start + count):
+            res += values[i, column]
+        return res
+    r0, r1, r2, r3 = values[start, column], values[start + 1, column], values[start + 2, column], values[start + 3, column]
+    r4, r5, r6, r7 = values[start + 4, column], values[start + 5, column], values[start + 6, column], values[start + 7, column]
+    i = 8
+    while i < count - count % 8:
+        r0 += values[start + i, column]
+        r1 += values[start + i + 1, column]
+        r2 += values[start + i + 2, column]
+        r3 += values[start + i + 3, column]
+        r4 += values[start + i + 4, column]
+        r5 += values[start + i + 5, column]
+        r6 += values[start + i + 6, column]
+        r7 += values[start + i + 7, column]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    for t in range(start + i, start + count):
+        res += values[t, column]
+    return res
+
+
+@_njit
+def _pairwise_column(values: np.ndarray, start: int, count: int, column: int) -> float:  # pragma: no cover - compiled
+    """numpy's ``pairwise_sum`` of ``values[start:start + count, column]``: above 128 terms numpy adds the sums of
+    two halves (the first a multiple of 8), recursively; the same tree here, walked with an explicit stack (numba
+    cannot load a recursive function from its cache)."""
+    if count <= 128:
+        return _pairwise_leaf(values, start, count, column)
+    depth_max = 64  # halving a count below 2^63 reaches 128 terms in fewer levels
+    first, size = np.empty(depth_max, np.int64), np.empty(depth_max, np.int64)
+    left, right_pending = np.empty(depth_max), np.zeros(depth_max, np.bool_)
+    depth = 0
+    first[0], size[0] = start, count
+    while True:
+        while size[depth] > 128:  # down the left halves
+            half = size[depth] // 2
+            half -= half % 8
+            first[depth + 1], size[depth + 1] = first[depth], half
+            right_pending[depth] = True
+            depth += 1
+        value = _pairwise_leaf(values, first[depth], size[depth], column)
+        while True:  # up: add each finished right half to its left one, or go down the next right half
+            depth -= 1
+            if depth < 0:
+                return value
+            if right_pending[depth]:
+                right_pending[depth] = False
+                left[depth] = value
+                half = size[depth] // 2
+                half -= half % 8
+                first[depth + 1], size[depth + 1] = first[depth] + half, size[depth] - half
+                depth += 1
+                break
+            value = left[depth] + value
+
+
+@_njit
+def _segment_readings_block(scores: np.ndarray, counts: np.ndarray, n_max: int, weight: np.ndarray,
+                            bounds: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """(2, W, S, n_max): per weighting and segment of rows ``bounds[s]:bounds[s + 1]``, the sum over its rows of
+    ``weight`` (R, n_max) x their E[max of N] and the sum of their mean max over N-subsets (``_expected_max_block``'s
+    two readings of ``scores`` (W, R, M) with ``counts`` (R, M)), summed as ``np.add.reduceat(values, bounds[:-1],
+    axis=1)`` sums (the segment's first row plus numpy's pairwise sum of the others), without (W, R, n_max) arrays."""
+    n_weightings, n_rows, width = scores.shape
+    n_segments = bounds.size - 1
+    out = np.empty((2, n_weightings, n_segments, n_max))
+    longest = 1
+    for s in range(n_segments):
+        longest = max(longest, bounds[s + 1] - bounds[s])
+    plug_in, subset_means = np.empty((longest, n_max)), np.empty((longest, n_max))
+    u, mass, gap, cdf, power, below = _row_scratch(width)
+    order = np.empty(width, dtype=np.int64)
+    for w in range(n_weightings):
+        row_scores = scores[w]
+        for s in range(n_segments):
+            first, size = bounds[s], bounds[s + 1] - bounds[s]
+            for i in range(size):
+                k = _sorted_row(row_scores, counts, first + i, first + i, False, u, mass, order)
+                _row_readings(u, mass, order, k, n_max, True, plug_in[i], subset_means[i], gap, cdf, power, below)
+                for n in range(n_max):
+                    plug_in[i, n] *= weight[first + i, n]
+            for n in range(n_max):
+                out[0, w, s, n] = plug_in[0, n] + _pairwise_column(plug_in, 1, size - 1, n) if size > 1 else plug_in[0, n]
+                out[1, w, s, n] = (subset_means[0, n] + _pairwise_column(subset_means, 1, size - 1, n) if size > 1
+                                   else subset_means[0, n])
     return out
 
 
@@ -256,12 +420,26 @@ def expected_max_rows(scores: np.ndarray, counts: np.ndarray, n_max: int, presor
     ``subsets``: (2, ..., n_max), [1] each row's mean max over the N-subsets of its draws (``counts``; 0 for
     N > n), from the same pass."""
     scores = np.asarray(scores, dtype=np.float64)
-    counts = np.broadcast_to(np.asarray(counts, dtype=np.float64), scores.shape)
+    counts = np.asarray(counts, dtype=np.float64)
     lead, width = scores.shape[:-1], scores.shape[-1]
+    if counts.shape[-2:] != scores.shape[-2:] or any(size != 1 for size in counts.shape[:-2]):
+        counts = np.broadcast_to(counts, scores.shape)  # else the rows of ``counts`` repeat over the leading axes
     flat = _expected_max_block(np.ascontiguousarray(scores.reshape(-1, width)),
                                np.ascontiguousarray(counts.reshape(-1, width)), int(n_max), bool(presorted),
                                bool(subsets))
     return flat.reshape((2,) + lead + (int(n_max),)) if subsets else flat[0].reshape(lead + (int(n_max),))
+
+
+def segment_readings(scores: np.ndarray, counts: np.ndarray, n_max: int, weight: np.ndarray,
+                     bounds: np.ndarray) -> np.ndarray:
+    """(2, W, S, n_max) per segment ``bounds[s]:bounds[s + 1]`` of the rows of ``scores`` (W, R, M) with ``counts``
+    (R, M) (integer draws; entries of count 0 are padding): [0] the segment's sum of ``weight`` (R, n_max) x
+    E[max of N], [1] its sum of the mean max over N-subsets; ``np.add.reduceat`` over the rows of
+    ``expected_max_rows(..., subsets=True)``'s readings (the first times ``weight``), bit for bit."""
+    return _segment_readings_block(np.ascontiguousarray(scores, dtype=np.float64),
+                                   np.ascontiguousarray(counts, dtype=np.float64), int(n_max),
+                                   np.ascontiguousarray(weight, dtype=np.float64),
+                                   np.ascontiguousarray(bounds, dtype=np.int64))
 
 
 @_njit
@@ -338,10 +516,11 @@ def fit_curves(g: np.ndarray, n: np.ndarray, z: np.ndarray, ridge: tuple[float, 
 
 
 @_njit
-def _bin_block(values: np.ndarray, counts: np.ndarray, starts: np.ndarray, sizes: np.ndarray,
-               bins: int) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+def _bin_block(values: np.ndarray, counts: np.ndarray, starts: np.ndarray, sizes: np.ndarray, bins: int,
+               entry: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     """(W, rows, bins) mean score and mass of each row's entries in ``bins`` equal-width bins of its range:
-    ``pooled_values``' numpy binning in one pass, the same operations in the same order (the same bits)."""
+    ``pooled_values``' numpy binning in one pass, the same operations in the same order (the same bits). Row r's
+    i-th entry is column ``entry[starts[r] + i]`` of ``values`` (its count ``counts[starts[r] + i]``)."""
     n_weightings = values.shape[0]
     n_rows = starts.size
     mean = np.zeros((n_weightings, n_rows, bins))
@@ -349,13 +528,13 @@ def _bin_block(values: np.ndarray, counts: np.ndarray, starts: np.ndarray, sizes
     for w in range(n_weightings):
         for r in range(n_rows):
             first, stop = starts[r], starts[r] + sizes[r]
-            low = high = values[w, first]
+            low = high = values[w, entry[first]]
             for i in range(first + 1, stop):
-                low = min(low, values[w, i])
-                high = max(high, values[w, i])
+                low = min(low, values[w, entry[i]])
+                high = max(high, values[w, entry[i]])
             width = high - low if high - low > 0 else 1.0
             for i in range(first, stop):
-                v = values[w, i]
+                v = values[w, entry[i]]
                 cell = min(int((v - low) / width * bins), bins - 1)
                 mass[w, r, cell] += counts[i]
                 mean[w, r, cell] += v * counts[i]
@@ -366,12 +545,86 @@ def _bin_block(values: np.ndarray, counts: np.ndarray, starts: np.ndarray, sizes
 
 
 def bin_rows(values: np.ndarray, counts: np.ndarray, starts: np.ndarray, sizes: np.ndarray,
-             bins: int) -> tuple[np.ndarray, np.ndarray]:
+             bins: int, entry: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(W, rows, bins) mean and mass of the entries ``values`` (W, entries) with ``counts`` (entries,) of rows
-    starting at ``starts`` with ``sizes`` entries (each >= 1), in ``bins`` equal-width bins of each row's range."""
-    return _bin_block(np.ascontiguousarray(values, dtype=np.float64), np.ascontiguousarray(counts, dtype=np.float64),
+    starting at ``starts`` with ``sizes`` entries (each >= 1), in ``bins`` equal-width bins of each row's range.
+    With ``entry``, the i-th entry is column ``entry[i]`` of ``values`` (read in place, not gathered first)."""
+    values = np.ascontiguousarray(values, dtype=np.float64)
+    entry = np.arange(values.shape[1]) if entry is None else entry
+    return _bin_block(values, np.ascontiguousarray(counts, dtype=np.float64),
                       np.ascontiguousarray(starts, dtype=np.int64), np.ascontiguousarray(sizes, dtype=np.int64),
-                      int(bins))
+                      int(bins), np.ascontiguousarray(entry, dtype=np.int64))
+
+
+@_njit
+def _residual_block(projected: np.ndarray, level: np.ndarray, offsets: np.ndarray, prompt: np.ndarray,
+                    query: np.ndarray, counts: np.ndarray, n_prompts: int,
+                    n_queries: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """``residual_sums`` in one pass over tiles of the entries (each tile's rows of ``projected`` stay in cache
+    while every weighting reads them); each sum adds its entries in entry order, as ``np.bincount`` does."""
+    n_entries, n_weightings = projected.shape
+    resid = np.empty((n_weightings, n_entries))
+    ss_prompt = np.zeros((n_weightings, n_prompts))
+    ss_query = np.zeros((n_weightings, n_queries))
+    for tile in range(0, n_entries, 64):
+        stop = min(tile + 64, n_entries)
+        for w in range(n_weightings):
+            for e in range(tile, stop):
+                r = projected[e, w] - level[w, prompt[e]] - offsets[w, query[e]]
+                resid[w, e] = r
+                square = counts[e] * (r * r)
+                ss_prompt[w, prompt[e]] += square
+                ss_query[w, query[e]] += square
+    return resid, ss_prompt, ss_query
+
+
+def residual_sums(projected: np.ndarray, level: np.ndarray, offsets: np.ndarray, prompt: np.ndarray,
+                  query: np.ndarray, counts: np.ndarray, n_prompts: int,
+                  n_queries: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(W, E) residuals r = ``projected`` (E, W) - level[w, prompt] - offsets[w, query] of E entries, and (W, P),
+    (W, Q) sums of ``counts`` x r^2 by prompt and by query: ``PlugInEstimator._location_scale``'s numpy
+    residuals and ``np.bincount`` sums, bit for bit, without (W, E) temporaries."""
+    def f64(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a, dtype=np.float64)
+    return _residual_block(f64(projected), f64(level), f64(offsets), np.ascontiguousarray(prompt, dtype=np.int64),
+                           np.ascontiguousarray(query, dtype=np.int64), f64(counts), int(n_prompts), int(n_queries))
+
+
+@_njit
+def _standardize_block(resid: np.ndarray, scale: np.ndarray, prompt: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``standardize`` in place."""
+    n_weightings, n_entries = resid.shape
+    for w in range(n_weightings):
+        for e in range(n_entries):
+            s = scale[w, prompt[e]]
+            resid[w, e] = resid[w, e] / s if s > 0 else 0.0
+
+
+def standardize(resid: np.ndarray, scale: np.ndarray, prompt: np.ndarray) -> np.ndarray:
+    """``resid`` (W, E), C-contiguous float64, overwritten with resid[w, e] / scale[w, prompt[e]] (0 where that
+    scale is 0) and returned: ``np.where(s > 0, resid / np.where(s > 0, s, 1.0), 0.0)`` bit for bit, in one pass."""
+    _standardize_block(resid, np.ascontiguousarray(scale, dtype=np.float64), np.ascontiguousarray(prompt, dtype=np.int64))
+    return resid
+
+
+@_njit
+def _over_spread_block(std: np.ndarray, spread: np.ndarray, query: np.ndarray,
+                       entries: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """``over_spread``."""
+    n_weightings = std.shape[0]
+    out = np.empty((n_weightings, entries.size))
+    for w in range(n_weightings):
+        for i in range(entries.size):
+            e = entries[i]
+            out[w, i] = std[w, e] / spread[w, query[e]]
+    return out
+
+
+def over_spread(std: np.ndarray, spread: np.ndarray, query: np.ndarray, entries: np.ndarray) -> np.ndarray:
+    """(W, len(entries)) ``std[:, entries] / spread[:, query[entries]]`` bit for bit, C-contiguous (numpy's gather
+    along the last axis is not), in one pass."""
+    return _over_spread_block(np.ascontiguousarray(std, dtype=np.float64), np.ascontiguousarray(spread, dtype=np.float64),
+                              np.ascontiguousarray(query, dtype=np.int64), np.ascontiguousarray(entries, dtype=np.int64))
 
 
 @_njit
@@ -423,7 +676,12 @@ def warm_up() -> None:
     if not _warm and available():
         credit_rows(np.array([0.5]), np.array([[0.3, 0.2]]), np.array([2]), 2)
         expected_max_rows(np.array([[0.0, 1.0]]), np.array([[1.0, 1.0]]), 2)  # ``presorted`` is a run-time flag
+        segment_readings(np.array([[[0.0, 1.0]]]), np.array([[1.0, 1.0]]), 2, np.ones((1, 2)), np.array([0, 1]))
         bin_rows(np.array([[0.0, 1.0]]), np.ones(2), np.zeros(1, np.int64), np.full(1, 2), 2)
+        index, one_row = np.zeros(1, np.int64), np.ones((1, 1))
+        residual_sums(one_row, one_row, one_row, index, index, np.ones(1), 1, 1)
+        standardize(np.ones((1, 1)), one_row, index)
+        over_spread(one_row, one_row, index, index)
         one = np.ones((1, 1))
         clipped_readings(one, one, one, np.ones((1, 1, 1)), one, np.ones((1, 1, 1)), np.ones((1, 1, 1)),
                          np.ones((1, 1), dtype=bool), np.zeros(1), np.ones(1))
@@ -432,4 +690,5 @@ def warm_up() -> None:
         _warm = True
 
 
-__all__: list[Any] = ["available", "bin_rows", "clipped_readings", "credit_rows", "expected_max_rows", "fit_curves", "warm_up"]
+__all__: list[Any] = ["available", "bin_rows", "clipped_readings", "credit_rows", "expected_max_rows", "fit_curves",
+                      "over_spread", "residual_sums", "segment_readings", "standardize", "warm_up"]

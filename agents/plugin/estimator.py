@@ -117,13 +117,14 @@ def mv_credit_rows(probs: np.ndarray, gold: np.ndarray, n_max: int) -> np.ndarra
 
 def bon_values(scores: np.ndarray, counts: np.ndarray, n_max: int, presorted: bool = False) -> np.ndarray:
     """(..., rows, n_max) expected max of N = 1..n_max draws from each row's outcomes, ``scores`` (..., rows,
-    width) weighted by ``counts`` (same shape); entries of count 0 are padding (at least one count per row).
-    ``presorted``: each row's scores of positive count already ascend (the compiled kernel then skips its sort)."""
+    width) weighted by ``counts`` (same shape, or broadcastable to it); entries of count 0 are padding (at least
+    one count per row). ``presorted``: each row's scores of positive count already ascend (the compiled kernel then
+    skips its sort)."""
     if _credit_jit.available():
         return _credit_jit.expected_max_rows(scores, counts, n_max, presorted)
     padded = np.where(counts > 0, scores, np.inf)
     padded = np.where(np.isinf(padded), padded.min(axis=-1, keepdims=True), padded)  # weight 0
-    return bon_expected_max(padded, counts.astype(np.float64), n_max)
+    return bon_expected_max(padded, np.broadcast_to(counts, padded.shape).astype(np.float64), n_max)
 
 
 def bon_values_and_subset_means(scores: np.ndarray, counts: np.ndarray, n_max: int) -> tuple[np.ndarray, np.ndarray]:
@@ -184,9 +185,21 @@ def pooled_values(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_row
         binned = bins is not None and int(sizes.max()) > bins
     if bins is None or not binned:
         scores, weight = padded_rows(values, counts, row, n_rows)
-        return bon_values(scores, np.broadcast_to(weight, scores.shape), n_max)
+        return bon_values(scores, weight, n_max)  # the same counts for every weighting
     mean, mass = binned_rows(values, counts, row, sizes, bins)
     return bon_values(mean, mass, n_max, presorted=True)  # bins ascend
+
+
+def pooled_entries(values: np.ndarray, entries: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows: int,
+                   n_max: int, binned: bool) -> np.ndarray:
+    """``pooled_values`` of the columns ``entries`` of ``values`` (W, E) (``counts`` (E,) theirs) in rows ``row``
+    (sorted), in ``POOL_BINS`` bins if ``binned``: the compiled binning reads the columns in place, without
+    gathering a (W, entries) copy first."""
+    if binned and _credit_jit.available():
+        sizes = np.bincount(row, minlength=n_rows)
+        mean, mass = _credit_jit.bin_rows(values, counts[entries], np.cumsum(sizes) - sizes, sizes, POOL_BINS, entries)
+        return bon_values(mean, mass, n_max, presorted=True)  # bins ascend
+    return pooled_values(values[:, entries], counts[entries], row, n_rows, n_max, POOL_BINS, binned)
 
 
 def binned_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, sizes: np.ndarray,
@@ -514,12 +527,16 @@ class PlugInEstimator:
             row, a = np.nonzero(block)
             projected = (atoms[pp[lo + row], qq[lo + row], a] @ self._objectives.T).T  # (W, entries)
             scores, mass = padded_rows(projected, block[row, a], row, hi - lo)
-            mass = np.broadcast_to(mass, scores.shape)
             first = lo + np.flatnonzero(np.r_[True, pp[lo + 1:hi] != pp[lo:hi - 1]])
-            plug_in, unbiased = bon_values_and_subset_means(scores, mass, self.n_max)  # (W, pairs, N); U 0 for N > n
-            plug_in *= weight[None, lo:hi]
-            for sums, value in ((self._own, plug_in), (self._own_unbiased, unbiased)):
-                sums[:, pp[first]] += sign * np.add.reduceat(value, first - lo, axis=1)
+            if _credit_jit.available():  # the per-prompt sums below in one pass, without (W, pairs, N) arrays
+                plug_in_sum, unbiased_sum = _credit_jit.segment_readings(scores, mass, self.n_max, weight[lo:hi],
+                                                                         np.r_[first - lo, hi - lo])
+            else:
+                plug_in, unbiased = bon_values_and_subset_means(scores, np.broadcast_to(mass, scores.shape), self.n_max)
+                plug_in *= weight[None, lo:hi]  # (W, pairs, N); U is 0 for N > n
+                plug_in_sum, unbiased_sum = (np.add.reduceat(value, first - lo, axis=1) for value in (plug_in, unbiased))
+            self._own[:, pp[first]] += sign * plug_in_sum
+            self._own_unbiased[:, pp[first]] += sign * unbiased_sum
 
     def _bon_value(self, prompts: np.ndarray) -> np.ndarray:
         """(C, len(prompts), N_max) the prompts' Best-of-N task value: per query, the shrunk own reading.
@@ -619,12 +636,18 @@ class PlugInEstimator:
         expected = np.zeros((n_rows, n_queries, self.n_max))
         shape = np.zeros((n_rows, n_prompts, self.n_max))
         outcomes = atoms[p, q, a]  # (entries, objectives), gathered once for every block
+        wanted_entries, spread_entries = np.flatnonzero(wanted), np.flatnonzero(spread_ok)
+        mine_in_unit = np.flatnonzero(mine[spread_ok])[order]  # the shapes' entries among the spread ones, by prompt
         for lo, hi in _blocks(np.full(n_rows, max(c.size, 1))):
             ws = slice(lo, hi)
-            resid = (outcomes @ self._objectives[ws].T).T - level[ws][:, p] - offsets[ws][:, q]  # (W, entries)
-            sq = c * resid ** 2
-            ss_p = _row_sums(sq, p, n_prompts)
-            ss_q = _row_sums(sq, q, n_queries)
+            projected = outcomes @ self._objectives[ws].T  # (entries, W)
+            if _credit_jit.available():
+                resid, ss_p, ss_q = _credit_jit.residual_sums(projected, level[ws], offsets[ws], p, q, c, n_prompts,
+                                                              n_queries)
+            else:
+                resid = projected.T - level[ws][:, p] - offsets[ws][:, q]  # (W, entries)
+                sq = c * resid ** 2
+                ss_p, ss_q = _row_sums(sq, p, n_prompts), _row_sums(sq, q, n_queries)
             var_q = np.ones((hi - lo, n_queries))
             with np.errstate(invalid="ignore", divide="ignore"):
                 for _ in range(SCALE_SWEEPS):
@@ -632,18 +655,23 @@ class PlugInEstimator:
                     var_p = np.where(den > 0, ss_p / np.where(den > 0, den, 1.0), 0.0)
                     var_q = (ss_q + LS_PRIOR_DRAWS) / (var_p @ n_pairs + LS_PRIOR_DRAWS)  # towards 1
             scale[ws], spread[ws] = np.sqrt(var_p), np.sqrt(var_q)
-            sc = scale[ws][:, p]
-            std = np.where(sc > 0, resid / np.where(sc > 0, sc, 1.0), 0.0)  # r / scale_p
-            own = pooled_values(std[:, wanted], c[wanted], wanted_row, wanted_queries.size, self.n_max, POOL_BINS,
-                                query_binned)  # (W, wanted queries, N)
+            if _credit_jit.available():
+                std = _credit_jit.standardize(resid, scale[ws], p)  # r / scale_p, in place of r
+            else:
+                sc = scale[ws][:, p]
+                std = np.where(sc > 0, resid / np.where(sc > 0, sc, 1.0), 0.0)
+            own = pooled_entries(std, wanted_entries, c, wanted_row, wanted_queries.size, self.n_max, query_binned)
             glob = np.zeros((hi - lo, self.n_max))
-            if spread_ok.any():
-                unit = std[:, spread_ok] / spread[ws][:, q[spread_ok]]
-                glob = pooled_values(unit, c[spread_ok], np.zeros(unit.shape[1], np.int64), 1, self.n_max, POOL_BINS)[:, 0]
+            if spread_entries.size:
+                if _credit_jit.available():
+                    unit = _credit_jit.over_spread(std, spread[ws], q, spread_entries)  # r / (scale_p s_q)
+                else:
+                    unit = std[:, spread_entries] / spread[ws][:, q[spread_entries]]
+                glob = pooled_values(unit, c[spread_entries], np.zeros(unit.shape[1], np.int64), 1, self.n_max,
+                                     POOL_BINS)[:, 0]
                 if users.size:
-                    mine_unit = unit[:, mine[spread_ok]]
-                    shape[ws, users] = pooled_values(mine_unit[:, order], c[mine][order], prow, users.size, self.n_max,
-                                                     POOL_BINS, shape_binned) - glob[:, None]
+                    shape[ws, users] = pooled_entries(unit, mine_in_unit, c[spread_entries], prow, users.size, self.n_max,
+                                                      shape_binned) - glob[:, None]
             at = queries[wanted_queries]
             expected[ws, at] = lam * own + (1.0 - lam) * spread[ws][:, at, None] * glob[:, None]
         return scale, expected, spread, shape
