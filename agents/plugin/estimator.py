@@ -156,13 +156,14 @@ def bon_subset_means(scores: np.ndarray, counts: np.ndarray, n_max: int) -> np.n
     return out
 
 
-def padded_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+def padded_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows: int,
+                width: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """``values`` (W, entries) and ``counts`` (entries,) of entries in rows ``row`` (sorted, every row has
     one) laid out as (W, n_rows, width) scores and (n_rows, width) counts, each row's entries first and
-    count-0 padding after them, as ``bon_values`` reads them."""
+    count-0 padding after them, as ``bon_values`` reads them; ``width`` the largest row's entries or more."""
     sizes = np.bincount(row, minlength=n_rows)
     place = np.arange(row.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    weight = np.zeros((n_rows, int(sizes.max())))
+    weight = np.zeros((n_rows, max(int(sizes.max()), width)))
     weight[row, place] = counts
     scores = np.zeros((values.shape[0],) + weight.shape)
     scores[:, row, place] = values
@@ -170,36 +171,36 @@ def padded_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows:
 
 
 def pooled_values(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows: int, n_max: int,
-                  bins: int | None = None, binned: bool | None = None) -> np.ndarray:
+                  bins: int | None = None, whole_width: int | None = None) -> np.ndarray:
     """(W, n_rows, n_max) expected max of N of each row's pooled outcomes: ``values`` (W, entries) scored
     outcomes, ``counts`` (entries,) their counts, ``row`` (entries,) their rows, sorted (every row has one).
 
     With ``bins``, once some row has more than ``bins`` entries, every row is first merged into ``bins``
     equal-width bins of its score range, each at the mean score of its outcomes: the sort and the N
     passes then cost ``bins`` per row instead of the entries, and each expected maximum moves by less
-    than one bin width. ``binned`` (with ``bins``) makes that choice for the caller, so that a subset of
-    the rows reads as it would among all of them.
+    than one bin width. ``whole_width``, the entries of the largest row of a whole set these rows are part of,
+    makes that choice and the unbinned rows' padded width (which orders the numpy reading's sums; the compiled
+    one skips padding) the whole set's, so that the rows read bit for bit as among all of them.
     """
     sizes = np.bincount(row, minlength=n_rows)
-    if binned is None:
-        binned = bins is not None and int(sizes.max()) > bins
-    if bins is None or not binned:
-        scores, weight = padded_rows(values, counts, row, n_rows)
+    if bins is None or (int(sizes.max()) if whole_width is None else whole_width) <= bins:
+        width = 0 if whole_width is None or _credit_jit.available() else whole_width
+        scores, weight = padded_rows(values, counts, row, n_rows, width)
         return bon_values(scores, weight, n_max)  # the same counts for every weighting
     mean, mass = binned_rows(values, counts, row, sizes, bins)
     return bon_values(mean, mass, n_max, presorted=True)  # bins ascend
 
 
 def pooled_entries(values: np.ndarray, entries: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows: int,
-                   n_max: int, binned: bool) -> np.ndarray:
+                   n_max: int, whole_width: int) -> np.ndarray:
     """``pooled_values`` of the columns ``entries`` of ``values`` (W, E) (``counts`` (E,) theirs) in rows ``row``
-    (sorted), in ``POOL_BINS`` bins if ``binned``: the compiled binning reads the columns in place, without
+    (sorted) with ``POOL_BINS`` and ``whole_width``: the compiled binning reads the columns in place, without
     gathering a (W, entries) copy first."""
-    if binned and _credit_jit.available():
+    if whole_width > POOL_BINS and _credit_jit.available():
         sizes = np.bincount(row, minlength=n_rows)
         mean, mass = _credit_jit.bin_rows(values, counts[entries], np.cumsum(sizes) - sizes, sizes, POOL_BINS, entries)
         return bon_values(mean, mass, n_max, presorted=True)  # bins ascend
-    return pooled_values(values[:, entries], counts[entries], row, n_rows, n_max, POOL_BINS, binned)
+    return pooled_values(values[:, entries], counts[entries], row, n_rows, n_max, POOL_BINS, whole_width)
 
 
 def binned_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, sizes: np.ndarray,
@@ -625,11 +626,11 @@ class PlugInEstimator:
         mine = spread_ok & read[p]  # the read prompts' entries of their shapes
         order = np.argsort(p[mine], kind="stable")
         users, prow = np.unique(p[mine][order], return_inverse=True)
-        shape_binned = bool(spread_ok.any()) and int(np.bincount(p[spread_ok]).max()) > POOL_BINS
+        shape_width = int(np.bincount(p[spread_ok]).max()) if spread_ok.any() else 0  # the largest prompt pool
         needed = self._seen[prompts].any(axis=0)[queries]  # the queries the read prompts have seen
         wanted = needed[row]
         wanted_queries, wanted_row = np.unique(row[wanted], return_inverse=True)
-        query_binned = int(np.bincount(row).max()) > POOL_BINS
+        query_width = int(np.bincount(row).max())  # the largest query pool
         lam = ((draws - 1.0) / (draws - 1.0 + LS_PRIOR_DRAWS))[None, wanted_queries, None]
         scale = np.zeros((n_rows, n_prompts))
         spread = np.zeros((n_rows, n_queries))
@@ -660,7 +661,7 @@ class PlugInEstimator:
             else:
                 sc = scale[ws][:, p]
                 std = np.where(sc > 0, resid / np.where(sc > 0, sc, 1.0), 0.0)
-            own = pooled_entries(std, wanted_entries, c, wanted_row, wanted_queries.size, self.n_max, query_binned)
+            own = pooled_entries(std, wanted_entries, c, wanted_row, wanted_queries.size, self.n_max, query_width)
             glob = np.zeros((hi - lo, self.n_max))
             if spread_entries.size:
                 if _credit_jit.available():
@@ -671,7 +672,7 @@ class PlugInEstimator:
                                      POOL_BINS)[:, 0]
                 if users.size:
                     shape[ws, users] = pooled_entries(unit, mine_in_unit, c[spread_entries], prow, users.size, self.n_max,
-                                                      shape_binned) - glob[:, None]
+                                                      shape_width) - glob[:, None]
             at = queries[wanted_queries]
             expected[ws, at] = lam * own + (1.0 - lam) * spread[ws][:, at, None] * glob[:, None]
         return scale, expected, spread, shape
