@@ -245,6 +245,49 @@ def _row_sums(values: np.ndarray, index: np.ndarray, size: int) -> np.ndarray:
     return np.bincount(flat, weights=values.ravel(), minlength=values.shape[0] * size).reshape(values.shape[0], size)
 
 
+def segment_readings(scores: np.ndarray, counts: np.ndarray, n_max: int, weight: np.ndarray,
+                     bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(W, S, n_max) twice: per segment ``bounds[s]:bounds[s + 1]`` of the rows of ``scores`` (W, R, M) with the
+    integer draws ``counts`` (R, M), the sum of ``weight`` (R, n_max) x their E[max of N] and the sum of their mean
+    max over N-subsets (``bon_values_and_subset_means``), summed as ``np.add.reduceat`` sums; the compiled kernel
+    in one pass, without (W, R, n_max) arrays."""
+    if _credit_jit.available():
+        both = _credit_jit.segment_readings(scores, counts, n_max, weight, bounds)
+        return both[0], both[1]
+    plug_in, unbiased = bon_values_and_subset_means(scores, np.broadcast_to(counts, scores.shape), n_max)
+    plug_in *= weight[None]
+    return np.add.reduceat(plug_in, bounds[:-1], axis=1), np.add.reduceat(unbiased, bounds[:-1], axis=1)
+
+
+def residual_sums(projected: np.ndarray, level: np.ndarray, offsets: np.ndarray, prompt: np.ndarray,
+                  query: np.ndarray, counts: np.ndarray, n_prompts: int,
+                  n_queries: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(W, E) residuals ``projected`` (E, W) - level[w, prompt] - offsets[w, query] of E entries, and their sums of
+    ``counts`` x r^2 by prompt (W, P) and by query (W, Q); the compiled kernel in one pass, the same bits."""
+    if _credit_jit.available():
+        return _credit_jit.residual_sums(projected, level, offsets, prompt, query, counts, n_prompts, n_queries)
+    resid = projected.T - level[:, prompt] - offsets[:, query]
+    square = counts * resid ** 2
+    return resid, _row_sums(square, prompt, n_prompts), _row_sums(square, query, n_queries)
+
+
+def standardize(resid: np.ndarray, scale: np.ndarray, prompt: np.ndarray) -> np.ndarray:
+    """(W, E) each residual over its prompt's scale, scale[w, prompt] (0 where that scale is 0); the compiled kernel
+    overwrites ``resid`` in one pass, the same bits."""
+    if _credit_jit.available():
+        return _credit_jit.standardize(resid, scale, prompt)
+    by_entry = scale[:, prompt]
+    return np.where(by_entry > 0, resid / np.where(by_entry > 0, by_entry, 1.0), 0.0)
+
+
+def over_spread(std: np.ndarray, spread: np.ndarray, query: np.ndarray, entries: np.ndarray) -> np.ndarray:
+    """(W, len(entries)) the columns ``entries`` of ``std`` over their queries' spread[w, query]; the compiled kernel
+    in one pass, C-contiguous, the same bits."""
+    if _credit_jit.available():
+        return _credit_jit.over_spread(std, spread, query, entries)
+    return std[:, entries] / spread[:, query[entries]]
+
+
 def _blocks(cost: np.ndarray) -> list[tuple[int, int]]:
     """Consecutive [lo, hi) ranges of rows, a new one starting each time the summed ``cost`` (elements per
     row) before a row passes a multiple of ``BLOCK_ELEMENTS``: each range costs under twice that (or is
@@ -529,13 +572,7 @@ class PlugInEstimator:
             projected = (atoms[pp[lo + row], qq[lo + row], a] @ self._objectives.T).T  # (W, entries)
             scores, mass = padded_rows(projected, block[row, a], row, hi - lo)
             first = lo + np.flatnonzero(np.r_[True, pp[lo + 1:hi] != pp[lo:hi - 1]])
-            if _credit_jit.available():  # the per-prompt sums below in one pass, without (W, pairs, N) arrays
-                plug_in_sum, unbiased_sum = _credit_jit.segment_readings(scores, mass, self.n_max, weight[lo:hi],
-                                                                         np.r_[first - lo, hi - lo])
-            else:
-                plug_in, unbiased = bon_values_and_subset_means(scores, np.broadcast_to(mass, scores.shape), self.n_max)
-                plug_in *= weight[None, lo:hi]  # (W, pairs, N); U is 0 for N > n
-                plug_in_sum, unbiased_sum = (np.add.reduceat(value, first - lo, axis=1) for value in (plug_in, unbiased))
+            plug_in_sum, unbiased_sum = segment_readings(scores, mass, self.n_max, weight[lo:hi], np.r_[first - lo, hi - lo])
             self._own[:, pp[first]] += sign * plug_in_sum
             self._own_unbiased[:, pp[first]] += sign * unbiased_sum
 
@@ -641,14 +678,8 @@ class PlugInEstimator:
         mine_in_unit = np.flatnonzero(mine[spread_ok])[order]  # the shapes' entries among the spread ones, by prompt
         for lo, hi in _blocks(np.full(n_rows, max(c.size, 1))):
             ws = slice(lo, hi)
-            projected = outcomes @ self._objectives[ws].T  # (entries, W)
-            if _credit_jit.available():
-                resid, ss_p, ss_q = _credit_jit.residual_sums(projected, level[ws], offsets[ws], p, q, c, n_prompts,
-                                                              n_queries)
-            else:
-                resid = projected.T - level[ws][:, p] - offsets[ws][:, q]  # (W, entries)
-                sq = c * resid ** 2
-                ss_p, ss_q = _row_sums(sq, p, n_prompts), _row_sums(sq, q, n_queries)
+            resid, ss_p, ss_q = residual_sums(outcomes @ self._objectives[ws].T, level[ws], offsets[ws], p, q, c,
+                                              n_prompts, n_queries)  # (W, entries), (W, P), (W, Q)
             var_q = np.ones((hi - lo, n_queries))
             with np.errstate(invalid="ignore", divide="ignore"):
                 for _ in range(SCALE_SWEEPS):
@@ -656,18 +687,11 @@ class PlugInEstimator:
                     var_p = np.where(den > 0, ss_p / np.where(den > 0, den, 1.0), 0.0)
                     var_q = (ss_q + LS_PRIOR_DRAWS) / (var_p @ n_pairs + LS_PRIOR_DRAWS)  # towards 1
             scale[ws], spread[ws] = np.sqrt(var_p), np.sqrt(var_q)
-            if _credit_jit.available():
-                std = _credit_jit.standardize(resid, scale[ws], p)  # r / scale_p, in place of r
-            else:
-                sc = scale[ws][:, p]
-                std = np.where(sc > 0, resid / np.where(sc > 0, sc, 1.0), 0.0)
+            std = standardize(resid, scale[ws], p)  # r / scale_p, in place of r
             own = pooled_entries(std, wanted_entries, c, wanted_row, wanted_queries.size, self.n_max, query_width)
             glob = np.zeros((hi - lo, self.n_max))
             if spread_entries.size:
-                if _credit_jit.available():
-                    unit = _credit_jit.over_spread(std, spread[ws], q, spread_entries)  # r / (scale_p s_q)
-                else:
-                    unit = std[:, spread_entries] / spread[ws][:, q[spread_entries]]
+                unit = over_spread(std, spread[ws], q, spread_entries)  # r / (scale_p s_q)
                 glob = pooled_values(unit, c[spread_entries], np.zeros(unit.shape[1], np.int64), 1, self.n_max,
                                      POOL_BINS)[:, 0]
                 if users.size:
