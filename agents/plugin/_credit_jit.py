@@ -184,6 +184,18 @@ def _row_scratch(width: int) -> tuple[np.ndarray, ...]:  # pragma: no cover - co
 
 
 @_njit
+def _four_terms(gap: float, power: float, cdf: float) -> tuple[float, float, float, float, float]:  # pragma: no cover - compiled
+    """gap x cdf^N for four N in a row, from ``power`` = cdf^N, and cdf^(N + 4) for the next four."""
+    t0 = gap * power
+    power *= cdf
+    t1 = gap * power
+    power *= cdf
+    t2 = gap * power
+    power *= cdf
+    return t0, t1, t2, gap * power, power * cdf
+
+
+@_njit
 def _row_readings(u: np.ndarray, mass: np.ndarray, order: np.ndarray, k: int, n_max: int, subsets: bool,
                   plug_in: np.ndarray, subset_means: np.ndarray, gap: np.ndarray, cdf: np.ndarray, power: np.ndarray,
                   below: np.ndarray) -> None:  # pragma: no cover - compiled
@@ -206,52 +218,17 @@ def _row_readings(u: np.ndarray, mass: np.ndarray, order: np.ndarray, k: int, n_
     while n + 4 <= n_max:  # four N at once: the same operations per N, one pass over the row instead of four
         a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = 0.0
         for j in range(0, whole, 4):
-            g, x, f = gap[j], power[j], cdf[j]
-            a0 += g * x
-            x *= f
-            b0 += g * x
-            x *= f
-            c0 += g * x
-            x *= f
-            d0 += g * x
-            power[j] = x * f
-            g, x, f = gap[j + 1], power[j + 1], cdf[j + 1]
-            a1 += g * x
-            x *= f
-            b1 += g * x
-            x *= f
-            c1 += g * x
-            x *= f
-            d1 += g * x
-            power[j + 1] = x * f
-            g, x, f = gap[j + 2], power[j + 2], cdf[j + 2]
-            a2 += g * x
-            x *= f
-            b2 += g * x
-            x *= f
-            c2 += g * x
-            x *= f
-            d2 += g * x
-            power[j + 2] = x * f
-            g, x, f = gap[j + 3], power[j + 3], cdf[j + 3]
-            a3 += g * x
-            x *= f
-            b3 += g * x
-            x *= f
-            c3 += g * x
-            x *= f
-            d3 += g * x
-            power[j + 3] = x * f
+            t0, t1, t2, t3, power[j] = _four_terms(gap[j], power[j], cdf[j])
+            a0, b0, c0, d0 = a0 + t0, b0 + t1, c0 + t2, d0 + t3
+            t0, t1, t2, t3, power[j + 1] = _four_terms(gap[j + 1], power[j + 1], cdf[j + 1])
+            a1, b1, c1, d1 = a1 + t0, b1 + t1, c1 + t2, d1 + t3
+            t0, t1, t2, t3, power[j + 2] = _four_terms(gap[j + 2], power[j + 2], cdf[j + 2])
+            a2, b2, c2, d2 = a2 + t0, b2 + t1, c2 + t2, d2 + t3
+            t0, t1, t2, t3, power[j + 3] = _four_terms(gap[j + 3], power[j + 3], cdf[j + 3])
+            a3, b3, c3, d3 = a3 + t0, b3 + t1, c3 + t2, d3 + t3
         for j in range(whole, steps):
-            g, x, f = gap[j], power[j], cdf[j]
-            a0 += g * x
-            x *= f
-            b0 += g * x
-            x *= f
-            c0 += g * x
-            x *= f
-            d0 += g * x
-            power[j] = x * f
+            t0, t1, t2, t3, power[j] = _four_terms(gap[j], power[j], cdf[j])
+            a0, b0, c0, d0 = a0 + t0, b0 + t1, c0 + t2, d0 + t3
         plug_in[n] = top - ((a0 + a1) + (a2 + a3))
         plug_in[n + 1] = top - ((b0 + b1) + (b2 + b3))
         plug_in[n + 2] = top - ((c0 + c1) + (c2 + c3))
