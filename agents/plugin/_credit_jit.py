@@ -6,6 +6,11 @@ compiled loop and E[max of N] = u_(M) - sum_j (u_(j+1) - u_(j)) F_j^N is summed 
 the powers in a row-sized buffer, instead of numpy passes over (rows x outcomes) arrays per N; the
 result is that of ``iapo_gym.exact.bon_expected_max`` to rounding (about 1e-15). With ``subsets`` the same
 pass also gives each row's mean max over the N-subsets of its draws (F_j^N read as C(c_j, N) / C(n, N)).
+``segment_readings`` sums both readings of the pulled (prompt, query) rows per prompt in that pass.
+
+Best-of-N location-scale pass (``residual_sums``, ``standardize``, ``over_spread``, ``bin_rows``): the
+residuals under every weighting, their squared sums, their scaling and binning, each in one pass without
+(weightings x entries) temporaries; the numpy operations' values bit for bit (``tests/test_plugin.py``).
 
 Majority vote (``credit_rows``): computes what ``iapo_gym.utility.mv_expected_credit`` computes (the tie-aware generating-function
 sum of ``vote_credit_series``, 1/(1+ties) integrated by Gauss-Legendre quadrature) in compiled
