@@ -843,15 +843,20 @@ def test_best_of_n_readings_in_blocks_equal_one_pass(monkeypatch: pytest.MonkeyP
     np.testing.assert_allclose(means(1), means(1 << 30), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize(("pool_bins", "read"), [(256, [1, 3]), (4, [1, 3]), (8, [1])])
-def test_location_scale_of_the_read_prompts_equals_their_rows_of_the_whole(pool_bins: int, read: list[int],
+def test_location_scale_of_the_read_prompts_equals_their_rows_of_the_whole(pool_bins: int, read: list[int], compiled: bool,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """``_location_scale`` for some prompts computes only their shapes and their queries' expected maxima, each
     as among all of them, bit for bit (the choice to bin is the whole set's: with 8 bins prompt 1's few
-    outcomes alone would not be binned): the fits, the query readings the prompts use and their shapes
-    equal the whole computation's."""
+    outcomes alone would not be binned; unbinned, the numpy path pads to the whole set's width): the fits, the
+    query readings the prompts use and their shapes equal the whole computation's, compiled and numpy."""
+    from agents.plugin import _credit_jit
     from agents.plugin import estimator as plugin_estimator
 
+    if compiled and not _credit_jit.available():
+        pytest.skip("numba is not installed (the fast extra) or IAPO_GYM_JIT=0: no compiled path to check")
+    monkeypatch.setattr(_credit_jit, "available", lambda: compiled)
     monkeypatch.setattr(plugin_estimator, "POOL_BINS", pool_bins)
     table = shape_bon_table(seed=3, n_prompts=6, n_queries=40, n_max=8, n_objectives=2)
     env = IAPOEnv(table=table)
