@@ -252,7 +252,34 @@ def test_mv_credit_rows_matches_the_exact_oracle() -> None:
             _credit_jit.credit_rows(probs[np.arange(300), gold], others, width, 16, 0)
 
 
-@pytest.mark.parametrize("width", [5, 40, 200])  # insertion sort, and numba's argsort past 32 outcomes
+def test_expected_max_kernel_sorts_rows_of_any_spread_as_presorted_rows_read() -> None:
+    """The kernel's sort (insertion up to 32 outcomes, buckets then insertion past it) gives, on shuffled rows, the
+    presorted path's bits on the same rows sorted: normal scores, one score, ties, one outlier far above the rest,
+    a range of a few ulps and a range of subnormals too narrow to bucket (the insertion pass alone)."""
+    from agents.plugin import _credit_jit
+
+    if not _credit_jit.available():
+        pytest.skip("numba is not installed (the fast extra) or IAPO_GYM_JIT=0: no compiled path to check")
+    rng = np.random.default_rng(5)
+    width = 200
+    ramp = np.arange(width, dtype=np.float64)
+    rows = np.stack([rng.normal(size=width), np.full(width, 0.25), np.round(rng.normal(size=width), 1),
+                     np.r_[rng.normal(size=width - 1), 1e6], 1.0 + ramp * np.spacing(1.0), ramp * 5e-324,
+                     rng.normal(size=width)[:40].repeat(5)])
+    counts = rng.integers(0, 4, rows.shape).astype(np.float64)
+    counts[:, 0] = 1.0
+    for k in (5, 33, width):  # outcomes per row: insertion alone, just past it, the whole row
+        shuffled = rng.permuted(np.argsort(rng.random(rows.shape), axis=1)[:, :k], axis=1)
+        scores, mass = np.take_along_axis(rows, shuffled, axis=1), np.take_along_axis(counts, shuffled, axis=1)
+        mass[:, 0] = 1.0
+        order = np.argsort(scores, axis=1, kind="stable")
+        ascending = np.take_along_axis(scores, order, axis=1)
+        assert np.array_equal(_credit_jit.expected_max_rows(scores, mass, 24),
+                              _credit_jit.expected_max_rows(ascending, np.take_along_axis(mass, order, axis=1), 24,
+                                                            presorted=True))
+
+
+@pytest.mark.parametrize("width", [5, 40, 200])  # insertion sort, and the bucket sort past 32 outcomes
 def test_best_of_n_rows_match_the_exact_oracle(width: int) -> None:
     """``bon_values`` (compiled or numpy) equals the oracle's ``bon_expected_max`` on rows with ties, zero
     counts (padding) and one outcome, and the kernel's ``presorted`` path equals its sorting path on

@@ -152,32 +152,69 @@ def _quadrature(n_others: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return nodes, weights, n_nodes
 
 
-#: Outcomes per row up to which ``_expected_max_block`` sorts by insertion in place (no allocation).
+#: Outcomes per row up to which ``_sort_outcomes`` sorts by insertion alone; larger rows are bucketed first.
 INSERTION_SORT_MAX = 32
 
 
 @_njit
+def _insertion_pass(u: np.ndarray, mass: np.ndarray, k: int) -> None:  # pragma: no cover - compiled
+    """Sorts ``u[:k]`` ascending in place by insertion, ``mass[:k]`` moved with it: few moves when nearly sorted."""
+    for j in range(1, k):
+        value, weight = u[j], mass[j]
+        i = j
+        while i > 0 and u[i - 1] > value:
+            u[i], mass[i] = u[i - 1], mass[i - 1]
+            i -= 1
+        u[i], mass[i] = value, weight
+
+
+@_njit
+def _sort_outcomes(u: np.ndarray, mass: np.ndarray, k: int, spare_u: np.ndarray, spare_mass: np.ndarray,
+                   bucket: np.ndarray, start: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Sorts ``u[:k]`` ascending in place, ``mass[:k]`` moved with it. Above ``INSERTION_SORT_MAX`` outcomes, a
+    bucket sort first (k equal-width buckets of the range, counted, then placed through ``spare_u`` and
+    ``spare_mass``; ``bucket`` and ``start`` scratch of k + 1) leaves each outcome near its place, so the insertion
+    pass moves little: a few branch-free passes instead of a comparison sort's mispredicted branches. Ties need
+    no rule: their gap is 0, and running sums of integer counts are exact."""
+    if k > INSERTION_SORT_MAX:
+        low = high = u[0]
+        for j in range(1, k):
+            low, high = min(low, u[j]), max(high, u[j])
+        if high == low:
+            return  # one value: sorted
+        per_width = k / (high - low)
+        if 0.0 < per_width < math.inf:  # else a range too narrow or too wide to bucket: insertion alone
+            for b in range(k + 1):
+                start[b] = 0
+            for j in range(k):
+                bucket[j] = min(int((u[j] - low) * per_width), k - 1)
+                start[bucket[j] + 1] += 1
+            for b in range(1, k + 1):
+                start[b] += start[b - 1]
+            for j in range(k):
+                place = start[bucket[j]]
+                spare_u[place], spare_mass[place] = u[j], mass[j]
+                start[bucket[j]] = place + 1
+            for j in range(k):
+                u[j], mass[j] = spare_u[j], spare_mass[j]
+    _insertion_pass(u, mass, k)
+
+
+@_njit
 def _sorted_row(scores: np.ndarray, counts: np.ndarray, r: int, count_row: int, presorted: bool, u: np.ndarray,
-                mass: np.ndarray, order: np.ndarray) -> int:  # pragma: no cover - compiled
+                mass: np.ndarray, sort_scratch: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+                ) -> int:  # pragma: no cover - compiled
     """Row r's outcomes (their counts in row ``count_row`` of ``counts``) of positive count into ``u`` and
-    ``mass``, ``order`` their ascending order; their number."""
+    ``mass``, ascending (``presorted``: they already are; else ``_sort_outcomes`` with ``sort_scratch``); their
+    number."""
     k = 0
     for j in range(scores.shape[1]):
         if counts[count_row, j] > 0:
             u[k], mass[k] = scores[r, j], counts[count_row, j]
             k += 1
-    if presorted:
-        for j in range(k):
-            order[j] = j
-    elif k <= INSERTION_SORT_MAX:  # ties need no rule: their gap is 0
-        for j in range(k):
-            i = j
-            while i > 0 and u[order[i - 1]] > u[j]:
-                order[i] = order[i - 1]
-                i -= 1
-            order[i] = j
-    else:
-        order[:k] = np.argsort(u[:k])
+    if not presorted:
+        spare_u, spare_mass, bucket, start = sort_scratch
+        _sort_outcomes(u, mass, k, spare_u, spare_mass, bucket, start)
     return k
 
 
@@ -186,6 +223,12 @@ def _row_scratch(width: int) -> tuple[np.ndarray, ...]:  # pragma: no cover - co
     """The buffers of ``_sorted_row`` (outcomes, counts) and ``_row_readings`` (gap, cdf, power, below) for rows of
     ``width``."""
     return np.empty(width), np.empty(width), np.empty(width), np.empty(width), np.empty(width), np.empty(width)
+
+
+@_njit
+def _sort_scratch(width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """The buffers of ``_sort_outcomes`` for rows of ``width``."""
+    return np.empty(width), np.empty(width), np.empty(width, np.int64), np.empty(width + 1, np.int64)
 
 
 @_njit
@@ -201,22 +244,22 @@ def _four_terms(gap: float, power: float, cdf: float) -> tuple[float, float, flo
 
 
 @_njit
-def _row_readings(u: np.ndarray, mass: np.ndarray, order: np.ndarray, k: int, n_max: int, subsets: bool,
+def _row_readings(u: np.ndarray, mass: np.ndarray, k: int, n_max: int, subsets: bool,
                   plug_in: np.ndarray, subset_means: np.ndarray, gap: np.ndarray, cdf: np.ndarray, power: np.ndarray,
                   below: np.ndarray) -> None:  # pragma: no cover - compiled
     """One row's E[max of N draws], N = 1..n_max, into ``plug_in``, and with ``subsets`` its mean max over the
-    N-subsets of its draws into ``subset_means``: the row's k outcomes ``u`` of counts ``mass`` in the ascending
-    ``order`` (``_sorted_row``); ``gap``, ``cdf``, ``power`` and ``below`` are scratch of at least k."""
+    N-subsets of its draws into ``subset_means``: the row's k outcomes ``u``, ascending, of counts ``mass``
+    (``_sorted_row``); ``gap``, ``cdf``, ``power`` and ``below`` are scratch of at least k."""
     total = 0.0
     for j in range(k):
         total += mass[j]
     cumulative = 0.0
     for j in range(k - 1):  # F_j and the step to the next sorted outcome
-        cumulative += mass[order[j]]
+        cumulative += mass[j]
         cdf[j] = cumulative / total
         power[j] = cdf[j]
-        gap[j] = u[order[j + 1]] - u[order[j]]
-    top = u[order[k - 1]]
+        gap[j] = u[j + 1] - u[j]
+    top = u[k - 1]
     steps = k - 1
     whole = steps - steps % 4
     n = 0
@@ -256,7 +299,7 @@ def _row_readings(u: np.ndarray, mass: np.ndarray, order: np.ndarray, k: int, n_
     ratio = cdf  # C(c_j, 1) / C(n, 1); the plug-in pass is done with the cdf, so it becomes the ratios in place
     cumulative = 0.0
     for j in range(steps):
-        cumulative += mass[order[j]]
+        cumulative += mass[j]
         below[j] = cumulative
     # ratio_j = C(c_j, N) / C(n, N) is 0 for the j below ``first``, where c_j < N: the sums start at the multiple
     # of 4 at or below it, so each term goes to the partial sum it would in a sum over every j (the same bits)
@@ -293,10 +336,10 @@ def _expected_max_block(scores: np.ndarray, counts: np.ndarray, n_max: int, pres
     n_rows, width = scores.shape
     out = np.empty((2 if subsets else 1, n_rows, n_max))
     u, mass, gap, cdf, power, below = _row_scratch(width)
-    order = np.empty(width, dtype=np.int64)
+    sort_scratch = _sort_scratch(width)
     for r in range(n_rows):
-        k = _sorted_row(scores, counts, r, r % counts.shape[0], presorted, u, mass, order)
-        _row_readings(u, mass, order, k, n_max, subsets, out[0, r], out[-1, r], gap, cdf, power, below)
+        k = _sorted_row(scores, counts, r, r % counts.shape[0], presorted, u, mass, sort_scratch)
+        _row_readings(u, mass, k, n_max, subsets, out[0, r], out[-1, r], gap, cdf, power, below)
     return out
 
 
@@ -378,14 +421,14 @@ def _segment_readings_block(scores: np.ndarray, counts: np.ndarray, n_max: int, 
         longest = max(longest, bounds[s + 1] - bounds[s])
     plug_in, subset_means = np.empty((longest, n_max)), np.empty((longest, n_max))
     u, mass, gap, cdf, power, below = _row_scratch(width)
-    order = np.empty(width, dtype=np.int64)
+    sort_scratch = _sort_scratch(width)
     for w in range(n_weightings):
         row_scores = scores[w]
         for s in range(n_segments):
             first, size = bounds[s], bounds[s + 1] - bounds[s]
             for i in range(size):
-                k = _sorted_row(row_scores, counts, first + i, first + i, False, u, mass, order)
-                _row_readings(u, mass, order, k, n_max, True, plug_in[i], subset_means[i], gap, cdf, power, below)
+                k = _sorted_row(row_scores, counts, first + i, first + i, False, u, mass, sort_scratch)
+                _row_readings(u, mass, k, n_max, True, plug_in[i], subset_means[i], gap, cdf, power, below)
                 for n in range(n_max):
                     plug_in[i, n] *= weight[first + i, n]
             for n in range(n_max):
