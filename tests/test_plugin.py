@@ -311,17 +311,15 @@ def test_best_of_n_rows_match_the_exact_oracle(width: int) -> None:
     binned = pooled_values(values, weight, row, 4, 16, bins=256)
     spread = np.array([[np.ptp(values[w, row == r]) for r in range(4)] for w in range(2)])
     assert (np.abs(binned - whole) < spread[..., None] / 256).all()
-    if _credit_jit.available():  # the compiled binning: the numpy binning's bins, bit for bit
-        from agents.plugin.estimator import binned_rows
+    from agents.plugin.estimator import binned_rows
 
-        values[:, row == 2] = 0.5  # a row of one score: zero width
-        sizes = np.bincount(row, minlength=4)
-        compiled_bins = binned_rows(values, weight, row, sizes, 64)
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(_credit_jit, "available", lambda: False)
-            numpy_bins = binned_rows(values, weight, row, sizes, 64)
-        assert all(np.array_equal(c, n) for c, n in zip(compiled_bins, numpy_bins, strict=True))
-        assert (numpy_bins[1].sum(axis=-1) == np.bincount(row, weights=weight)).all()
+    values[:, row == 2] = 0.5  # a row of one score: zero width
+    sizes = np.bincount(row, minlength=4)
+    numpy_bins = binned_rows(values, weight, row, sizes, 64)
+    assert (numpy_bins[1].sum(axis=-1) == np.bincount(row, weights=weight)).all()
+    if _credit_jit.available():  # the compiled binning reads the numpy binning's bins, bit for bit
+        assert np.array_equal(pooled_values(values, weight, row, 4, 16, bins=64),
+                              _credit_jit.expected_max_rows(*numpy_bins, 16, presorted=True))
 
 
 @pytest.mark.parametrize("compiled", [True, False])
@@ -403,9 +401,10 @@ def test_location_scale_kernels_equal_their_numpy_operations_bit_for_bit() -> No
     sizes = np.bincount(prompt[picked], minlength=n_prompts)
     starts = np.cumsum(sizes) - sizes
     assert (sizes > 0).all()
-    in_place = _credit_jit.bin_rows(std, draws[picked], starts, sizes, 64, picked)
-    gathered = _credit_jit.bin_rows(np.ascontiguousarray(std[:, picked]), draws[picked], starts, sizes, 64)
-    assert all(np.array_equal(a, b) for a, b in zip(in_place, gathered, strict=True))
+    in_place = _credit_jit.binned_expected_max(std, draws[picked], starts, sizes, 64, n_max, picked)
+    gathered = _credit_jit.binned_expected_max(np.ascontiguousarray(std[:, picked]), draws[picked], starts, sizes, 64,
+                                               n_max)
+    assert np.array_equal(in_place, gathered)
 
 
 def test_response_curve_prior_separates_a_steep_prompt_from_a_flat_one() -> None:

@@ -8,9 +8,10 @@ result is that of ``iapo_gym.exact.bon_expected_max`` to rounding (about 1e-15).
 pass also gives each row's mean max over the N-subsets of its draws (F_j^N read as C(c_j, N) / C(n, N)).
 ``segment_readings`` sums both readings of the pulled (prompt, query) rows per prompt in that pass.
 
-Best-of-N location-scale pass (``residual_sums``, ``standardize``, ``over_spread``, ``bin_rows``): the
-residuals under every weighting, their squared sums, their scaling and binning, each in one pass without
-(weightings x entries) temporaries; the numpy operations' values bit for bit (``tests/test_plugin.py``).
+Best-of-N location-scale pass (``residual_sums``, ``standardize``, ``over_spread``, ``binned_expected_max``): the
+residuals under every weighting, their squared sums, their scaling, and the binned pools' expected maxima (each
+row binned into a buffer and read at once), each in one pass without (weightings x entries) or (weightings x rows
+x bins) temporaries; the numpy operations' values bit for bit (``tests/test_plugin.py``).
 
 Majority vote (``credit_rows``): computes what ``iapo_gym.utility.mv_expected_credit`` computes (the tie-aware generating-function
 sum of ``vote_credit_series``, 1/(1+ties) integrated by Gauss-Legendre quadrature) in compiled
@@ -541,44 +542,63 @@ def fit_curves(g: np.ndarray, n: np.ndarray, z: np.ndarray, ridge: tuple[float, 
 
 
 @_njit
-def _bin_block(values: np.ndarray, counts: np.ndarray, starts: np.ndarray, sizes: np.ndarray, bins: int,
-               entry: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
-    """(W, rows, bins) mean score and mass of each row's entries in ``bins`` equal-width bins of its range:
-    ``pooled_values``' numpy binning in one pass, the same operations in the same order (the same bits). Row r's
-    i-th entry is column ``entry[starts[r] + i]`` of ``values`` (its count ``counts[starts[r] + i]``)."""
-    n_weightings = values.shape[0]
-    n_rows = starts.size
-    mean = np.zeros((n_weightings, n_rows, bins))
-    mass = np.zeros((n_weightings, n_rows, bins))
+def _bin_row(values: np.ndarray, w: int, entry: np.ndarray, counts: np.ndarray, first: int, stop: int,
+             mean: np.ndarray, mass: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Entries ``first:stop`` (column ``entry[i]`` of row ``w`` of ``values``, count ``counts[i]``) into the
+    ``mean.size`` equal-width bins of their range: each bin's mass, and its mean score where the mass is positive
+    (``estimator.binned_rows``' operations in its order, so the same bits)."""
+    bins = mean.size
+    low = high = values[w, entry[first]]
+    for i in range(first + 1, stop):
+        low = min(low, values[w, entry[i]])
+        high = max(high, values[w, entry[i]])
+    width = high - low if high - low > 0 else 1.0
+    for b in range(bins):
+        mean[b] = mass[b] = 0.0
+    for i in range(first, stop):
+        v = values[w, entry[i]]
+        cell = min(int((v - low) / width * bins), bins - 1)
+        mass[cell] += counts[i]
+        mean[cell] += v * counts[i]
+    for b in range(bins):
+        if mass[b] > 0:
+            mean[b] /= mass[b]
+
+
+@_njit
+def _binned_expected_max_block(values: np.ndarray, counts: np.ndarray, starts: np.ndarray, sizes: np.ndarray,
+                               bins: int, entry: np.ndarray, n_max: int) -> np.ndarray:  # pragma: no cover - compiled
+    """(W, rows, n_max) E[max of N draws] of each row's binned entries (``_bin_row``): each row is binned into a
+    buffer of ``bins`` and read at once (its bins ascend), the values of ``expected_max_rows(...,
+    presorted=True)`` on ``binned_rows``' bins without (W, rows, bins) arrays."""
+    n_weightings, n_rows = values.shape[0], starts.size
+    out = np.empty((n_weightings, n_rows, n_max))
+    bin_mean, bin_mass = np.empty(bins), np.empty(bins)
+    u, mass, gap, cdf, power, below = _row_scratch(bins)
     for w in range(n_weightings):
         for r in range(n_rows):
-            first, stop = starts[r], starts[r] + sizes[r]
-            low = high = values[w, entry[first]]
-            for i in range(first + 1, stop):
-                low = min(low, values[w, entry[i]])
-                high = max(high, values[w, entry[i]])
-            width = high - low if high - low > 0 else 1.0
-            for i in range(first, stop):
-                v = values[w, entry[i]]
-                cell = min(int((v - low) / width * bins), bins - 1)
-                mass[w, r, cell] += counts[i]
-                mean[w, r, cell] += v * counts[i]
-            for k in range(bins):
-                if mass[w, r, k] > 0:
-                    mean[w, r, k] /= mass[w, r, k]
-    return mean, mass
+            _bin_row(values, w, entry, counts, starts[r], starts[r] + sizes[r], bin_mean, bin_mass)
+            k = 0
+            for b in range(bins):
+                if bin_mass[b] > 0:
+                    u[k], mass[k] = bin_mean[b], bin_mass[b]
+                    k += 1
+            _row_readings(u, mass, k, n_max, False, out[w, r], out[w, r], gap, cdf, power, below)
+    return out
 
 
-def bin_rows(values: np.ndarray, counts: np.ndarray, starts: np.ndarray, sizes: np.ndarray,
-             bins: int, entry: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(W, rows, bins) mean and mass of the entries ``values`` (W, entries) with ``counts`` (entries,) of rows
-    starting at ``starts`` with ``sizes`` entries (each >= 1), in ``bins`` equal-width bins of each row's range.
-    With ``entry``, the i-th entry is column ``entry[i]`` of ``values`` (read in place, not gathered first)."""
+def binned_expected_max(values: np.ndarray, counts: np.ndarray, starts: np.ndarray, sizes: np.ndarray, bins: int,
+                        n_max: int, entry: np.ndarray | None = None) -> np.ndarray:
+    """(W, rows, n_max) E[max of N draws], N = 1..n_max, of each row's entries merged into ``bins`` equal-width
+    bins of its range, each at the mean score of its entries: the entries ``values`` (W, entries) with ``counts``
+    (entries,) of rows starting at ``starts`` with ``sizes`` entries (each >= 1). With ``entry``, the i-th entry is
+    column ``entry[i]`` of ``values`` (read in place, not gathered first)."""
     values = np.ascontiguousarray(values, dtype=np.float64)
     entry = np.arange(values.shape[1]) if entry is None else entry
-    return _bin_block(values, np.ascontiguousarray(counts, dtype=np.float64),
-                      np.ascontiguousarray(starts, dtype=np.int64), np.ascontiguousarray(sizes, dtype=np.int64),
-                      int(bins), np.ascontiguousarray(entry, dtype=np.int64))
+    return _binned_expected_max_block(values, np.ascontiguousarray(counts, dtype=np.float64),
+                                      np.ascontiguousarray(starts, dtype=np.int64),
+                                      np.ascontiguousarray(sizes, dtype=np.int64), int(bins),
+                                      np.ascontiguousarray(entry, dtype=np.int64), int(n_max))
 
 
 @_njit
@@ -702,7 +722,7 @@ def warm_up() -> None:
         credit_rows(np.array([0.5]), np.array([[0.3, 0.2]]), np.array([2]), 2)
         expected_max_rows(np.array([[0.0, 1.0]]), np.array([[1.0, 1.0]]), 2)  # ``presorted`` is a run-time flag
         segment_readings(np.array([[[0.0, 1.0]]]), np.array([[1.0, 1.0]]), 2, np.ones((1, 2)), np.array([0, 1]))
-        bin_rows(np.array([[0.0, 1.0]]), np.ones(2), np.zeros(1, np.int64), np.full(1, 2), 2)
+        binned_expected_max(np.array([[0.0, 1.0]]), np.ones(2), np.zeros(1, np.int64), np.full(1, 2), 2, 2)
         index, one_row = np.zeros(1, np.int64), np.ones((1, 1))
         residual_sums(one_row, one_row, one_row, index, index, np.ones(1), 1, 1)
         standardize(np.ones((1, 1)), one_row, index)
@@ -715,5 +735,6 @@ def warm_up() -> None:
         _warm = True
 
 
-__all__: list[Any] = ["available", "bin_rows", "clipped_readings", "credit_rows", "expected_max_rows", "fit_curves",
+__all__: list[Any] = ["available", "binned_expected_max", "clipped_readings", "credit_rows", "expected_max_rows",
+                      "fit_curves",
                       "over_spread", "residual_sums", "segment_readings", "standardize", "warm_up"]

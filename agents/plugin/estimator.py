@@ -187,6 +187,8 @@ def pooled_values(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_row
         width = 0 if whole_width is None or _credit_jit.available() else whole_width
         scores, weight = padded_rows(values, counts, row, n_rows, width)
         return bon_values(scores, weight, n_max)  # the same counts for every weighting
+    if _credit_jit.available():
+        return _credit_jit.binned_expected_max(values, counts, np.cumsum(sizes) - sizes, sizes, bins, n_max)
     mean, mass = binned_rows(values, counts, row, sizes, bins)
     return bon_values(mean, mass, n_max, presorted=True)  # bins ascend
 
@@ -198,8 +200,8 @@ def pooled_entries(values: np.ndarray, entries: np.ndarray, counts: np.ndarray, 
     gathering a (W, entries) copy first."""
     if whole_width > POOL_BINS and _credit_jit.available():
         sizes = np.bincount(row, minlength=n_rows)
-        mean, mass = _credit_jit.bin_rows(values, counts[entries], np.cumsum(sizes) - sizes, sizes, POOL_BINS, entries)
-        return bon_values(mean, mass, n_max, presorted=True)  # bins ascend
+        return _credit_jit.binned_expected_max(values, counts[entries], np.cumsum(sizes) - sizes, sizes, POOL_BINS,
+                                               n_max, entries)
     return pooled_values(values[:, entries], counts[entries], row, n_rows, n_max, POOL_BINS, whole_width)
 
 
@@ -207,12 +209,10 @@ def binned_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, sizes: 
                 bins: int) -> tuple[np.ndarray, np.ndarray]:
     """(W, rows, bins) mean score and mass of each row's entries (``pooled_values``' arguments; ``sizes`` the
     entries per row) in ``bins`` equal-width bins of the row's score range; bins without entries hold 0.
-    The compiled ``_credit_jit.bin_rows`` does the same operations in the same order (the same bits) in
-    one pass, without (W, entries) temporaries."""
+    The numpy path's binning: the compiled ``_credit_jit.binned_expected_max`` bins each row with the same
+    operations in the same order (the same bits) and reads it at once."""
     n_rows = sizes.size
     starts = np.cumsum(sizes) - sizes
-    if _credit_jit.available():
-        return _credit_jit.bin_rows(values, counts, starts, sizes, bins)
     low = np.minimum.reduceat(values, starts, axis=1)  # (W, n_rows)
     width = np.maximum.reduceat(values, starts, axis=1) - low
     scaled = (values - low[:, row]) / np.where(width > 0, width, 1.0)[:, row]
