@@ -24,7 +24,6 @@ except ImportError:  # pragma: no cover - depends on the install
     numba = None  # type: ignore[assignment]
 
 SOFTMAX, EPSILON_GREEDY, UCB = 0, 1, 2  # the kinds of choice rule (``_Sequential.jit_rule``)
-MAX_N = 129  # the largest N_max whose block sums ``_reduceat_sum`` reproduces (numpy's PW_BLOCKSIZE + 1)
 
 
 def enabled() -> bool:
@@ -130,37 +129,90 @@ def _draw(prompt: int, n: int, pool: np.ndarray, accept: np.ndarray, alias: np.n
     return query
 
 
-@_njit
-def _reduceat_sum(values: np.ndarray, count: int, acc: np.ndarray, out: np.ndarray) -> None:
-    """``out[c] = np.add.reduceat(values[:count], [0], axis=0)[0, c]`` bit for bit (``update_one``'s block sums).
+#: numpy's ``PW_BLOCKSIZE``: ``pairwise_sum`` adds up to this many terms in one unrolled pass, more by halves.
+PAIRWISE_BLOCK = 128
+#: Halvings ``pairwise_rows`` can hold at most: halving a count below 2^63 reaches ``PAIRWISE_BLOCK`` in fewer.
+PAIRWISE_DEPTH = 64
 
-    numpy's reduceat starts from the first row and adds the pairwise sum of the others
-    (numpy's ``pairwise_sum``: sequential from 0.0 below 8 terms, else 8 interleaved partial
-    sums combined as a tree, then the remainder). ``acc`` (8, C) is scratch space; ``count``
-    - 1 <= 128 (``PW_BLOCKSIZE``, where numpy would split further), i.e. N_max <= 129.
-    """
-    m, n_contexts = count - 1, values.shape[1]
-    if m < 8:
-        for c in range(n_contexts):
-            res = 0.0
-            for i in range(1, count):
-                res += values[i, c]
-            out[c] = values[0, c] + res
+
+@_njit
+def _pairwise_leaf(values: np.ndarray, start: int, count: int, acc: np.ndarray, out: np.ndarray) -> None:
+    """``out[c]`` = numpy's ``pairwise_sum`` of ``values[start:start + count, c]`` for count <= ``PAIRWISE_BLOCK``,
+    every column at once: sequential from 0.0 below 8 terms, else 8 interleaved partial sums (``acc`` (8, C))
+    combined as a tree, then the remainder."""
+    n_columns = values.shape[1]
+    if count < 8:
+        for c in range(n_columns):
+            out[c] = 0.0
+        for i in range(start, start + count):
+            for c in range(n_columns):
+                out[c] += values[i, c]
         return
     for j in range(8):
-        for c in range(n_contexts):
-            acc[j, c] = values[1 + j, c]
+        for c in range(n_columns):
+            acc[j, c] = values[start + j, c]
     i = 8
-    while i < m - m % 8:
+    while i < count - count % 8:
         for j in range(8):
-            for c in range(n_contexts):
-                acc[j, c] += values[1 + i + j, c]
+            for c in range(n_columns):
+                acc[j, c] += values[start + i + j, c]
         i += 8
-    for c in range(n_contexts):
+    for c in range(n_columns):
         res = ((acc[0, c] + acc[1, c]) + (acc[2, c] + acc[3, c])) + ((acc[4, c] + acc[5, c]) + (acc[6, c] + acc[7, c]))
-        for t in range(i, m):
-            res += values[1 + t, c]
-        out[c] = values[0, c] + res
+        for t in range(start + i, start + count):
+            res += values[t, c]
+        out[c] = res
+
+
+@_njit
+def pairwise_rows(values: np.ndarray, start: int, count: int, acc: np.ndarray, partial: np.ndarray,
+                  out: np.ndarray) -> None:
+    """``out[c]`` = numpy's ``pairwise_sum`` of ``values[start:start + count, c]`` for every column c, bit for bit
+    (the sum ``np.add.reduceat`` gives a segment past its first row). Above ``PAIRWISE_BLOCK`` terms
+    numpy adds the sums of two halves (the first a multiple of 8), recursively: the same tree here, walked with an
+    explicit stack (numba cannot load a recursive function from its cache). Scratch: ``acc`` (8, C) and
+    ``partial`` (``PAIRWISE_DEPTH``, C), the finished left halves."""
+    if count <= PAIRWISE_BLOCK:
+        _pairwise_leaf(values, start, count, acc, out)
+        return
+    n_columns = values.shape[1]
+    first, size = np.empty(PAIRWISE_DEPTH, np.int64), np.empty(PAIRWISE_DEPTH, np.int64)
+    right_pending = np.zeros(PAIRWISE_DEPTH, np.bool_)
+    depth = 0
+    first[0], size[0] = start, count
+    while True:
+        while size[depth] > PAIRWISE_BLOCK:  # down the left halves
+            half = size[depth] // 2
+            half -= half % 8
+            first[depth + 1], size[depth + 1] = first[depth], half
+            right_pending[depth] = True
+            depth += 1
+        _pairwise_leaf(values, first[depth], size[depth], acc, out)
+        while True:  # up: add each finished right half to its left one, or go down the next right half
+            depth -= 1
+            if depth < 0:
+                return
+            if right_pending[depth]:
+                right_pending[depth] = False
+                for c in range(n_columns):
+                    partial[depth, c] = out[c]
+                half = size[depth] // 2
+                half -= half % 8
+                first[depth + 1], size[depth + 1] = first[depth] + half, size[depth] - half
+                depth += 1
+                break
+            for c in range(n_columns):
+                out[c] = partial[depth, c] + out[c]
+
+
+@_njit
+def _reduceat_sum(values: np.ndarray, count: int, acc: np.ndarray, partial: np.ndarray, out: np.ndarray) -> None:
+    """``out[c] = np.add.reduceat(values[:count], [0], axis=0)[0, c]`` bit for bit (``update_one``'s block sums):
+    numpy's reduceat starts from the first row and adds the pairwise sum of the others (``pairwise_rows``, its
+    scratch ``acc`` and ``partial``)."""
+    pairwise_rows(values, 1, count - 1, acc, partial, out)
+    for c in range(values.shape[1]):
+        out[c] = values[0, c] + out[c]
 
 
 # ---- the estimator's update (estimator.py: Estimator.update_one, blocks reuse) --------------
@@ -168,13 +220,14 @@ def _reduceat_sum(values: np.ndarray, count: int, acc: np.ndarray, out: np.ndarr
 def _update(p: int, n: int, q: int, atoms: np.ndarray, n_atoms: int, mv: bool, gold: np.ndarray,
             table_atoms: np.ndarray, weights: np.ndarray, cost: np.ndarray, sums: np.ndarray, counts: np.ndarray,
             scores: np.ndarray, votes: np.ndarray, per_k: np.ndarray, task: np.ndarray, block_max: np.ndarray,
-            pairwise: np.ndarray, weights_t: np.ndarray) -> None:
+            pairwise: np.ndarray, partial: np.ndarray, weights_t: np.ndarray) -> None:
     """Add the samples of one pull at every scale k <= n (floor(n / k) blocks of k, in draw order).
 
     Scratch space (reused across steps, no allocation per step): ``scores`` (levels, N_max, C) for
     the Best-of-N scores and their sparse table of range maxima (level l: the maxima of 2^l
     consecutive completions, as in ``update_one``), ``votes`` (atoms,) zeros, ``per_k`` (2,
-    N_max), ``task`` and ``block_max`` (N_max, C), ``pairwise`` (8, C); ``weights_t`` is ``weights.T``
+    N_max), ``task`` and ``block_max`` (N_max, C), ``pairwise`` (8, C) and ``partial`` (``PAIRWISE_DEPTH``, C);
+    ``weights_t`` is ``weights.T``
     contiguous.
     """
     n_contexts, n_obj = weights.shape[0], weights.shape[1] - 1
@@ -223,7 +276,7 @@ def _update(p: int, n: int, q: int, atoms: np.ndarray, n_atoms: int, mv: bool, g
                 for c in range(n_contexts):
                     low, high = scores[level, first, c], scores[level, last, c]
                     block_max[b, c] = low if low >= high else high
-            _reduceat_sum(block_max, n_blocks, pairwise, task[k - 1])
+            _reduceat_sum(block_max, n_blocks, pairwise, partial, task[k - 1])
     for c in range(n_contexts):  # row by row: rows are P * N_max apart, a column walk would thrash the cache
         w_task, w_cost = weights[c, 0], weights[c, n_obj]
         for k in range(n):
@@ -254,6 +307,7 @@ def advance(rule: int, param: float, rng: np.random.Generator, env_rng: np.rando
     scores = np.empty((n_levels, n_max, n_contexts))
     votes, per_k, task = np.zeros(n_atoms, np.int64), np.empty((2, n_max)), np.empty((n_max, n_contexts))
     block_max, pairwise = np.empty((n_max, n_contexts)), np.empty((8, n_contexts))
+    partial = np.empty((PAIRWISE_DEPTH, n_contexts))
     weights_t = weights.T.copy()
     totals = np.zeros(n_contexts)  # per context, the sum of its counts (what UCB.choose sums)
     for ctx in range(n_contexts):
@@ -267,7 +321,7 @@ def advance(rule: int, param: float, rng: np.random.Generator, env_rng: np.rando
         p, n = arm // n_max, arm % n_max + 1
         q = _draw(p, n, pool, accept, alias, n_atoms, n_queries, env_rng, atoms)
         _update(p, n, q, atoms, n_atoms, mv, gold, table_atoms, weights, cost, sums, counts, scores, votes, per_k,
-                task, block_max, pairwise, weights_t)
+                task, block_max, pairwise, partial, weights_t)
         spent += n
         for k in range(1, n + 1):
             totals += n // k

@@ -221,7 +221,7 @@ class _Trajectory:
         rule = agent.jit_rule()
         self.compiled = rule if (
             _jit.enabled() and rule is not None and agent.batch_size == 1 and agent.reuse == "blocks"
-            and base.draws_from_table and base.n_max <= _jit.MAX_N
+            and base.draws_from_table
             and type(self.est).task_sums is Estimator.task_sums) else None
         self.tables: tuple[Any, ...] = ()
         if self.compiled is not None:

@@ -127,6 +127,17 @@ def test_envs_that_do_not_draw_from_their_table_keep_the_numpy_path(monkeypatch:
     assert Logged.pulls > 10 and env.budget_used == 300
 
 
+@pytest.mark.parametrize("name", ["softmax", "ucb"])
+def test_compiled_loop_matches_past_numpys_pairwise_block(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At N_max 300 a Best-of-N pull of n > 129 sums more than 128 blocks of one, which numpy's pairwise sum
+    splits in halves: the compiled block sums split them the same way (the same sums, bit for bit)."""
+    table = tiny_bon_table(seed=2, n_prompts=3, n_max=300)
+    fast = _train(table, name, 1, 6000, True, monkeypatch)
+    assert fast == _train(table, name, 1, 6000, False, monkeypatch)
+    counts = np.frombuffer(fast["counts"]).reshape(table.n_contexts, 3, 300)
+    assert (counts[..., 130:] > 0).any()  # some pull had more than 129 completions
+
+
 def test_switches_and_cases_without_a_compiled_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     env = IAPOEnv(table=TABLES["mv"](0))
     env.reset(seed=0)
@@ -139,8 +150,6 @@ def test_switches_and_cases_without_a_compiled_copy(monkeypatch: pytest.MonkeyPa
             return super().choose(means, counts, feasible)
 
     assert _Trajectory(Greedy(seed=0), env).compiled is None  # a redefined choose has no compiled copy
-    long = IAPOEnv(table=tiny_mv_table(n_max=_jit.MAX_N + 1))  # beyond the block sums the kernel reproduces
-    assert _Trajectory(agents.make("softmax", seed=0), long).compiled is None
     monkeypatch.setenv("IAPO_GYM_JIT", "0")
     assert not _jit.enabled()
     assert _Trajectory(agents.make("softmax", seed=0), env).compiled is None

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from agents._jit import _njit, enabled
+from agents._jit import PAIRWISE_DEPTH, _njit, enabled, pairwise_rows
 from iapo_gym.utility import gauss_legendre_01
 
 
@@ -345,69 +345,6 @@ def _expected_max_block(scores: np.ndarray, counts: np.ndarray, n_max: int, pres
 
 
 @_njit
-def _pairwise_leaf(values: np.ndarray, start: int, count: int, column: int) -> float:  # pragma: no cover - compiled
-    """numpy's ``pairwise_sum`` of ``values[start:start + count, column]`` for count <= 128 (``PW_BLOCKSIZE``):
-    sequential from 0.0 below 8 terms, else 8 interleaved partial sums combined as a tree, then the rest."""
-    if count < 8:
-        res = 0.0
-        for i in range(start, start + count):
-            res += values[i, column]
-        return res
-    r0, r1, r2, r3 = values[start, column], values[start + 1, column], values[start + 2, column], values[start + 3, column]
-    r4, r5, r6, r7 = values[start + 4, column], values[start + 5, column], values[start + 6, column], values[start + 7, column]
-    i = 8
-    while i < count - count % 8:
-        r0 += values[start + i, column]
-        r1 += values[start + i + 1, column]
-        r2 += values[start + i + 2, column]
-        r3 += values[start + i + 3, column]
-        r4 += values[start + i + 4, column]
-        r5 += values[start + i + 5, column]
-        r6 += values[start + i + 6, column]
-        r7 += values[start + i + 7, column]
-        i += 8
-    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
-    for t in range(start + i, start + count):
-        res += values[t, column]
-    return res
-
-
-@_njit
-def _pairwise_column(values: np.ndarray, start: int, count: int, column: int) -> float:  # pragma: no cover - compiled
-    """numpy's ``pairwise_sum`` of ``values[start:start + count, column]``: above 128 terms numpy adds the sums of
-    two halves (the first a multiple of 8), recursively; the same tree here, walked with an explicit stack (numba
-    cannot load a recursive function from its cache)."""
-    if count <= 128:
-        return _pairwise_leaf(values, start, count, column)
-    depth_max = 64  # halving a count below 2^63 reaches 128 terms in fewer levels
-    first, size = np.empty(depth_max, np.int64), np.empty(depth_max, np.int64)
-    left, right_pending = np.empty(depth_max), np.zeros(depth_max, np.bool_)
-    depth = 0
-    first[0], size[0] = start, count
-    while True:
-        while size[depth] > 128:  # down the left halves
-            half = size[depth] // 2
-            half -= half % 8
-            first[depth + 1], size[depth + 1] = first[depth], half
-            right_pending[depth] = True
-            depth += 1
-        value = _pairwise_leaf(values, first[depth], size[depth], column)
-        while True:  # up: add each finished right half to its left one, or go down the next right half
-            depth -= 1
-            if depth < 0:
-                return value
-            if right_pending[depth]:
-                right_pending[depth] = False
-                left[depth] = value
-                half = size[depth] // 2
-                half -= half % 8
-                first[depth + 1], size[depth + 1] = first[depth] + half, size[depth] - half
-                depth += 1
-                break
-            value = left[depth] + value
-
-
-@_njit
 def _segment_readings_block(scores: np.ndarray, counts: np.ndarray, n_max: int, weight: np.ndarray,
                             bounds: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     """(2, W, S, n_max): per weighting and segment of rows ``bounds[s]:bounds[s + 1]``, the sum over its rows of
@@ -421,6 +358,7 @@ def _segment_readings_block(scores: np.ndarray, counts: np.ndarray, n_max: int, 
     for s in range(n_segments):
         longest = max(longest, bounds[s + 1] - bounds[s])
     plug_in, subset_means = np.empty((longest, n_max)), np.empty((longest, n_max))
+    acc, partial, rest = np.empty((8, n_max)), np.empty((PAIRWISE_DEPTH, n_max)), np.empty(n_max)
     u, mass, gap, cdf, power, below = _row_scratch(width)
     sort_scratch = _sort_scratch(width)
     for w in range(n_weightings):
@@ -432,10 +370,13 @@ def _segment_readings_block(scores: np.ndarray, counts: np.ndarray, n_max: int, 
                 _row_readings(u, mass, k, n_max, True, plug_in[i], subset_means[i], gap, cdf, power, below)
                 for n in range(n_max):
                     plug_in[i, n] *= weight[first + i, n]
-            for n in range(n_max):
-                out[0, w, s, n] = plug_in[0, n] + _pairwise_column(plug_in, 1, size - 1, n) if size > 1 else plug_in[0, n]
-                out[1, w, s, n] = (subset_means[0, n] + _pairwise_column(subset_means, 1, size - 1, n) if size > 1
-                                   else subset_means[0, n])
+            for reading, rows in ((0, plug_in), (1, subset_means)):
+                if size == 1:  # reduceat gives a segment of one row that row
+                    out[reading, w, s] = rows[0]
+                    continue
+                pairwise_rows(rows, 1, size - 1, acc, partial, rest)
+                for n in range(n_max):
+                    out[reading, w, s, n] = rows[0, n] + rest[n]
     return out
 
 
