@@ -677,5 +677,4 @@ def warm_up() -> None:
 
 
 __all__: list[Any] = ["available", "binned_expected_max", "clipped_readings", "credit_rows", "expected_max_rows",
-                      "fit_curves",
-                      "over_spread", "residual_sums", "segment_readings", "standardize", "warm_up"]
+                      "fit_curves", "over_spread", "residual_sums", "segment_readings", "standardize", "warm_up"]
