@@ -165,19 +165,28 @@ def _pairwise_leaf(values: np.ndarray, start: int, count: int, acc: np.ndarray, 
 
 
 @_njit
-def pairwise_rows(values: np.ndarray, start: int, count: int, acc: np.ndarray, partial: np.ndarray,
+def pairwise_scratch(n_columns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The buffers of ``pairwise_rows`` for rows of ``n_columns``: the 8 partial sums (8, C), the finished left
+    halves (``PAIRWISE_DEPTH``, C) and the stack of halves (3, ``PAIRWISE_DEPTH``: first row, rows, right half
+    pending)."""
+    return (np.empty((8, n_columns)), np.empty((PAIRWISE_DEPTH, n_columns)),
+            np.zeros((3, PAIRWISE_DEPTH), np.int64))
+
+
+@_njit
+def pairwise_rows(values: np.ndarray, start: int, count: int, scratch: tuple[np.ndarray, np.ndarray, np.ndarray],
                   out: np.ndarray) -> None:
     """``out[c]`` = numpy's ``pairwise_sum`` of ``values[start:start + count, c]`` for every column c, bit for bit
     (the sum ``np.add.reduceat`` gives a segment past its first row). Above ``PAIRWISE_BLOCK`` terms
     numpy adds the sums of two halves (the first a multiple of 8), recursively: the same tree here, walked with an
-    explicit stack (numba cannot load a recursive function from its cache). Scratch: ``acc`` (8, C) and
-    ``partial`` (``PAIRWISE_DEPTH``, C), the finished left halves."""
+    explicit stack (numba cannot load a recursive function from its cache), in ``scratch``
+    (``pairwise_scratch``), so no call allocates."""
+    acc, partial, stack = scratch
     if count <= PAIRWISE_BLOCK:
         _pairwise_leaf(values, start, count, acc, out)
         return
     n_columns = values.shape[1]
-    first, size = np.empty(PAIRWISE_DEPTH, np.int64), np.empty(PAIRWISE_DEPTH, np.int64)
-    right_pending = np.zeros(PAIRWISE_DEPTH, np.bool_)
+    first, size, right_pending = stack[0], stack[1], stack[2]
     depth = 0
     first[0], size[0] = start, count
     while True:
@@ -185,7 +194,7 @@ def pairwise_rows(values: np.ndarray, start: int, count: int, acc: np.ndarray, p
             half = size[depth] // 2
             half -= half % 8
             first[depth + 1], size[depth + 1] = first[depth], half
-            right_pending[depth] = True
+            right_pending[depth] = 1
             depth += 1
         _pairwise_leaf(values, first[depth], size[depth], acc, out)
         while True:  # up: add each finished right half to its left one, or go down the next right half
@@ -193,7 +202,7 @@ def pairwise_rows(values: np.ndarray, start: int, count: int, acc: np.ndarray, p
             if depth < 0:
                 return
             if right_pending[depth]:
-                right_pending[depth] = False
+                right_pending[depth] = 0
                 for c in range(n_columns):
                     partial[depth, c] = out[c]
                 half = size[depth] // 2
@@ -206,11 +215,11 @@ def pairwise_rows(values: np.ndarray, start: int, count: int, acc: np.ndarray, p
 
 
 @_njit
-def _reduceat_sum(values: np.ndarray, count: int, acc: np.ndarray, partial: np.ndarray, out: np.ndarray) -> None:
+def _reduceat_sum(values: np.ndarray, count: int, scratch: tuple[np.ndarray, np.ndarray, np.ndarray],
+                  out: np.ndarray) -> None:
     """``out[c] = np.add.reduceat(values[:count], [0], axis=0)[0, c]`` bit for bit (``update_one``'s block sums):
-    numpy's reduceat starts from the first row and adds the pairwise sum of the others (``pairwise_rows``, its
-    scratch ``acc`` and ``partial``)."""
-    pairwise_rows(values, 1, count - 1, acc, partial, out)
+    numpy's reduceat starts from the first row and adds the pairwise sum of the others (``pairwise_rows``)."""
+    pairwise_rows(values, 1, count - 1, scratch, out)
     for c in range(values.shape[1]):
         out[c] = values[0, c] + out[c]
 
@@ -220,15 +229,14 @@ def _reduceat_sum(values: np.ndarray, count: int, acc: np.ndarray, partial: np.n
 def _update(p: int, n: int, q: int, atoms: np.ndarray, n_atoms: int, mv: bool, gold: np.ndarray,
             table_atoms: np.ndarray, weights: np.ndarray, cost: np.ndarray, sums: np.ndarray, counts: np.ndarray,
             scores: np.ndarray, votes: np.ndarray, per_k: np.ndarray, task: np.ndarray, block_max: np.ndarray,
-            pairwise: np.ndarray, partial: np.ndarray, weights_t: np.ndarray) -> None:
+            pairwise: tuple[np.ndarray, np.ndarray, np.ndarray], weights_t: np.ndarray) -> None:
     """Add the samples of one pull at every scale k <= n (floor(n / k) blocks of k, in draw order).
 
     Scratch space (reused across steps, no allocation per step): ``scores`` (levels, N_max, C) for
     the Best-of-N scores and their sparse table of range maxima (level l: the maxima of 2^l
     consecutive completions, as in ``update_one``), ``votes`` (atoms,) zeros, ``per_k`` (2,
-    N_max), ``task`` and ``block_max`` (N_max, C), ``pairwise`` (8, C) and ``partial`` (``PAIRWISE_DEPTH``, C);
-    ``weights_t`` is ``weights.T``
-    contiguous.
+    N_max), ``task`` and ``block_max`` (N_max, C), ``pairwise`` (``pairwise_scratch(C)``); ``weights_t`` is
+    ``weights.T`` contiguous.
     """
     n_contexts, n_obj = weights.shape[0], weights.shape[1] - 1
     cost_k, credit = per_k[0], per_k[1]  # per scale k = 1..n
@@ -276,7 +284,7 @@ def _update(p: int, n: int, q: int, atoms: np.ndarray, n_atoms: int, mv: bool, g
                 for c in range(n_contexts):
                     low, high = scores[level, first, c], scores[level, last, c]
                     block_max[b, c] = low if low >= high else high
-            _reduceat_sum(block_max, n_blocks, pairwise, partial, task[k - 1])
+            _reduceat_sum(block_max, n_blocks, pairwise, task[k - 1])
     for c in range(n_contexts):  # row by row: rows are P * N_max apart, a column walk would thrash the cache
         w_task, w_cost = weights[c, 0], weights[c, n_obj]
         for k in range(n):
@@ -306,8 +314,7 @@ def advance(rule: int, param: float, rng: np.random.Generator, env_rng: np.rando
         n_levels += 1
     scores = np.empty((n_levels, n_max, n_contexts))
     votes, per_k, task = np.zeros(n_atoms, np.int64), np.empty((2, n_max)), np.empty((n_max, n_contexts))
-    block_max, pairwise = np.empty((n_max, n_contexts)), np.empty((8, n_contexts))
-    partial = np.empty((PAIRWISE_DEPTH, n_contexts))
+    block_max, pairwise = np.empty((n_max, n_contexts)), pairwise_scratch(n_contexts)
     weights_t = weights.T.copy()
     totals = np.zeros(n_contexts)  # per context, the sum of its counts (what UCB.choose sums)
     for ctx in range(n_contexts):
@@ -321,7 +328,7 @@ def advance(rule: int, param: float, rng: np.random.Generator, env_rng: np.rando
         p, n = arm // n_max, arm % n_max + 1
         q = _draw(p, n, pool, accept, alias, n_atoms, n_queries, env_rng, atoms)
         _update(p, n, q, atoms, n_atoms, mv, gold, table_atoms, weights, cost, sums, counts, scores, votes, per_k,
-                task, block_max, pairwise, partial, weights_t)
+                task, block_max, pairwise, weights_t)
         spent += n
         for k in range(1, n + 1):
             totals += n // k

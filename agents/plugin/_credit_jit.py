@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from agents._jit import PAIRWISE_DEPTH, _njit, enabled, pairwise_rows
+from agents._jit import _njit, enabled, pairwise_rows, pairwise_scratch
 from iapo_gym.utility import gauss_legendre_01
 
 
@@ -358,7 +358,7 @@ def _segment_readings_block(scores: np.ndarray, counts: np.ndarray, n_max: int, 
     for s in range(n_segments):
         longest = max(longest, bounds[s + 1] - bounds[s])
     plug_in, subset_means = np.empty((longest, n_max)), np.empty((longest, n_max))
-    acc, partial, rest = np.empty((8, n_max)), np.empty((PAIRWISE_DEPTH, n_max)), np.empty(n_max)
+    pairwise, rest = pairwise_scratch(n_max), np.empty(n_max)
     u, mass, gap, cdf, power, below = _row_scratch(width)
     sort_scratch = _sort_scratch(width)
     for w in range(n_weightings):
@@ -374,7 +374,7 @@ def _segment_readings_block(scores: np.ndarray, counts: np.ndarray, n_max: int, 
                 if size == 1:  # reduceat gives a segment of one row that row
                     out[reading, w, s] = rows[0]
                     continue
-                pairwise_rows(rows, 1, size - 1, acc, partial, rest)
+                pairwise_rows(rows, 1, size - 1, pairwise, rest)
                 for n in range(n_max):
                     out[reading, w, s, n] = rows[0, n] + rest[n]
     return out
