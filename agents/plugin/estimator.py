@@ -115,13 +115,12 @@ def mv_credit_rows(probs: np.ndarray, gold: np.ndarray, n_max: int) -> np.ndarra
     return out
 
 
-def bon_values(scores: np.ndarray, counts: np.ndarray, n_max: int, presorted: bool = False) -> np.ndarray:
+def bon_values(scores: np.ndarray, counts: np.ndarray, n_max: int) -> np.ndarray:
     """(..., rows, n_max) expected max of N = 1..n_max draws from each row's outcomes, ``scores`` (..., rows,
     width) weighted by ``counts`` (same shape, or broadcastable to it); entries of count 0 are padding (at least
-    one count per row). ``presorted``: each row's scores of positive count already ascend (the compiled kernel then
-    skips its sort)."""
+    one count per row)."""
     if _credit_jit.available():
-        return _credit_jit.expected_max_rows(scores, counts, n_max, presorted)
+        return _credit_jit.expected_max_rows(scores, counts, n_max)
     padded = np.where(counts > 0, scores, np.inf)
     padded = np.where(np.isinf(padded), padded.min(axis=-1, keepdims=True), padded)  # weight 0
     return bon_expected_max(padded, np.broadcast_to(counts, padded.shape).astype(np.float64), n_max)
@@ -171,9 +170,12 @@ def padded_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows:
 
 
 def pooled_values(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows: int, n_max: int,
-                  bins: int | None = None, whole_width: int | None = None) -> np.ndarray:
+                  bins: int | None = None, whole_width: int | None = None,
+                  entries: np.ndarray | None = None) -> np.ndarray:
     """(W, n_rows, n_max) expected max of N of each row's pooled outcomes: ``values`` (W, entries) scored
     outcomes, ``counts`` (entries,) their counts, ``row`` (entries,) their rows, sorted (every row has one).
+    With ``entries``, the outcomes are the columns ``entries`` of ``values`` (W, E) and ``counts`` (E,) holds every
+    column's count: the compiled binning reads them in place, without gathering a (W, entries) copy first.
 
     With ``bins``, once some row has more than ``bins`` entries, every row is first merged into ``bins``
     equal-width bins of its score range, each at the mean score of its outcomes: the sort and the N
@@ -182,27 +184,18 @@ def pooled_values(values: np.ndarray, counts: np.ndarray, row: np.ndarray, n_row
     makes that choice and the unbinned rows' padded width (which orders the numpy reading's sums; the compiled
     one skips padding) the whole set's, so that the rows read bit for bit as among all of them.
     """
+    if entries is not None:
+        counts = counts[entries]
     sizes = np.bincount(row, minlength=n_rows)
-    if bins is None or (int(sizes.max()) if whole_width is None else whole_width) <= bins:
-        width = 0 if whole_width is None or _credit_jit.available() else whole_width
-        scores, weight = padded_rows(values, counts, row, n_rows, width)
-        return bon_values(scores, weight, n_max)  # the same counts for every weighting
-    if _credit_jit.available():
-        return _credit_jit.binned_expected_max(values, counts, np.cumsum(sizes) - sizes, sizes, bins, n_max)
-    mean, mass = binned_rows(values, counts, row, sizes, bins)
-    return bon_values(mean, mass, n_max, presorted=True)  # bins ascend
-
-
-def pooled_entries(values: np.ndarray, entries: np.ndarray, counts: np.ndarray, row: np.ndarray, n_rows: int,
-                   n_max: int, whole_width: int) -> np.ndarray:
-    """``pooled_values`` of the columns ``entries`` of ``values`` (W, E) (``counts`` (E,) theirs) in rows ``row``
-    (sorted) with ``POOL_BINS`` and ``whole_width``: the compiled binning reads the columns in place, without
-    gathering a (W, entries) copy first."""
-    if whole_width > POOL_BINS and _credit_jit.available():
-        sizes = np.bincount(row, minlength=n_rows)
-        return _credit_jit.binned_expected_max(values, counts[entries], np.cumsum(sizes) - sizes, sizes, POOL_BINS,
-                                               n_max, entries)
-    return pooled_values(values[:, entries], counts[entries], row, n_rows, n_max, POOL_BINS, whole_width)
+    if bins is not None and (int(sizes.max()) if whole_width is None else whole_width) > bins:
+        if _credit_jit.available():
+            return _credit_jit.binned_expected_max(values, counts, np.cumsum(sizes) - sizes, sizes, bins, n_max,
+                                                   entries)
+        mean, mass = binned_rows(values if entries is None else values[:, entries], counts, row, sizes, bins)
+        return bon_values(mean, mass, n_max)
+    width = 0 if whole_width is None or _credit_jit.available() else whole_width
+    scores, weight = padded_rows(values if entries is None else values[:, entries], counts, row, n_rows, width)
+    return bon_values(scores, weight, n_max)  # the same counts for every weighting
 
 
 def binned_rows(values: np.ndarray, counts: np.ndarray, row: np.ndarray, sizes: np.ndarray,
@@ -688,15 +681,16 @@ class PlugInEstimator:
                     var_q = (ss_q + LS_PRIOR_DRAWS) / (var_p @ n_pairs + LS_PRIOR_DRAWS)  # towards 1
             scale[ws], spread[ws] = np.sqrt(var_p), np.sqrt(var_q)
             std = standardize(resid, scale[ws], p)  # r / scale_p, in place of r
-            own = pooled_entries(std, wanted_entries, c, wanted_row, wanted_queries.size, self.n_max, query_width)
+            own = pooled_values(std, c, wanted_row, wanted_queries.size, self.n_max, POOL_BINS, query_width,
+                                wanted_entries)
             glob = np.zeros((hi - lo, self.n_max))
             if spread_entries.size:
                 unit = over_spread(std, spread[ws], q, spread_entries)  # r / (scale_p s_q)
                 glob = pooled_values(unit, c[spread_entries], np.zeros(unit.shape[1], np.int64), 1, self.n_max,
                                      POOL_BINS)[:, 0]
                 if users.size:
-                    shape[ws, users] = pooled_entries(unit, mine_in_unit, c[spread_entries], prow, users.size, self.n_max,
-                                                      shape_width) - glob[:, None]
+                    shape[ws, users] = pooled_values(unit, c[spread_entries], prow, users.size, self.n_max, POOL_BINS,
+                                                     shape_width, mine_in_unit) - glob[:, None]
             at = queries[wanted_queries]
             expected[ws, at] = lam * own + (1.0 - lam) * spread[ws][:, at, None] * glob[:, None]
         return scale, expected, spread, shape
