@@ -610,7 +610,9 @@ def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float, com
     U-statistic) and K ``CORRECTION_QUERIES`` (set low here, so the correction weighs). R is held within the outcomes'
     score range and recomputed query by query with the exact oracle (unbinned): the scales' fit, each query's pooled
     residuals, the pool over every query (a query drawn once stays out of it) and each prompt's shrunk shape
-    against the read prompts' mean. Both the compiled kernels and the numpy path."""
+    against the read prompts' mean. A prompt that saw other queries than the one that saw the most (prompt 0 here)
+    is moved by that prompt's value on its own queries less its value on the prompt's. Both the compiled kernels and
+    the numpy path."""
     import agents.plugin.estimator as estimator
     from agents.estimator import bon_subset_weights
     from agents.plugin import _credit_jit
@@ -628,9 +630,10 @@ def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float, com
     rng = np.random.default_rng(2)
     est = PlugInEstimator(env, bon_prior=bon_prior)
     train = env.queries("train")
+    pairs = np.repeat(np.arange(4), train.size), np.tile(train, 4)
+    kept = (pairs[0] != 2) | (pairs[1] < train[-4])  # prompt 2 misses four train queries
     for low in (2, 1):  # up to 16 draws of a query: some have more than N_max
-        est.update(env.pull(np.repeat(np.arange(4), train.size), rng.integers(low, 9, 4 * train.size),
-                            queries=np.tile(train, 4)))
+        est.update(env.pull(pairs[0][kept], rng.integers(low, 9, int(kept.sum())), queries=pairs[1][kept]))
     est.update(env.pull(np.array([0]), np.array([1]), queries=env.queries("test")[:1]))  # one draw, one prompt
     value = est._bon_value(np.arange(4))  # (C, P, N)
     level, offsets = est._additive_fit()
@@ -662,9 +665,10 @@ def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float, com
         drawn = n.sum(axis=1)
         shape -= (drawn / drawn.sum()) @ shape
         shape *= drawn[:, None] / (drawn[:, None] + estimator.SHAPE_DRAWS * scale_n)
-        for p in range(4):
+        def value_on(p: int, queries: list[int]) -> tuple[np.ndarray, np.ndarray]:
+            """Prompt p's value read on ``queries`` (the formula above, query by query), and its k at each N."""
+            nonlocal clipped
             total, correction = np.zeros(8), np.zeros(8)
-            queries = [q for q in seen_q if n[p, q] > 0]
             k = (n[p, queries][:, None] >= scale_n).sum(axis=0)
             shrink = 3.0 / (k + 3.0)
             for q in queries:
@@ -683,9 +687,18 @@ def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float, com
                 correction[:reached] += (unbiased - offsets[r, q] - reading[:reached]) / (k[:reached] + 3.0)
                 if bon_prior == 0.0:
                     np.testing.assert_allclose(weight, 1.0)
-            assert k[0] > k[-1] > 0  # some queries reach N_max and some do not
+            return total / len(queries) + correction, k
+
+        own_queries = [[q for q in seen_q if n[p, q] > 0] for p in range(4)]
+        reach_some = 0
+        for p in range(4):
+            expected, k = value_on(p, own_queries[p])
+            reach_some += bool(k[0] > k[-1] > 0)  # some of its queries reach N_max and some do not
+            if p != 0:  # prompt 0 saw the most queries: the others are moved by its value off theirs
+                expected += value_on(0, own_queries[0])[0] - value_on(0, own_queries[p])[0]
             for context in np.flatnonzero(est._objective_row == r):
-                np.testing.assert_allclose(value[context, p], total / len(queries) + correction, atol=1e-10)
+                np.testing.assert_allclose(value[context, p], expected, atol=1e-10)
+        assert reach_some >= 3
     assert clipped > 0  # some readings pass the top of the range: the clip is checked too
 
 

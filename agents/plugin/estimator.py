@@ -26,6 +26,9 @@ finite train split every estimate converges to the train-split Q as the budget g
   least N draws, of their unbiased reading (the mean max over N-subsets of their draws) less the pooled
   one, weighted k / (k + ``CORRECTION_QUERIES``), the shrunk readings keeping the rest: the more of a
   prompt's queries reach N draws, the less of the readings' bias is left, whatever the model's misfit.
+  Prompts read on different queries are compared on one reference's (the read prompt that saw the most):
+  each moves by the reference's value on its own queries less its value on the prompt's
+  (``_move_to_reference``), unmoved while all saw the same queries.
 """
 
 from __future__ import annotations
@@ -584,7 +587,8 @@ class PlugInEstimator:
         prompt's queries reach N draws, lam grows and the correction removes more of the readings' bias; either
         way it tends to the mean over the queries of their own readings less the mean offset, which is 0 once
         every prompt has seen every train query (as the common-query agents' prompts do at large budgets).
-        One weighted sum of R per prompt and N: weights (1 - (1 - lam) w) / |seen| and - lam / k.
+        One weighted sum of R per prompt and N: weights (1 - (1 - lam) w) / |seen| and - lam / k. A prompt that saw
+        other queries than the reference (``_move_to_reference``) then moves onto the reference's queries.
         """
         level, offsets = self._additive_fit()
         scale, expected, spread, shape = self._location_scale(level, offsets, prompts)  # (W, P), (W, Q, N), (W, Q), (W, P, N)
@@ -620,8 +624,60 @@ class PlugInEstimator:
                 shrunk = np.einsum("pqn,wpqn->wpn", weight, reading, optimize=True)  # sum_q weight R
             own = shrink[None] * self._own[:, block] / n_q + self._own_unbiased[:, block] / (k + CORRECTION_QUERIES)[None]
             out[:, lo:hi] = shrunk + own - (seen @ offsets_cols.T).T[:, :, None] / n_q
+        self._move_to_reference(out, prompts, level, offsets, scale, expected, spread, sh)
         result: np.ndarray = out[self._objective_row]
         return result
+
+    def _move_to_reference(self, out: np.ndarray, prompts: np.ndarray, level: np.ndarray, offsets: np.ndarray,
+                           scale: np.ndarray, expected: np.ndarray, spread: np.ndarray, sh: np.ndarray) -> None:
+        """Move, in place, each value in ``out`` (W, len(prompts), N_max) from its prompt's queries to the reference's:
+        add the reference's value on every query it saw less its value on the queries the prompt saw too. A prompt
+        that saw exactly the reference's queries is left as it is (every prompt, while all read prompts saw the same
+        queries).
+
+        The reference is the read prompt that saw the most queries (then the most completions, then the lowest
+        index). A prompt read on fewer queries (one a context trimmed and the tail re-admitted) is then compared
+        with the others on the queries they share: how much harder its queries are at each N, beyond what the
+        query offsets of the mean scores say, is read from the reference's own draws on them, not counted against
+        the prompt. The reference's value on a query subset is ``_bon_value``'s formula on that subset (its own
+        readings recomputed query by query), one set of sums per distinct subset, in blocks of objective rows.
+        """
+        seen = self._seen[prompts]
+        n_seen = seen.sum(axis=1)
+        drawn = self._completions[prompts].sum(axis=1)
+        ref = int(np.lexsort((np.arange(prompts.size), -drawn, -n_seen))[0])
+        differs = np.flatnonzero((seen != seen[ref]).any(axis=1))
+        if not differs.size:
+            return
+        ref_prompt = int(prompts[ref])
+        cols = np.flatnonzero(seen[ref])
+        subsets, which = np.unique(seen[differs][:, cols], axis=0, return_inverse=True)
+        which = which.reshape(-1)  # the subset of each moved prompt, flat
+        subsets = np.vstack([np.ones(cols.size, dtype=bool), subsets]).astype(np.float64)  # (1 + distinct, q)
+        completions = self._completions[ref_prompt, cols]
+        own_weight = self._own_weight_of(completions)  # (q, N)
+        checked = self._has_draws(completions).astype(np.float64)
+        n_q = subsets.sum(axis=1)[:, None]
+        k = subsets @ checked  # (subsets, N)
+        shrink = CORRECTION_QUERIES / (k + CORRECTION_QUERIES)
+        atoms = self.env.table.atoms
+        assert atoms is not None
+        counts = self.atom_counts[ref_prompt, cols]  # (q, atoms)
+        row, a = np.nonzero(counts)
+        outcomes = atoms[ref_prompt, cols[row], a]  # (entries, objectives)
+        low, high = self._score_range
+        for lo, hi in _blocks(np.full(offsets.shape[0], cols.size * max(self.n_max, counts.shape[1]))):
+            ws = slice(lo, hi)
+            reading = expected[ws, cols] + spread[ws, cols, None] * sh[ws, ref, None, :]  # (w, q, N)
+            reading *= scale[ws, ref_prompt, None, None]
+            reading += level[ws, ref_prompt, None, None] + offsets[ws, cols, None]
+            np.clip(reading, low[ws, None, None], high[ws, None, None], out=reading)
+            scores, mass = padded_rows((outcomes @ self._objectives[ws].T).T, counts[row, a], row, cols.size)
+            plug_in, unbiased = segment_readings(scores, mass, self.n_max, own_weight, np.arange(cols.size + 1))
+            total, weighted, corrected = subsets @ reading, subsets @ (own_weight * reading), subsets @ (checked * reading)
+            value = ((total + shrink * (subsets @ plug_in - weighted) - (offsets[ws, cols] @ subsets.T)[:, :, None]) / n_q
+                     + (subsets @ unbiased - corrected) / (k + CORRECTION_QUERIES))  # (w, subsets, N)
+            out[lo:hi, differs] += (value[:, :1] - value[:, 1:])[:, which]
 
     def _location_scale(self, level: np.ndarray, offsets: np.ndarray, prompts: np.ndarray
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
