@@ -255,6 +255,19 @@ def segment_readings(scores: np.ndarray, counts: np.ndarray, n_max: int, weight:
     return np.add.reduceat(plug_in, bounds[:-1], axis=1), np.add.reduceat(unbiased, bounds[:-1], axis=1)
 
 
+def location_scale_readings(expected: np.ndarray, spread: np.ndarray, shape: np.ndarray, scale: np.ndarray,
+                            level: np.ndarray, offsets: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """(W, p, q, N) the pooled reading R = clip(level_p + o_q + scale_p (M_q(N) + s_q D_p(N)), low, high) of p prompts
+    on q queries: ``expected`` M (W, q, N), ``spread`` s (W, q), ``shape`` D (W, p, N), ``scale``, ``level`` (W, p),
+    ``offsets`` (W, q), ``low`` and ``high`` (W,) (``PlugInEstimator._bon_value``; numpy, the kernel path sums it
+    in place)."""
+    reading = expected[:, None] + spread[:, None, :, None] * shape[:, :, None, :]
+    reading *= scale[:, :, None, None]
+    reading += level[:, :, None, None] + offsets[:, None, :, None]
+    np.clip(reading, low[:, None, None, None], high[:, None, None, None], out=reading)
+    return reading
+
+
 def residual_sums(projected: np.ndarray, level: np.ndarray, offsets: np.ndarray, prompt: np.ndarray,
                   query: np.ndarray, counts: np.ndarray, n_prompts: int,
                   n_queries: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -551,8 +564,6 @@ class PlugInEstimator:
         U (the unbiased mean max over N-subsets). ``update`` takes back each pulled pair's readings (sign -1)
         before adding its completions and adds the new ones (sign +1) after: they are recomputed rather than
         stored, as a store would hold (pairs, weightings, N_max), too much at a thousand weightings."""
-        atoms = self.env.table.atoms
-        assert atoms is not None
         completions = self._completions[pp, qq]
         had = completions > 0
         pp, qq, completions = pp[had], qq[had], completions[had]
@@ -563,14 +574,23 @@ class PlugInEstimator:
         width = max(int((counts > 0).sum(axis=1).max()), self.n_max)
         n_weightings = self._objectives.shape[0]
         for lo, hi in _blocks(np.full(pp.size, n_weightings * width)):
-            block = counts[lo:hi]
-            row, a = np.nonzero(block)
-            projected = (atoms[pp[lo + row], qq[lo + row], a] @ self._objectives.T).T  # (W, entries)
-            scores, mass = padded_rows(projected, block[row, a], row, hi - lo)
             first = lo + np.flatnonzero(np.r_[True, pp[lo + 1:hi] != pp[lo:hi - 1]])
-            plug_in_sum, unbiased_sum = segment_readings(scores, mass, self.n_max, weight[lo:hi], np.r_[first - lo, hi - lo])
+            plug_in_sum, unbiased_sum = self._own_readings(pp[lo:hi], qq[lo:hi], counts[lo:hi], self._objectives,
+                                                           weight[lo:hi], np.r_[first - lo, hi - lo])
             self._own[:, pp[first]] += sign * plug_in_sum
             self._own_unbiased[:, pp[first]] += sign * unbiased_sum
+
+    def _own_readings(self, pp: np.ndarray, qq: np.ndarray, counts: np.ndarray, objectives: np.ndarray,
+                      weight: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``segment_readings`` of the (prompt, query) pairs ``pp``, ``qq`` with atom ``counts`` (pairs, atoms),
+        scored by ``objectives`` (W, K): per segment ``bounds[s]:bounds[s + 1]`` of the pairs, the sum of ``weight``
+        (pairs, N_max) x their plug-in E[max of N] and the sum of their unbiased mean max over N-subsets."""
+        atoms = self.env.table.atoms
+        assert atoms is not None
+        row, a = np.nonzero(counts)
+        projected = (atoms[pp[row], qq[row], a] @ objectives.T).T  # (W, entries)
+        scores, mass = padded_rows(projected, counts[row, a], row, pp.size)
+        return segment_readings(scores, mass, self.n_max, weight, bounds)
 
     def _bon_value(self, prompts: np.ndarray) -> np.ndarray:
         """(C, len(prompts), N_max) the prompts' Best-of-N task value: per query, the shrunk own reading.
@@ -617,19 +637,17 @@ class PlugInEstimator:
                 shrunk = _credit_jit.clipped_readings(level[:, block], offsets_cols, scale[:, block], expected_cols,
                                                       spread_cols, sh[:, lo:hi], weight, seen, low, high)
             else:
-                reading = expected_cols[:, None] + spread_cols[:, None, :, None] * sh[:, lo:hi, None, :]  # (W, p, q, N)
-                reading *= scale[:, block, None, None]
-                reading += level[:, block, None, None] + offsets_cols[:, None, :, None]
-                np.clip(reading, low[:, None, None, None], high[:, None, None, None], out=reading)
+                reading = location_scale_readings(expected_cols, spread_cols, sh[:, lo:hi], scale[:, block],
+                                                  level[:, block], offsets_cols, low, high)
                 shrunk = np.einsum("pqn,wpqn->wpn", weight, reading, optimize=True)  # sum_q weight R
             own = shrink[None] * self._own[:, block] / n_q + self._own_unbiased[:, block] / (k + CORRECTION_QUERIES)[None]
             out[:, lo:hi] = shrunk + own - (seen @ offsets_cols.T).T[:, :, None] / n_q
-        self._move_to_reference(out, prompts, level, offsets, scale, expected, spread, sh)
+        self._move_to_reference(out, prompts, seen_all, drawn, (level, offsets, scale, expected, spread, sh))
         result: np.ndarray = out[self._objective_row]
         return result
 
-    def _move_to_reference(self, out: np.ndarray, prompts: np.ndarray, level: np.ndarray, offsets: np.ndarray,
-                           scale: np.ndarray, expected: np.ndarray, spread: np.ndarray, sh: np.ndarray) -> None:
+    def _move_to_reference(self, out: np.ndarray, prompts: np.ndarray, seen: np.ndarray, drawn: np.ndarray,
+                           fit: tuple[np.ndarray, ...]) -> None:
         """Move, in place, each value in ``out`` (W, len(prompts), N_max) from its prompt's queries to the reference's:
         add the reference's value on every query it saw less its value on the queries the prompt saw too. A prompt
         that saw exactly the reference's queries is left as it is (every prompt, while all read prompts saw the same
@@ -641,14 +659,14 @@ class PlugInEstimator:
         query offsets of the mean scores say, is read from the reference's own draws on them, not counted against
         the prompt. The reference's value on a query subset is ``_bon_value``'s formula on that subset (its own
         readings recomputed query by query), one set of sums per distinct subset, in blocks of objective rows.
+        ``seen`` (len(prompts), Q) and ``drawn`` (len(prompts),) are the prompts' seen queries and completions;
+        ``fit`` is ``_bon_value``'s (level, offsets, scale, expected, spread, shape) of the read prompts.
         """
-        seen = self._seen[prompts]
-        n_seen = seen.sum(axis=1)
-        drawn = self._completions[prompts].sum(axis=1)
-        ref = int(np.lexsort((np.arange(prompts.size), -drawn, -n_seen))[0])
+        ref = int(np.lexsort((np.arange(prompts.size), -drawn, -seen.sum(axis=1)))[0])
         differs = np.flatnonzero((seen != seen[ref]).any(axis=1))
         if not differs.size:
             return
+        level, offsets, scale, expected, spread, sh = fit
         ref_prompt = int(prompts[ref])
         cols = np.flatnonzero(seen[ref])
         subsets, which = np.unique(seen[differs][:, cols], axis=0, return_inverse=True)
@@ -660,20 +678,16 @@ class PlugInEstimator:
         n_q = subsets.sum(axis=1)[:, None]
         k = subsets @ checked  # (subsets, N)
         shrink = CORRECTION_QUERIES / (k + CORRECTION_QUERIES)
-        atoms = self.env.table.atoms
-        assert atoms is not None
         counts = self.atom_counts[ref_prompt, cols]  # (q, atoms)
-        row, a = np.nonzero(counts)
-        outcomes = atoms[ref_prompt, cols[row], a]  # (entries, objectives)
+        pp = np.full(cols.size, ref_prompt)
         low, high = self._score_range
         for lo, hi in _blocks(np.full(offsets.shape[0], cols.size * max(self.n_max, counts.shape[1]))):
-            ws = slice(lo, hi)
-            reading = expected[ws, cols] + spread[ws, cols, None] * sh[ws, ref, None, :]  # (w, q, N)
-            reading *= scale[ws, ref_prompt, None, None]
-            reading += level[ws, ref_prompt, None, None] + offsets[ws, cols, None]
-            np.clip(reading, low[ws, None, None], high[ws, None, None], out=reading)
-            scores, mass = padded_rows((outcomes @ self._objectives[ws].T).T, counts[row, a], row, cols.size)
-            plug_in, unbiased = segment_readings(scores, mass, self.n_max, own_weight, np.arange(cols.size + 1))
+            ws, one = slice(lo, hi), slice(ref, ref + 1)
+            reading = location_scale_readings(expected[ws, cols], spread[ws, cols], sh[ws, one],
+                                              scale[ws, ref_prompt, None], level[ws, ref_prompt, None],
+                                              offsets[ws, cols], low[ws], high[ws])[:, 0]  # (w, q, N)
+            plug_in, unbiased = self._own_readings(pp, cols, counts, self._objectives[ws], own_weight,
+                                                   np.arange(cols.size + 1))
             total, weighted, corrected = subsets @ reading, subsets @ (own_weight * reading), subsets @ (checked * reading)
             value = ((total + shrink * (subsets @ plug_in - weighted) - (offsets[ws, cols] @ subsets.T)[:, :, None]) / n_q
                      + (subsets @ unbiased - corrected) / (k + CORRECTION_QUERIES))  # (w, subsets, N)
