@@ -16,9 +16,10 @@ finite train split every estimate converges to the train-split Q as the budget g
 * Best-of-N: per (prompt, query), the expected maximum of its own outcomes, shrunk towards a
   location-scale reading: score = prompt level + query offset + prompt scale x a residual drawn from
   the query's residual distribution, which every prompt drawn on the query shares (so its expected
-  max of N is read from all their draws at once), plus the prompt's own shape over its queries,
-  shrunk by its draws (``SHAPE_DRAWS``), held within the range the table's outcomes can score (a
-  residual pooled from a prompt far from the range's top would read past it). The pooled reading
+  max of N is read from all their draws at once), plus the prompt's own shape over its queries
+  against the pool over every query, shrunk by its draws (``SHAPE_DRAWS``), held within the range the
+  table's outcomes can score (a residual pooled from a prompt far from the range's top would read past
+  it). The pooled reading
   weighs as ``bon_prior`` x N of the query's own completions at scale N (a maximum of N reads the
   top of a distribution, which few own draws cannot show). Both readings are biased (the pooled one
   by the location-scale model's misfit, the plug-in one low for N near n), and by amounts that differ
@@ -56,8 +57,8 @@ BLOCK_ELEMENTS = 1 << 22
 #: own pooled residual distribution and the one pooled over every query weigh alike in its expected max of N;
 #: also the pseudo-draws, at the typical spread, of each query's spread.
 LS_PRIOR_DRAWS = 4.0
-#: Best-of-N: a prompt's own shape (its standardized residuals pooled over its queries, against the read
-#: prompts' mean) weighs n / (n + SHAPE_DRAWS N) at N for the prompt's n completions.
+#: Best-of-N: a prompt's own shape (its standardized residuals pooled over its queries, against the pool over every
+#: query) weighs n / (n + SHAPE_DRAWS N) at N for the prompt's n completions.
 SHAPE_DRAWS = 8.0
 #: Bins of the location-scale reading's pooled residual distributions once one has more distinct outcomes
 #: (``pooled_values``'s ``bins``).
@@ -599,24 +600,25 @@ class PlugInEstimator:
         distribution, shared by the prompts (``_location_scale``), so the pooled reading of (p, q, N) is
         R = level_p + o_q + scale_p (M_q(N) + s_q D_p(N)), held within the outcomes' score range: M_q(N) the
         expected max of N of q's residuals pooled over every prompt seen on q (scaled by scale_p), s_q q's
-        spread, D_p(N) the prompt's own shape against the mean of ``prompts``' (weighted by their
-        completions), times n / (n + ``SHAPE_DRAWS`` N) for its n. The value is the mean over the prompt's
-        seen queries of R + (1 - lam) w_pqN (V_own(p, q, N) - R), plus lam times the mean over the k of them
-        with n_pq >= N of U(p, q, N) - R (U the unbiased mean max over N-subsets), lam = k / (k +
-        ``CORRECTION_QUERIES``), less their mean offset. As a query's own completions grow, w -> 1; as more of the
-        prompt's queries reach N draws, lam grows and the correction removes more of the readings' bias; either
-        way it tends to the mean over the queries of their own readings less the mean offset, which is 0 once
-        every prompt has seen every train query (as the common-query agents' prompts do at large budgets).
-        One weighted sum of R per prompt and N: weights (1 - (1 - lam) w) / |seen| and - lam / k. A prompt that saw
-        other queries than the reference (``_move_to_reference``) then moves onto the reference's queries.
+        spread, D_p(N) = G_p(N) - G(N) the prompt's own shape against the pool over every query, times
+        n / (n + ``SHAPE_DRAWS`` N) for its n. D_p does not depend on which prompts are read with p, so a prompt
+        read alone (the tail's last survivor) keeps its own shape; and where a query's pool mixes the prompts as
+        the pool over every query does, the excess of the mixture's maximum over its components' cancels between
+        M_q and G. The value is the mean over the prompt's seen queries of R + (1 - lam) w_pqN (V_own(p, q, N) - R),
+        plus lam times the mean over the k of them with n_pq >= N of U(p, q, N) - R (U the unbiased mean max over
+        N-subsets), lam = k / (k + ``CORRECTION_QUERIES``), less their mean offset. As a query's own completions
+        grow, w -> 1; as more of the prompt's queries reach N draws, lam grows and the correction removes more of
+        the readings' bias; either way it tends to the mean over the queries of their own readings less the mean
+        offset, which is 0 once every prompt has seen every train query (as the common-query agents' prompts do at
+        large budgets). One weighted sum of R per prompt and N: weights (1 - (1 - lam) w) / |seen| and - lam / k.
+        A prompt that saw other queries than the reference (``_move_to_reference``) then moves onto the
+        reference's queries.
         """
         level, offsets = self._additive_fit()
         scale, expected, spread, shape = self._location_scale(level, offsets, prompts)  # (W, P), (W, Q, N), (W, Q), (W, P, N)
         n_weightings, scale_n = offsets.shape[0], np.arange(1, self.n_max + 1, dtype=np.float64)
         drawn = self._completions[prompts].sum(axis=1)
-        sh = shape[:, prompts]
-        sh = sh - np.einsum("p,wpn->wn", drawn / drawn.sum(), sh)[:, None]  # against the read prompts' mean
-        sh *= (drawn[:, None] / (drawn[:, None] + SHAPE_DRAWS * scale_n))[None]
+        sh = shape[:, prompts] * (drawn[:, None] / (drawn[:, None] + SHAPE_DRAWS * scale_n))[None]
         out = np.empty((n_weightings, prompts.size, self.n_max))
         seen_all = self._seen[prompts]
         cols = np.flatnonzero(seen_all.any(axis=0))  # w is 0 on the other queries
