@@ -586,7 +586,7 @@ def _ceiling_bon_table(n_queries: int = 120, n_max: int = 32) -> OutcomeTable:
     split = np.zeros(n_queries, dtype=np.uint8)
     split[: n_queries // 5] = 1
     return OutcomeTable(
-        task="flat_bon", aggregator="bon", probs=np.repeat(probs[:, None], n_queries, axis=1),
+        task="ceiling_bon", aggregator="bon", probs=np.repeat(probs[:, None], n_queries, axis=1),
         atoms=np.broadcast_to(grid[None, None, :, None], (4, n_queries, grid.size, 1)).copy(),
         cost=np.full((4, n_queries), 0.01), n_max=n_max, context_weights=np.array([[1.0, -0.1], [1.0, -1.0]]),
         context_names=("cheap", "dear"), context_probs=np.array([0.5, 0.5]), objective_names=("score",), split=split)

@@ -19,9 +19,8 @@ finite train split every estimate converges to the train-split Q as the budget g
   max of N is read from all their draws at once), plus the prompt's own shape over its queries
   against the pool over every query, shrunk by its draws (``SHAPE_DRAWS``), held within the range the
   table's outcomes can score (a residual pooled from a prompt far from the range's top would read past
-  it). The pooled reading
-  weighs as ``bon_prior`` x N of the query's own completions at scale N (a maximum of N reads the
-  top of a distribution, which few own draws cannot show). Both readings are biased (the pooled one
+  it). The pooled reading weighs as ``bon_prior`` x N of the query's own completions at scale N (a
+  maximum of N reads the top of a distribution, which few own draws cannot show). Both readings are biased (the pooled one
   by the location-scale model's misfit, the plug-in one low for N near n), and by amounts that differ
   between prompts; so each prompt's value at N is also corrected by the mean, over its k queries with at
   least N draws, of their unbiased reading (the mean max over N-subsets of their draws) less the pooled
