@@ -6,7 +6,8 @@ compiled loop and E[max of N] = u_(M) - sum_j (u_(j+1) - u_(j)) F_j^N is summed 
 the powers in a row-sized buffer, instead of numpy passes over (rows x outcomes) arrays per N; the
 result is that of ``iapo_gym.exact.bon_expected_max`` to rounding (about 1e-15). With ``subsets`` the same
 pass also gives each row's mean max over the N-subsets of its draws (F_j^N read as C(c_j, N) / C(n, N)).
-``segment_readings`` sums both readings of the pulled (prompt, query) rows per prompt in that pass.
+``segment_readings`` sums, per prompt, the pulled (prompt, query) rows' weighted plug-in readings and their
+held gaps to the unbiased one in that pass.
 
 Best-of-N location-scale pass (``residual_sums``, ``standardize``, ``over_spread``, ``binned_expected_max``): the
 residuals under every weighting, their squared sums, their scaling, and the binned pools' expected maxima (each
@@ -348,9 +349,10 @@ def _expected_max_block(scores: np.ndarray, counts: np.ndarray, n_max: int, pres
 def _segment_readings_block(scores: np.ndarray, counts: np.ndarray, n_max: int, weight: np.ndarray,
                             bounds: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     """(2, W, S, n_max): per weighting and segment of rows ``bounds[s]:bounds[s + 1]``, the sum over its rows of
-    ``weight`` (R, n_max) x their E[max of N] and the sum of their mean max over N-subsets (``_expected_max_block``'s
-    two readings of ``scores`` (W, R, M) with ``counts`` (R, M)), summed as ``np.add.reduceat(values, bounds[:-1],
-    axis=1)`` sums (the segment's first row plus numpy's pairwise sum of the others), without (W, R, n_max) arrays."""
+    ``weight`` (R, n_max) x their E[max of N] V(N) and the sum of their held gaps U(m) - weight(m) V(m), m = min(N,
+    n) for the row's n draws and U its mean max over N-subsets (``_expected_max_block``'s two readings of ``scores``
+    (W, R, M) with ``counts`` (R, M)), summed as ``np.add.reduceat(values, bounds[:-1], axis=1)`` sums (the segment's
+    first row plus numpy's pairwise sum of the others), without (W, R, n_max) arrays."""
     n_weightings, n_rows, width = scores.shape
     n_segments = bounds.size - 1
     out = np.empty((2, n_weightings, n_segments, n_max))
@@ -358,9 +360,16 @@ def _segment_readings_block(scores: np.ndarray, counts: np.ndarray, n_max: int, 
     for s in range(n_segments):
         longest = max(longest, bounds[s + 1] - bounds[s])
     plug_in, subset_means = np.empty((longest, n_max)), np.empty((longest, n_max))
+    held = np.empty((longest, n_max))
     pairwise, rest = pairwise_scratch(n_max), np.empty(n_max)
     u, mass, gap, cdf, power, below = _row_scratch(width)
     sort_scratch = _sort_scratch(width)
+    draws = np.zeros(n_rows, np.int64)
+    for r in range(n_rows):
+        total = 0.0
+        for j in range(width):
+            total += counts[r, j]
+        draws[r] = int(total)
     for w in range(n_weightings):
         row_scores = scores[w]
         for s in range(n_segments):
@@ -368,9 +377,13 @@ def _segment_readings_block(scores: np.ndarray, counts: np.ndarray, n_max: int, 
             for i in range(size):
                 k = _sorted_row(row_scores, counts, first + i, first + i, False, u, mass, sort_scratch)
                 _row_readings(u, mass, k, n_max, True, plug_in[i], subset_means[i], gap, cdf, power, below)
+                last = min(draws[first + i], n_max) - 1  # the largest N the row's draws reach, as an index
+                for n in range(n_max):
+                    m = min(n, last)
+                    held[i, n] = subset_means[i, m] - weight[first + i, m] * plug_in[i, m]
                 for n in range(n_max):
                     plug_in[i, n] *= weight[first + i, n]
-            for reading, rows in ((0, plug_in), (1, subset_means)):
+            for reading, rows in ((0, plug_in), (1, held)):
                 if size == 1:  # reduceat gives a segment of one row that row
                     out[reading, w, s] = rows[0]
                     continue
@@ -401,8 +414,9 @@ def segment_readings(scores: np.ndarray, counts: np.ndarray, n_max: int, weight:
                      bounds: np.ndarray) -> np.ndarray:
     """(2, W, S, n_max) per segment ``bounds[s]:bounds[s + 1]`` of the rows of ``scores`` (W, R, M) with ``counts``
     (R, M) (integer draws; entries of count 0 are padding): [0] the segment's sum of ``weight`` (R, n_max) x
-    E[max of N], [1] its sum of the mean max over N-subsets; ``np.add.reduceat`` over the rows of
-    ``expected_max_rows(..., subsets=True)``'s readings (the first times ``weight``), bit for bit."""
+    E[max of N] V, [1] its sum of the held gaps U(m) - weight(m) V(m), U the mean max over N-subsets and m = min(N,
+    the row's draws); ``np.add.reduceat`` over the rows of ``expected_max_rows(..., subsets=True)``'s readings,
+    bit for bit."""
     return _segment_readings_block(np.ascontiguousarray(scores, dtype=np.float64),
                                    np.ascontiguousarray(counts, dtype=np.float64), int(n_max),
                                    np.ascontiguousarray(weight, dtype=np.float64),
@@ -615,10 +629,10 @@ def over_spread(std: np.ndarray, spread: np.ndarray, query: np.ndarray, entries:
 
 @_njit
 def _clipped_block(level: np.ndarray, offsets: np.ndarray, scale: np.ndarray, expected: np.ndarray,
-                   spread: np.ndarray, shape: np.ndarray, weight: np.ndarray, seen: np.ndarray, low: np.ndarray,
-                   high: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
-    """(W, P, N) sum over each prompt's seen queries of weight x its clipped location-scale reading, in one
-    pass (no (W, P, Q, N) work array)."""
+                   spread: np.ndarray, shape: np.ndarray, weight: np.ndarray, held: np.ndarray, cap: np.ndarray,
+                   seen: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """(W, P, N) sum over each prompt's seen queries of weight x its clipped location-scale reading at N, plus, from
+    N = cap + 1 on, held x the reading at N = cap, in one pass (no (W, P, Q, N) work array)."""
     n_weightings, n_prompts = level.shape
     n_queries, n_max = expected.shape[1], expected.shape[2]
     out = np.zeros((n_weightings, n_prompts, n_max))
@@ -629,22 +643,30 @@ def _clipped_block(level: np.ndarray, offsets: np.ndarray, scale: np.ndarray, ex
             for q in range(n_queries):
                 if not seen[p, q]:
                     continue
-                base, sq = lv + offsets[w, q], spread[w, q]
+                base, sq, last, extra = lv + offsets[w, q], spread[w, q], cap[p, q] - 1, held[p, q]
+                at_cap = 0.0
                 for n in range(n_max):
-                    r = base + sc * (expected[w, q, n] + sq * shape[w, p, n])
-                    out[w, p, n] += weight[p, q, n] * min(max(r, lo), hi)
+                    r = min(max(base + sc * (expected[w, q, n] + sq * shape[w, p, n]), lo), hi)
+                    value = weight[p, q, n] * r
+                    if n == last:
+                        at_cap = r
+                    elif n > last:
+                        value += extra * at_cap
+                    out[w, p, n] += value
     return out
 
 
 def clipped_readings(level: np.ndarray, offsets: np.ndarray, scale: np.ndarray, expected: np.ndarray,
-                     spread: np.ndarray, shape: np.ndarray, weight: np.ndarray, seen: np.ndarray, low: np.ndarray,
-                     high: np.ndarray) -> np.ndarray:
-    """(W, P, N) sum over q of weight[p, q, n] clip(level[w, p] + offsets[w, q] + scale[w, p] (expected[w, q, n]
-    + spread[w, q] shape[w, p, n]), low[w], high[w]) over the queries ``seen`` (P, Q) marks: the Best-of-N
-    readings' sum of ``PlugInEstimator._bon_value`` (the numpy path's to rounding)."""
+                     spread: np.ndarray, shape: np.ndarray, weight: np.ndarray, held: np.ndarray, cap: np.ndarray,
+                     seen: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """(W, P, N) sum over the queries ``seen`` (P, Q) marks of weight[p, q, n] R(p, q, n) + [n > c] held[p, q]
+    R(p, q, c), c = cap[p, q] (>= 1), R(p, q, n) = clip(level[w, p] + offsets[w, q] + scale[w, p] (expected[w, q, n]
+    + spread[w, q] shape[w, p, n]), low[w], high[w]) at N = n: the Best-of-N readings' sum of
+    ``PlugInEstimator._bon_value`` (the numpy path's to rounding)."""
     def f64(a: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(a, dtype=np.float64)
     return _clipped_block(f64(level), f64(offsets), f64(scale), f64(expected), f64(spread), f64(shape), f64(weight),
+                          f64(held), np.ascontiguousarray(cap, dtype=np.int64),
                           np.ascontiguousarray(seen, dtype=np.bool_), f64(low), f64(high))
 
 
@@ -669,8 +691,8 @@ def warm_up() -> None:
         standardize(np.ones((1, 1)), one_row, index)
         over_spread(one_row, one_row, index, index)
         one = np.ones((1, 1))
-        clipped_readings(one, one, one, np.ones((1, 1, 1)), one, np.ones((1, 1, 1)), np.ones((1, 1, 1)),
-                         np.ones((1, 1), dtype=bool), np.zeros(1), np.ones(1))
+        clipped_readings(one, one, one, np.ones((1, 1, 1)), one, np.ones((1, 1, 1)), np.ones((1, 1, 1)), one,
+                         np.ones((1, 1), np.int64), np.ones((1, 1), dtype=bool), np.zeros(1), np.ones(1))
         fit_curves(np.ones((1, 2)), np.full((1, 2), 2.0), np.array([-1.0, 1.0]), (1.0, 1.0), np.array([[0.0, 1.0]]),
                    1.0, 2, 2)
         _warm = True

@@ -21,11 +21,12 @@ finite train split every estimate converges to the train-split Q as the budget g
   table's outcomes can score (a residual pooled from a prompt far from the range's top would read past
   it). The pooled reading weighs as ``bon_prior`` x N of the query's own completions at scale N (a
   maximum of N reads the top of a distribution, which few own draws cannot show). Both readings are biased (the pooled one
-  by the location-scale model's misfit, the plug-in one low for N near n), and by amounts that differ
-  between prompts; so each prompt's value at N is also corrected by the mean, over its k queries with at
-  least N draws, of their unbiased reading (the mean max over N-subsets of their draws) less the pooled
-  one, weighted k / (k + ``CORRECTION_QUERIES``), the shrunk readings keeping the rest: the more of a
-  prompt's queries reach N draws, the less of the readings' bias is left, whatever the model's misfit.
+  by the location-scale model's misfit, the plug-in one low for N near n and beyond), and by amounts that differ
+  between prompts; so each prompt's value at N is also corrected by the mean, over its s queries, of each query's
+  unbiased reading (the mean max over m-subsets of its n draws) less its shrunk reading, both at m = min(N, n),
+  weighted s / (s + ``CORRECTION_QUERIES``): up to a query's draws the correction removes the shrunk reading's
+  bias, whatever the model's misfit; beyond them it keeps the bias measured where the draws end, so the estimate
+  does not bend at a query's draws.
   Prompts read on different queries are compared on one reference's (the read prompt that saw the most):
   each moves by the reference's value on its own queries less its value on the prompt's
   (``_move_to_reference``), unmoved while all saw the same queries.
@@ -64,8 +65,8 @@ SHAPE_DRAWS = 8.0
 POOL_BINS = 256
 #: Alternating sweeps of the prompt-spread x query-spread fit (``PlugInEstimator._location_scale``).
 SCALE_SWEEPS = 8
-#: Best-of-N: a prompt's correction at N, the mean over its k queries with at least N own draws of their unbiased
-#: reading less the location-scale one, weighs k / (k + CORRECTION_QUERIES) (``PlugInEstimator._bon_value``).
+#: Best-of-N: a prompt's correction at N, the mean over its s queries of their unbiased reading less the shrunk one, both
+#: at min(N, the query's draws), weighs s / (s + CORRECTION_QUERIES) (``PlugInEstimator._bon_value``).
 CORRECTION_QUERIES = 256.0
 
 
@@ -244,15 +245,25 @@ def _row_sums(values: np.ndarray, index: np.ndarray, size: int) -> np.ndarray:
 def segment_readings(scores: np.ndarray, counts: np.ndarray, n_max: int, weight: np.ndarray,
                      bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(W, S, n_max) twice: per segment ``bounds[s]:bounds[s + 1]`` of the rows of ``scores`` (W, R, M) with the
-    integer draws ``counts`` (R, M), the sum of ``weight`` (R, n_max) x their E[max of N] and the sum of their mean
-    max over N-subsets (``bon_values_and_subset_means``), summed as ``np.add.reduceat`` sums; the compiled kernel
-    in one pass, without (W, R, n_max) arrays."""
+    integer draws ``counts`` (R, M), the sum of ``weight`` (R, n_max) x their E[max of N] V(N), and the sum of their
+    held gaps U(m) - weight(m) V(m) at m = min(N, the row's draws), U the mean max over N-subsets
+    (``bon_values_and_subset_means``), summed as ``np.add.reduceat`` sums; the compiled kernel in one pass, without
+    (W, R, n_max) arrays."""
     if _credit_jit.available():
         both = _credit_jit.segment_readings(scores, counts, n_max, weight, bounds)
         return both[0], both[1]
     plug_in, unbiased = bon_values_and_subset_means(scores, np.broadcast_to(counts, scores.shape), n_max)
+    at = np.broadcast_to(held_index(counts.sum(axis=-1), n_max), plug_in.shape)
+    held = (np.take_along_axis(unbiased, at, axis=-1)
+            - np.take_along_axis(weight, at[0], axis=-1)[None] * np.take_along_axis(plug_in, at, axis=-1))
     plug_in *= weight[None]
-    return np.add.reduceat(plug_in, bounds[:-1], axis=1), np.add.reduceat(unbiased, bounds[:-1], axis=1)
+    return np.add.reduceat(plug_in, bounds[:-1], axis=1), np.add.reduceat(held, bounds[:-1], axis=1)
+
+
+def held_index(draws: np.ndarray, n_max: int) -> np.ndarray:
+    """(..., n_max) the index of m = min(N, n) for N = 1..n_max and each count ``draws`` n (..., at least 1): where a
+    (prompt, query)'s readings are taken beyond its draws."""
+    return np.minimum(np.arange(n_max), np.asarray(draws, dtype=np.int64)[..., None] - 1)
 
 
 def location_scale_readings(expected: np.ndarray, spread: np.ndarray, shape: np.ndarray, scale: np.ndarray,
@@ -348,7 +359,7 @@ class PlugInEstimator:
             self._completions = np.zeros((self.n_prompts, table.n_queries))
             n_rows = self._objectives.shape[0]
             self._own = np.zeros((n_rows, self.n_prompts, self.n_max))  # sum_q w_pqN V_own(p, q, N)
-            self._own_unbiased = np.zeros((n_rows, self.n_prompts, self.n_max))  # sum_{q: n_pq >= N} U(p, q, N)
+            self._own_held = np.zeros((n_rows, self.n_prompts, self.n_max))  # sum_q U(p, q, m) - w_pqm V_own(p, q, m)
             self._score_range = score_range(table.atoms, self._objectives)  # (2, W): no outcome scores beyond
 
     # ---- reading ----------------------------------------------------------------------
@@ -560,10 +571,11 @@ class PlugInEstimator:
 
     def _add_own(self, pp: np.ndarray, qq: np.ndarray, sign: float) -> None:
         """Add ``sign`` x the own readings of the (prompt, query) pairs ``pp``, ``qq`` (sorted by prompt) at the
-        counts they have now to the per-prompt sums: w V_own (the plug-in) and, at each N their draws reach,
-        U (the unbiased mean max over N-subsets). ``update`` takes back each pulled pair's readings (sign -1)
-        before adding its completions and adds the new ones (sign +1) after: they are recomputed rather than
-        stored, as a store would hold (pairs, weightings, N_max), too much at a thousand weightings."""
+        counts they have now to the per-prompt sums: w V_own (the plug-in) and the held gap U(m) - w(m) V_own(m),
+        m = min(N, n) (U the unbiased mean max over m-subsets of the n draws). ``update`` takes back each pulled
+        pair's readings (sign -1) before adding its completions and adds the new ones (sign +1) after: they are
+        recomputed rather than stored, as a store would hold (pairs, weightings, N_max), too much at a thousand
+        weightings."""
         completions = self._completions[pp, qq]
         had = completions > 0
         pp, qq, completions = pp[had], qq[had], completions[had]
@@ -575,16 +587,17 @@ class PlugInEstimator:
         n_weightings = self._objectives.shape[0]
         for lo, hi in _blocks(np.full(pp.size, n_weightings * width)):
             first = lo + np.flatnonzero(np.r_[True, pp[lo + 1:hi] != pp[lo:hi - 1]])
-            plug_in_sum, unbiased_sum = self._own_readings(pp[lo:hi], qq[lo:hi], counts[lo:hi], self._objectives,
-                                                           weight[lo:hi], np.r_[first - lo, hi - lo])
+            plug_in_sum, held_sum = self._own_readings(pp[lo:hi], qq[lo:hi], counts[lo:hi], self._objectives,
+                                                       weight[lo:hi], np.r_[first - lo, hi - lo])
             self._own[:, pp[first]] += sign * plug_in_sum
-            self._own_unbiased[:, pp[first]] += sign * unbiased_sum
+            self._own_held[:, pp[first]] += sign * held_sum
 
     def _own_readings(self, pp: np.ndarray, qq: np.ndarray, counts: np.ndarray, objectives: np.ndarray,
                       weight: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``segment_readings`` of the (prompt, query) pairs ``pp``, ``qq`` with atom ``counts`` (pairs, atoms),
         scored by ``objectives`` (W, K): per segment ``bounds[s]:bounds[s + 1]`` of the pairs, the sum of ``weight``
-        (pairs, N_max) x their plug-in E[max of N] and the sum of their unbiased mean max over N-subsets."""
+        (pairs, N_max) x their plug-in E[max of N] V and the sum of their held gaps U(m) - weight(m) V(m), m = min(N,
+        the pair's draws), U the unbiased mean max over m-subsets."""
         atoms = self.env.table.atoms
         assert atoms is not None
         row, a = np.nonzero(counts)
@@ -603,15 +616,18 @@ class PlugInEstimator:
         n / (n + ``SHAPE_DRAWS`` N) for its n. D_p does not depend on which prompts are read with p, so a prompt
         read alone (the tail's last survivor) keeps its own shape; and where a query's pool mixes the prompts as
         the pool over every query does, the excess of the mixture's maximum over its components' cancels between
-        M_q and G. The value is the mean over the prompt's seen queries of R + (1 - lam) w_pqN (V_own(p, q, N) - R),
-        plus lam times the mean over the k of them with n_pq >= N of U(p, q, N) - R (U the unbiased mean max over
-        N-subsets), lam = k / (k + ``CORRECTION_QUERIES``), less their mean offset. As a query's own completions
-        grow, w -> 1; as more of the prompt's queries reach N draws, lam grows and the correction removes more of
-        the readings' bias; either way it tends to the mean over the queries of their own readings less the mean
-        offset, which is 0 once every prompt has seen every train query (as the common-query agents' prompts do at
-        large budgets). One weighted sum of R per prompt and N: weights (1 - (1 - lam) w) / |seen| and - lam / k.
-        A prompt that saw other queries than the reference (``_move_to_reference``) then moves onto the
-        reference's queries.
+        M_q and G. With the shrunk reading S(q, N) = R + w_pqN (V_own(p, q, N) - R), w_pqN = n / (n + ``bon_prior``
+        N), the value is the mean over the prompt's s seen queries of S(q, N) + lam (U(q, m) - S(q, m)), m = min(N,
+        n_pq), U the unbiased mean max over m-subsets (the sample maximum at m = n_pq) and lam = s / (s +
+        ``CORRECTION_QUERIES``), less their mean offset. Up to a query's draws the correction takes lam of the shrunk
+        reading's bias out; beyond them it keeps the bias measured where they end, so the estimate does not bend at
+        n_pq (without it, the plug-in's low bias past n reads the large N too low). As a query's draws grow, w -> 1
+        and m -> N, so the value tends to the mean over the queries of their own readings less the mean offset,
+        which is 0 once every prompt has seen every train query (as the common-query agents' prompts do at large
+        budgets). The fit-free parts (w V_own, and U(m) - w(m) V_own(m)) are per-prompt sums kept by ``_add_own``;
+        the readings enter as one weighted sum of R per prompt and N, with weight (1 - w) - lam (1 - w) up to n_pq
+        and, beyond it, 1 - w at N and - lam (1 - w(n_pq)) on R at n_pq. A prompt that saw other queries than the
+        reference (``_move_to_reference``) then moves onto the reference's queries.
         """
         level, offsets = self._additive_fit()
         scale, expected, spread, shape = self._location_scale(level, offsets, prompts)  # (W, P), (W, Q, N), (W, Q), (W, P, N)
@@ -624,24 +640,28 @@ class PlugInEstimator:
         expected_cols = expected[:, cols]
         low, high = self._score_range  # (W,) each
         offsets_cols, spread_cols = offsets[:, cols], spread[:, cols]
+        beyond = 1.0 - 1.0 / (1.0 + self.bon_prior)  # 1 - w(n) at N = n: R's weight in S(m) beyond the draws
         for lo, hi in _blocks(np.full(prompts.size, max(n_weightings, 1) * cols.size * self.n_max)):
             block = prompts[lo:hi]
             seen = seen_all[lo:hi, cols]
             n_q = seen.sum(axis=1)[:, None].astype(np.float64)
+            lam = n_q / (n_q + CORRECTION_QUERIES)  # (p, 1) the correction's weight
             completions = self._completions[block][:, cols]
-            checked = self._has_draws(completions)  # (p, q, N): U(p, q, N) exists
-            k = checked.sum(axis=1).astype(np.float64)  # (p, N)
-            shrink = CORRECTION_QUERIES / (k + CORRECTION_QUERIES)  # 1 - the correction's weight
-            weight = (seen[:, :, None] - shrink[:, None] * self._own_weight_of(completions)) / n_q[:, :, None]
-            weight -= checked / (k + CORRECTION_QUERIES)[:, None]
+            cap = np.maximum(completions, 1.0).astype(np.int64)  # (p, q) the draws; R(m) = R(N) up to them
+            own_weight = self._own_weight_of(completions)
+            reached = self._has_draws(completions)  # (p, q, N): N <= n
+            weight = (seen[:, :, None] - own_weight - lam[:, :, None] * reached * (1.0 - own_weight)) / n_q[:, :, None]
+            held = np.where(seen & (cap < self.n_max), -lam * beyond / n_q, 0.0)  # (p, q): times R(n) from N > n
             if _credit_jit.available():
                 shrunk = _credit_jit.clipped_readings(level[:, block], offsets_cols, scale[:, block], expected_cols,
-                                                      spread_cols, sh[:, lo:hi], weight, seen, low, high)
+                                                      spread_cols, sh[:, lo:hi], weight, held, cap, seen, low, high)
             else:
                 reading = location_scale_readings(expected_cols, spread_cols, sh[:, lo:hi], scale[:, block],
                                                   level[:, block], offsets_cols, low, high)
-                shrunk = np.einsum("pqn,wpqn->wpn", weight, reading, optimize=True)  # sum_q weight R
-            own = shrink[None] * self._own[:, block] / n_q + self._own_unbiased[:, block] / (k + CORRECTION_QUERIES)[None]
+                at_draws = np.take_along_axis(reading, np.broadcast_to(held_index(cap, self.n_max), reading.shape), -1)
+                shrunk = (np.einsum("pqn,wpqn->wpn", weight, reading, optimize=True)
+                          + np.einsum("pq,wpqn->wpn", held, at_draws * ~reached, optimize=True))
+            own = (self._own[:, block] + lam[None] * self._own_held[:, block]) / n_q
             out[:, lo:hi] = shrunk + own - (seen @ offsets_cols.T).T[:, :, None] / n_q
         self._move_to_reference(out, prompts, seen_all, drawn, (level, offsets, scale, expected, spread, sh))
         result: np.ndarray = out[self._objective_row]
@@ -675,10 +695,10 @@ class PlugInEstimator:
         subsets = np.vstack([np.ones(cols.size, dtype=bool), subsets]).astype(np.float64)  # (1 + distinct, q)
         completions = self._completions[ref_prompt, cols]
         own_weight = self._own_weight_of(completions)  # (q, N)
-        checked = self._has_draws(completions).astype(np.float64)
+        at = held_index(np.maximum(completions, 1.0), self.n_max)  # (q, N) the index of m = min(N, n)
         n_q = subsets.sum(axis=1)[:, None]
-        k = subsets @ checked  # (subsets, N)
-        shrink = CORRECTION_QUERIES / (k + CORRECTION_QUERIES)
+        lam = n_q / (n_q + CORRECTION_QUERIES)
+        beyond = 1.0 - np.take_along_axis(own_weight, at, axis=-1)  # (q, N) 1 - w(m)
         counts = self.atom_counts[ref_prompt, cols]  # (q, atoms)
         pp = np.full(cols.size, ref_prompt)
         low, high = self._score_range
@@ -687,11 +707,12 @@ class PlugInEstimator:
             reading = location_scale_readings(expected[ws, cols], spread[ws, cols], sh[ws, one],
                                               scale[ws, ref_prompt, None], level[ws, ref_prompt, None],
                                               offsets[ws, cols], low[ws], high[ws])[:, 0]  # (w, q, N)
-            plug_in, unbiased = self._own_readings(pp, cols, counts, self._objectives[ws], own_weight,
-                                                   np.arange(cols.size + 1))
-            total, weighted, corrected = subsets @ reading, subsets @ (own_weight * reading), subsets @ (checked * reading)
-            value = ((total + shrink * (subsets @ plug_in - weighted) - (offsets[ws, cols] @ subsets.T)[:, :, None]) / n_q
-                     + (subsets @ unbiased - corrected) / (k + CORRECTION_QUERIES))  # (w, subsets, N)
+            plug_in, held = self._own_readings(pp, cols, counts, self._objectives[ws], own_weight,
+                                               np.arange(cols.size + 1))
+            at_draws = np.take_along_axis(reading, np.broadcast_to(at, reading.shape), axis=-1)
+            shrunk = subsets @ ((1.0 - own_weight) * reading) - lam * (subsets @ (beyond * at_draws))
+            value = (shrunk + subsets @ plug_in + lam * (subsets @ held)
+                     - (offsets[ws, cols] @ subsets.T)[:, :, None]) / n_q  # (w, subsets, N)
             out[lo:hi, differs] += (value[:, :1] - value[:, 1:])[:, which]
 
     def _location_scale(self, level: np.ndarray, offsets: np.ndarray, prompts: np.ndarray
