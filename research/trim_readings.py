@@ -4,9 +4,10 @@ Trains `auto` on one tuning level (``screen_tables.level_table``: the level's st
 seeds from the tuning root seed) at one budget and, for one context, prints for the train-optimal prompt
 and the chosen one: whether each was live when the budget's tail began (after the tail's re-admission, a
 prompt absent there was trimmed by a whole step for good), its completions and queries seen, and at
-several N its estimate (the estimator's Best-of-N value at the end), its true value on the queries it saw,
-its true value on the train split (what the policy is judged on) and how many of its queries have at
-least N draws (where the unbiased correction can read it). The estimate's gap to the second column is its
+several N its estimate (the estimator's Best-of-N value at the end, with its cost term), its true value
+on the queries it saw, its true value on the train split (what the policy is judged on) and how many of
+its queries have at least N draws (where the correction reads the shrunk reading's bias at N itself; on
+the others it holds the bias read where their draws end). The estimate's gap to the second column is its
 error on the queries seen; the gap between the second and third, how much harder or easier those queries
 are than the train split, which the estimate removes through the query offsets of the mean scores.
 
@@ -68,7 +69,8 @@ def trim_readings(kind: str, level: int, seed: int, budget: int, context: int,
     for prompt in dict.fromkeys((optimal, chosen)):
         draws = est._completions[prompt]
         seen = np.flatnonzero(draws > 0)
-        estimate = est._bon_value(np.array([prompt]))[context, 0]
+        cost = table.context_weights[context, -1] * est._cost_sum[prompt] / seen.size  # per unit of N, as estimated
+        estimate = est._bon_value(np.array([prompt]))[context, 0] + cost * np.arange(1, table.n_max + 1)
         on_seen = q_table(table, seen)[context, prompt]
         assert agent.tail_live is not None
         records.append({

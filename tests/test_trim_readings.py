@@ -10,7 +10,7 @@ from trim_readings import trim_readings  # noqa: E402
 
 
 def test_trim_readings_reads_the_optimal_and_the_chosen_prompt() -> None:
-    """Tuning level ``bon_shift`` 118 at 10K, where `auto` picks prompt 5 over the train-optimal 17: the optimal
+    """Tuning level ``bon_shift`` 118 at 10K, where `auto` picks another prompt than the train-optimal 17: the optimal
     record comes first and is the better on the train split at N_max, the chosen prompt was live when the tail
     began (the tail only trims), and each N = 1 estimate is within 0.02 of its own prompt's true value on the
     queries it saw (0.52 and 0.77: a reading of the other prompt would be off by 0.25)."""
