@@ -69,8 +69,7 @@ def trim_readings(kind: str, level: int, seed: int, budget: int, context: int,
     for prompt in dict.fromkeys((optimal, chosen)):
         draws = est._completions[prompt]
         seen = np.flatnonzero(draws > 0)
-        cost = table.context_weights[context, -1] * est._cost_sum[prompt] / seen.size  # per unit of N, as estimated
-        estimate = est._bon_value(np.array([prompt]))[context, 0] + cost * np.arange(1, table.n_max + 1)
+        estimate = (est._bon_value(np.array([prompt])) + est._cost_term(np.array([prompt])))[context, 0]
         on_seen = q_table(table, seen)[context, prompt]
         assert agent.tail_live is not None
         records.append({

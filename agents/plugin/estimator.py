@@ -407,16 +407,20 @@ class PlugInEstimator:
         self._seen[new[:, 0], new[:, 1]] = True
         self._cost_sum += np.bincount(new[:, 0], weights=self._cost[new[:, 0], new[:, 1]], minlength=self.n_prompts)
         prompts = np.unique(pulls.prompts)
-        n_queries = self._seen[prompts].sum(axis=1).astype(np.float64)
         if self.aggregator == "mv":
             credit = self._mv_credit_curve(prompts) if self.curve > 0 else self._mv_credit_pooled(pulls, prompts)
             task = self._weights[:, :1, None] * credit[None]
         else:
             task = self._bon_value(prompts)
-        scale = np.arange(1, self.n_max + 1, dtype=np.float64)
-        cost = self._weights[:, -1:, None] * (self._cost_sum[prompts] / n_queries)[None, :, None] * scale
-        self.table.sums[:, prompts, :] = task + cost
+        self.table.sums[:, prompts, :] = task + self._cost_term(prompts)
         self.table.counts[:, prompts, :] = 1.0
+
+    def _cost_term(self, prompts: np.ndarray) -> np.ndarray:
+        """(C, len(prompts), N_max) each context's cost weight x N x the prompt's mean cost over its seen queries."""
+        n_queries = self._seen[prompts].sum(axis=1).astype(np.float64)
+        scale = np.arange(1, self.n_max + 1, dtype=np.float64)
+        cost: np.ndarray = self._weights[:, -1:, None] * (self._cost_sum[prompts] / n_queries)[None, :, None] * scale
+        return cost
 
     # ---- majority vote ----------------------------------------------------------------
     def _mv_credit_pooled(self, pulls: Pulls, prompts: np.ndarray) -> np.ndarray:
@@ -640,7 +644,6 @@ class PlugInEstimator:
         expected_cols = expected[:, cols]
         low, high = self._score_range  # (W,) each
         offsets_cols, spread_cols = offsets[:, cols], spread[:, cols]
-        beyond = 1.0 - 1.0 / (1.0 + self.bon_prior)  # 1 - w(n) at N = n: R's weight in S(m) beyond the draws
         for lo, hi in _blocks(np.full(prompts.size, max(n_weightings, 1) * cols.size * self.n_max)):
             block = prompts[lo:hi]
             seen = seen_all[lo:hi, cols]
@@ -651,7 +654,8 @@ class PlugInEstimator:
             own_weight = self._own_weight_of(completions)
             reached = self._has_draws(completions)  # (p, q, N): N <= n
             weight = (seen[:, :, None] - own_weight - lam[:, :, None] * reached * (1.0 - own_weight)) / n_q[:, :, None]
-            held = np.where(seen & (cap < self.n_max), -lam * beyond / n_q, 0.0)  # (p, q): times R(n) from N > n
+            at_draws_weight = np.take_along_axis(own_weight, np.minimum(cap, self.n_max)[..., None] - 1, axis=-1)[..., 0]
+            held = np.where(seen & (cap < self.n_max), -lam * (1.0 - at_draws_weight) / n_q, 0.0)  # times R(n), N > n
             if _credit_jit.available():
                 shrunk = _credit_jit.clipped_readings(level[:, block], offsets_cols, scale[:, block], expected_cols,
                                                       spread_cols, sh[:, lo:hi], weight, held, cap, seen, low, high)
