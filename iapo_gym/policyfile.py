@@ -18,13 +18,13 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from iapo_gym import schemas
+from iapo_gym.atomic import atomic_write_text
 
 FORMAT = "iapo-gym-policy"
 VERSION = 2
@@ -152,22 +152,11 @@ class PolicyFile:
         return json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the file atomically (a temporary file renamed over ``path``); returns the path."""
+        """Write the file atomically (``iapo_gym.atomic``); returns the path."""
         path = Path(path)
         text = self.to_json()
         load_text(text, str(path))  # what is written must read back
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return atomic_write_text(path, text)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> PolicyFile:
@@ -216,12 +205,7 @@ def load_text(text: str, where: str = "policy") -> PolicyFile:
         raise PolicyFileError(f"{where}: policy file version {doc.get('version')!r} is not supported by this "
                               f"iapo-gym (it reads versions {', '.join(map(str, READS))}); use the release that "
                               "wrote it")
-    errors = schemas.errors("iapo_gym", SCHEMA_FILE, doc)
-    if errors:
-        first = errors[0]
-        at = schemas.dotted(first.absolute_path) or "(top level)"
-        raise PolicyFileError(f"{where}: field {at}: {first.message} (schema {SCHEMA_FILE}"
-                              + (f"; {len(errors) - 1} more problem(s)" if len(errors) > 1 else "") + ")")
+    schemas.check("iapo_gym", SCHEMA_FILE, doc, where, PolicyFileError)
     try:
         digest = _digest(doc)
     except (ValueError, UnicodeEncodeError) as exc:  # 1e999 parsed as infinity, a lone surrogate escape

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +23,7 @@ from typing import Any, Literal, TypeVar
 import h5py  # every environment reads a table file; imported with the package, not on the first gym.make
 import numpy as np
 
+from iapo_gym.atomic import atomic_path
 from iapo_gym.exact import EXACT_VERSION, ExactReward, attach, exact_digest, exact_reward, stored, task_reward_fits
 
 SCHEMA_VERSION = 2
@@ -284,7 +284,7 @@ def validate(table: TableSchema, where: str = "table") -> None:
 
 # ---- HDF5 ------------------------------------------------------------------------------
 def write_table(table: OutcomeTable, path: str | os.PathLike[str], *, exact: bool = True) -> Path:
-    """Write ``table`` to ``path`` atomically: a temporary file in the same folder, then rename.
+    """Write ``table`` to ``path`` atomically (``iapo_gym.atomic``: a reader never sees a part of it).
 
     With ``exact`` (default) the exact expected task-reward tensor is stored too (group ``exact``,
     with its digest), so a fresh process evaluates without recomputing it; not when it exceeds
@@ -294,10 +294,7 @@ def write_table(table: OutcomeTable, path: str | os.PathLike[str], *, exact: boo
     if exact and (stored(table) is not None or task_reward_fits(table)):  # too large: computed per use, streamed
         tensor = exact_reward(table)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp_name:
         str_dt = h5py.string_dtype("utf-8")
         with h5py.File(tmp_name, "w") as f:
             f.attrs["schema_version"] = SCHEMA_VERSION
@@ -330,14 +327,6 @@ def write_table(table: OutcomeTable, path: str | os.PathLike[str], *, exact: boo
                 e.create_dataset("task_reward", data=tensor.reward)
                 if tensor.context_index is not None:
                     e.create_dataset("context_index", data=tensor.context_index)
-            f.flush()
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp_name, 0o666 & ~umask)  # mkstemp's 0600 would hide shared tables from other users
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
     return path
 
 

@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from iapo_gym.exact import (  # noqa: F401  (re-exported: the exact kernels' old home)
-    TENSOR_LIMIT_BYTES,
+from iapo_gym.exact import (
     bon_expected_max,
     bon_weighted_max,
     exact_reward,
-    expected_task_reward,
-    gauss_legendre_01,
     mv_expected_credit,
     objective_rows,
     stored,
     task_reward_fits,
-    vote_credit_series,
 )
 from iapo_gym.tables import OutcomeTable, TableSchema
 
@@ -119,7 +115,7 @@ _BLOCK_ELEMENTS = 1 << 22  # (prompt, query, atom) cells per block of the stream
 def mean_task_reward(table: OutcomeTable, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Exact task reward (C', P, N_max) averaged over ``queries``, and the row of each context (C,).
 
-    Uses the cached/stored tensor when the table has it or it fits ``TENSOR_LIMIT_BYTES``; otherwise
+    Uses the cached/stored tensor when the table has it or it fits ``iapo_gym.exact.TENSOR_LIMIT_BYTES``; otherwise
     streams blocks of about ``_BLOCK_ELEMENTS`` (prompt, query, atom) cells (a block of prompts, or
     a block of one prompt's queries when one prompt's queries are more) and keeps the running
     query sums only, so its memory is the (C', P, N_max) result plus one block whatever the number
@@ -157,7 +153,7 @@ def mean_task_reward(table: OutcomeTable, queries: np.ndarray) -> tuple[np.ndarr
 def expected_arm_reward(table: OutcomeTable, arms: np.ndarray, queries: np.ndarray) -> np.ndarray:
     """Exact expected task reward (C,) of context c's arm ``arms[c] = (p, N)``, averaged over ``queries``.
 
-    The same values as ``expected_task_reward`` (mv: the unscaled credit; bon: weighted by the
+    The same values as ``iapo_gym.exact.expected_task_reward`` (mv: the unscaled credit; bon: weighted by the
     context's objectives) but only for the C asked arms, so a policy is evaluated without building
     the (C', P, Q, N_max) tensor. Not cached: use ``expected_task_reward`` when many arms are needed.
     """

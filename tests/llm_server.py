@@ -205,7 +205,7 @@ import pytest  # noqa: E402
 def _need_llama_cpp() -> None:
     try:
         import llama_cpp  # noqa: F401
-        import llama_cpp.server  # noqa: F401
+        import llama_cpp.server.app  # noqa: F401  (the [server] extra's fastapi, starlette, sse-starlette)
     except ImportError as exc:
         pytest.skip(f"llama-cpp-python[server] is not installed ({exc}); pip install \"iapo-gym[llm]\"")
 

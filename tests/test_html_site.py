@@ -21,8 +21,9 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shuti
 CHROMEDRIVER = shutil.which("chromedriver")
 
 
-def chrome(width: int = 1280, height: int = 900) -> Any:
-    """A headless Chromium with browser and performance logs; skips where it cannot run here."""
+def chrome(width: int = 1280, height: int = 900, extra: tuple[str, ...] = ()) -> Any:
+    """A headless Chromium with browser and performance logs (``extra``: more command-line switches); skips where it
+    cannot run here."""
     webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (test extra)")
     if CHROMIUM is None or CHROMEDRIVER is None:
         pytest.skip("chromium/chromedriver not installed (apt-get install -y chromium chromium-driver)")
@@ -31,7 +32,7 @@ def chrome(width: int = 1280, height: int = 900) -> Any:
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                f"--window-size={width},{height}", "--allow-file-access-from-files"):
+                f"--window-size={width},{height}", "--allow-file-access-from-files", *extra):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)

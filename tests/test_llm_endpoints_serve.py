@@ -24,7 +24,6 @@ from tests.test_llm_endpoints import (  # noqa: F401 (fixtures)
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
-pytest.importorskip("starlette")
 
 TEMPLATES = {"plain": "Q: {query}\nA:", "short": "{query} ->"}
 CANDIDATES = ["1 + 1 =", "What is 7 times 6?", "Name a letter:", "Say hi", "2, 4, 6,", "The sky is", "Count: 1 2",

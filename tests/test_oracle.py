@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from iapo_gym.exact import stored
+from iapo_gym.exact import bon_expected_max, mv_expected_credit, stored
 from iapo_gym.oracle import exact_acr, monte_carlo_acr, optimal_policy, q_table
 from iapo_gym.sampling import AliasSampler
-from iapo_gym.utility import bon_expected_max, mv_credit, mv_expected_credit
+from iapo_gym.utility import mv_credit
 from tests.conftest import tiny_bon_table, tiny_mv_table
 
 

@@ -100,7 +100,7 @@ def test_the_schema_states_positive_integers_once_and_every_such_field_refuses_b
     (["endpoint", "max_retries"], -1, "field 'endpoint.max_retries' must be an integer >= 0, got -1"),
     (["endpoint", "api"], "rest", "field 'endpoint.api' must be one of 'completions' or 'chat', got 'rest'"),
     (["endpoint", "base_url"], "ftp://x", "field 'endpoint.base_url' must be a URL starting with http:// or https://"),
-    (["endpoint", "colour"], "red", "field 'endpoint.colour' is not a known setting (expected one of api, "),
+    (["endpoint", "colour"], "red", "field 'endpoint.colour' is not a known field (expected one of api, "),
     (["sampling", "top_p"], 0, "field 'sampling.top_p' must be a number in (0, 1], got 0"),
     (["sampling", "stop"], ["", "x"], "field 'sampling.stop' must be a string or a list of non-empty strings"),
     (["prompts", 1, "template"], "no placeholder", "field 'prompts[1].template' must be a string with the "
@@ -243,3 +243,92 @@ def test_cost_weight_is_minus_one_over_the_value_of_a_unit_of_quality() -> None:
     for bad in (0.0, -1.0, float("inf"), float("nan"), True):
         with pytest.raises(ValueError, match="value_per_quality must be a finite number > 0"):
             cost_weight(bad)  # type: ignore[arg-type]
+
+
+SETTINGS = {  # a table of the spec -> its dataclass and a value other than the default for every setting
+    "endpoint": ("Endpoint", {"api_key_env": "MY_KEY", "api": "chat", "concurrency": 2, "timeout": 7,
+                              "max_retries": 1, "backoff": 2, "max_backoff": 9, "use_n": "no",
+                              "input_price_per_million": 1, "output_price_per_million": 3}),
+    "sampling": ("Sampling", {"temperature": 0, "top_p": 0.5, "seed": 3, "stop": "\n"}),
+    "budget": ("Budget", {"max_requests": 10, "max_tokens_total": 99, "price_per_1k_tokens": 2}),
+    "build": ("Build", {"top_k": 2, "cost_scale": 1, "test_fraction": 0.5, "seed": 7}),
+    "scorer": ("Scorer", {"choices": "ABCD"}),
+}
+
+
+def test_settings_left_out_take_the_dataclass_defaults_and_settings_given_are_read(tmp_path: Path) -> None:
+    """The defaults are stated once (the dataclasses of iapo_gym.llm.spec): the parser adds none of its own."""
+    import dataclasses
+
+    import iapo_gym.llm.spec as spec_module
+
+    plain = load_spec(write(tmp_path / "plain", BASE))
+    doc = copy.deepcopy(BASE)
+    doc["prompts"] = [{"id": "p", "messages": [{"role": "user", "content": "{query}"}]}]  # api = "chat"
+    for table, (_, values) in SETTINGS.items():
+        doc[table] = {**doc.get(table, {}), **values}
+    given = load_spec(write(tmp_path / "given", doc))
+    for table, (name, values) in SETTINGS.items():
+        cls = getattr(spec_module, name)
+        before, after = getattr(plain, table), getattr(given, table)
+        assert isinstance(before, cls) and isinstance(after, cls)
+        for f in dataclasses.fields(cls):
+            if f.name in BASE.get(table, {}):
+                continue
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            assert getattr(before, f.name) == default, (table, f.name)
+            if f.name in values:
+                want = values[f.name]
+                want = (want,) if f.name == "stop" else float(want) if str(f.type).startswith("float") else want
+                assert getattr(after, f.name) == want and type(getattr(after, f.name)) is type(want), (table, f.name)
+    assert plain.scorer.grid == load_spec(write(tmp_path / "bon", BON)).scorer.grid == spec_module.BuildOptions.grid
+    exact = load_spec(write(tmp_path / "exact", with_value(BON, ["scorer", "grid"], False)))
+    assert exact.scorer.grid is None
+
+
+BON = {**BASE, "aggregator": "bon", "scorer": {"callable": "math:fabs", "objectives": ["a"]}}
+
+
+def _documented_defaults() -> dict[tuple[str, str], str]:
+    """(section, field) -> the default column of docs/collect.md's table of the spec's fields."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "collect.md").read_text(encoding="utf-8")
+    out: dict[tuple[str, str], str] = {}
+    section = ""
+    for line in text.split("## The spec (TOML or JSON)")[1].split("\n## ")[0].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith(("`", "**")):
+            continue
+        if cells[0].startswith("**"):
+            section = cells[0].strip("*`").split("`")[0]
+            continue
+        names = [n.strip("` ") for n in cells[0].split(",")]
+        values = [v.strip() for v in cells[1].split(",")] if len(names) > 1 else [cells[1]]
+        values = values * len(names) if len(values) == 1 else values  # one default for several fields
+        assert len(values) == len(names), line
+        out.update({(section, n): v.strip('`') for n, v in zip(names, values, strict=True)})
+    return out
+
+
+def test_docs_state_the_defaults_the_dataclasses_give() -> None:
+    import dataclasses
+
+    import iapo_gym.llm.spec as spec_module
+
+    documented = _documented_defaults()
+    sections = {"[endpoint]": "Endpoint", "[sampling]": "Sampling", "[budget]": "Budget", "[build]": "Build",
+                "[scorer]": "Scorer"}
+    checked = 0
+    for section, name in sections.items():
+        for f in dataclasses.fields(getattr(spec_module, name)):
+            cell = documented.get((section, f.name))
+            if cell is None or cell in ("required", "") or f.default is dataclasses.MISSING:
+                continue
+            default = f.default
+            if default is None or default == ():
+                assert cell in ("none", "from the scorer"), (section, f.name, cell)
+            elif isinstance(default, str):
+                assert cell == f'"{default}"', (section, f.name, cell)
+            else:
+                assert float(cell) == default, (section, f.name, cell)
+            checked += 1
+    assert checked >= 20  # every documented default of these tables was compared

@@ -105,7 +105,7 @@ def test_truncated_file_is_rejected(tmp_path: Path) -> None:
 
 # ---- stored exact expectations (schema 2) ---------------------------------------------
 def _fresh_reward(table):
-    from iapo_gym.utility import expected_task_reward
+    from iapo_gym.exact import expected_task_reward
 
     return expected_task_reward(replace(table))  # a copy with an empty cache: computed from scratch
 
@@ -136,7 +136,7 @@ def test_tampered_probabilities_ignore_the_stored_tensor_with_a_warning(tmp_path
     assert stored(back) is None
     expected = _fresh_reward(replace(table, probs=table.probs[:, :, ::-1],
                                      atoms=None if table.atoms is None else table.atoms))
-    from iapo_gym.utility import expected_task_reward
+    from iapo_gym.exact import expected_task_reward
 
     np.testing.assert_allclose(expected_task_reward(back), expected, rtol=0, atol=0)
 
@@ -150,7 +150,7 @@ def test_version_1_file_without_exact_group_still_reads_and_computes_on_first_us
     assert meta["schema_version"] == 1 and not meta["has_exact"]
     back = read_table(path)
     assert stored(back) is None
-    from iapo_gym.utility import expected_task_reward
+    from iapo_gym.exact import expected_task_reward
 
     np.testing.assert_array_equal(expected_task_reward(back), _fresh_reward(table))
 

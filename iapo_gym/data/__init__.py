@@ -21,8 +21,8 @@ from iapo_gym.data.registry import RegistryError, ReleaseEntry, entry_for_task
 from iapo_gym.exact import stored
 from iapo_gym.paths import DATA_ENV, OFFLINE_ENV, cache_dir
 from iapo_gym.tables import OutcomeTable, TableError, read_attributes, read_metadata, read_table, write_table
-from iapo_gym.tasks import TaskSpec, get_task
-from iapo_gym.tasks.synthetic import GENERATOR_VERSION, GENERATORS
+from iapo_gym.tasks import GENERATOR_VERSION, TaskSpec, get_task
+from iapo_gym.tasks.synthetic import GENERATORS
 
 if TYPE_CHECKING:
     from iapo_gym.data.download import ChecksumError, DownloadError

@@ -252,7 +252,7 @@ def add_commands(subparsers: Any) -> None:
     p.set_defaults(func=_guarded(cmd_check))
 
     p = sub.add_parser("generate", help="write levels of a generated task family as .h5 tables (docs/tasks.md)",
-                       description="Levels 0-9999 are for tuning, levels from 1000000 on are held out.")
+                       description="Levels 0-9999 are for tuning, levels 1000000-1999999 are held out.")
     p.add_argument("family", help="family name (iapo_gym.tasks.generated.families())")
     p.add_argument("--levels", required=True, help="A, A:B or A-B (both ends included), e.g. 0:9")
     p.add_argument("--out", required=True, help="output folder; files are FAMILY-LEVEL.h5")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from iapo_gym import paths
+from iapo_gym.atomic import atomic_path
 from iapo_gym.data.registry import ReleaseEntry
 from iapo_gym.paths import OFFLINE_ENV
 
@@ -106,28 +107,20 @@ def fetch_release(entry: ReleaseEntry, dest: str | os.PathLike[str] | None = Non
     with folder_lock(folder, entry.file):
         if not force and target.is_file() and is_verified(target, entry):
             return target  # another process fetched it while we waited for the lock
-        _download(entry, url, folder, target)
+        _download(entry, url, target)
     return target
 
 
-def _download(entry: ReleaseEntry, url: str, folder: Path, target: Path) -> None:
+def _download(entry: ReleaseEntry, url: str, target: Path) -> None:
     import pooch
 
-    part = folder / f".{entry.file}.part"
-    part.unlink(missing_ok=True)
-    known = f"sha256:{entry.sha256}" if entry.sha256 else None
     logger.info("downloading %s to %s", url, target)
-    try:
-        pooch.retrieve(url, known_hash=known, fname=part.name, path=folder, progressbar=False)
-    except ValueError as exc:  # pooch's hash mismatch; its temporary file is already gone
-        part.unlink(missing_ok=True)
-        raise ChecksumError(f"the download of {url} does not match the registry's sha256 and was deleted: {exc}") from None
-    except Exception as exc:  # requests/urllib3 connection errors, HTTP errors, disk errors
-        part.unlink(missing_ok=True)
-        raise DownloadError(f"download of {url} failed ({type(exc).__name__}: {exc}); nothing was kept") from exc
-    try:
-        verify_release_file(part, entry)
-    except ChecksumError as exc:
-        part.unlink(missing_ok=True)
-        raise ChecksumError(f"the download of {url} was deleted: {exc}") from None
-    os.replace(part, target)
+    with atomic_path(target) as part:  # renamed into place only once verified; deleted on any failure
+        try:
+            pooch.HTTPDownloader(progressbar=False)(url, str(part), None)
+        except Exception as exc:  # requests/urllib3 connection errors, HTTP errors, disk errors
+            raise DownloadError(f"download of {url} failed ({type(exc).__name__}: {exc}); nothing was kept") from exc
+        try:
+            verify_release_file(part, entry)
+        except ChecksumError as exc:
+            raise ChecksumError(f"the download of {url} was deleted: {exc}") from None

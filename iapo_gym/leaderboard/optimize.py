@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from iapo_gym.atomic import atomic_write_text
 from iapo_gym.leaderboard.run.specs import AgentSpec, parse_agent_spec, resolve_task
 from iapo_gym.llm.prices import spend_report
 from iapo_gym.policyfile import PolicyFile, describe
@@ -104,10 +105,7 @@ def optimize(target: str, agent: str | AgentSpec, budget: int, out: str | Path, 
         pf, spend = _table(target, agent_spec, budget, seed, run, spec, progress)
     out.mkdir(parents=True, exist_ok=True)
     policy_path = pf.save(out / "policy.json")
-    report_path = out / "report.md"
-    tmp = report_path.with_suffix(".md.tmp")
-    tmp.write_text(render_report(pf) + spend_report(pf, target), encoding="utf-8")
-    tmp.replace(report_path)
+    report_path = atomic_write_text(out / "report.md", render_report(pf) + spend_report(pf, target))
     return OptimizeResult(pf, policy_path, report_path, spend)
 
 

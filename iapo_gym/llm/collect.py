@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from iapo_gym.atomic import atomic_write_text
 from iapo_gym.llm.cache import ResponseCache
 from iapo_gym.llm.client import BudgetExhausted, Completion, LLMClient
 from iapo_gym.llm.loop import gather_all
@@ -185,9 +186,7 @@ class Collector:
                 raise SpecError(f"{self.out} holds a collection made with a different {', '.join(diff)}; "
                                 "resume with the same spec or use a new --out folder")
             return
-        tmp = manifest.with_suffix(".tmp")
-        tmp.write_text(json.dumps(mine, indent=1, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, manifest)
+        atomic_write_text(manifest, json.dumps(mine, indent=1, sort_keys=True))
 
     def run(self) -> CollectResult:
         """Collect what is missing, then build and write the table if every completion is logged."""

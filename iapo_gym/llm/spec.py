@@ -17,13 +17,13 @@ import os
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from iapo_gym import schemas
-from iapo_gym.data.build import jsonl_objects
+from iapo_gym.data.build import BuildOptions, jsonl_objects
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -147,7 +147,7 @@ class Scorer:
     reward_url: str | None = None
     callable: str | None = None
     objectives: tuple[str, ...] = ()
-    grid: float | None = 0.5
+    grid: float | None = BuildOptions.grid  # the table builder's --grid
     score_range: tuple[float, float] | None = None
     api_key_env: str | None = None  # the reward endpoint's own key variable (it never gets the LLM's key)
 
@@ -216,12 +216,12 @@ def cost_weight(value_per_quality: float) -> float:
 
 @dataclass(frozen=True)
 class Build:
-    """Options passed to the table builder (``iapo_gym.data.build``)."""
+    """Options passed to the table builder (``iapo_gym.data.build``), by default the builder's own."""
 
-    top_k: int = 4
-    cost_scale: float = 0.01
-    test_fraction: float = 0.2
-    seed: int = 0
+    top_k: int = BuildOptions.top_k
+    cost_scale: float = BuildOptions.cost_scale
+    test_fraction: float = BuildOptions.test_fraction
+    seed: int = BuildOptions.seed
 
 
 @dataclass(frozen=True)
@@ -345,50 +345,6 @@ def schema() -> dict[str, Any]:
     return schemas.load("iapo_gym.llm", SCHEMA_FILE)
 
 
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 120 else text[:117] + "..."
-
-
-def _resolve(node: dict[str, Any]) -> dict[str, Any]:
-    """A subschema with its local ``$ref`` followed (``#/$defs/name``)."""
-    ref = node.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#/$defs/"):
-        return {**_resolve(schema()["$defs"][ref[len("#/$defs/"):]]), **{k: v for k, v in node.items() if k != "$ref"}}
-    return node
-
-
-def _known(node: dict[str, Any]) -> list[str]:
-    """The settings a table of the schema allows (its ``properties``, through ``$ref``)."""
-    node = _resolve(node)
-    return sorted(set(node.get("properties", {})))
-
-
-def _schema_message(where: str, error: Any) -> str:
-    """One line naming the file, the field and what it must be, from a jsonschema error."""
-    path = list(error.absolute_path)
-    kind = error.validator
-    if kind == "required":
-        missing = [k for k in error.validator_value if k not in error.instance]
-        return f"{where}: field {schemas.dotted([*path, missing[0]])!r} is missing"
-    if kind in ("additionalProperties", "unevaluatedProperties"):
-        known = _known(error.schema)
-        extra = sorted(k for k in error.instance if k not in known)
-        return (f"{where}: field {schemas.dotted([*path, extra[0]])!r} is not a known setting "
-                f"(expected one of {', '.join(known)})")
-    node = _resolve(error.schema) if isinstance(error.schema, dict) else {}
-    if kind in ("minItems", "maxItems", "uniqueItems") and "description" not in node:
-        return f"{where}: field {schemas.dotted(path)!r}: {error.message}"
-    what = node.get("description")
-    if what is None:  # a part of a field described as a whole (e.g. one item of a list)
-        return f"{where}: field {schemas.dotted(path)!r}: {error.message[:200]}"
-    if not path:
-        return f"{where}: the spec must be {what}, got {type(error.instance).__name__}"
-    if node.get("x-secret"):
-        return f"{where}: field {schemas.dotted(path)!r} must be {what}"
-    return f"{where}: field {schemas.dotted(path)!r} must be {what}, got {_shown(error.instance)}"
-
-
 def _finite_everywhere(data: Any, where: str, path: tuple[Any, ...] = ()) -> None:
     """Refuse NaN and infinity anywhere (TOML and JSON both spell them; the schema's ranges cannot)."""
     if isinstance(data, float) and not math.isfinite(data):
@@ -406,11 +362,7 @@ def check_schema(data: Any, where: str) -> None:
     if not isinstance(data, dict):
         raise SpecError(f"{where}: the spec must be a table of settings, got {type(data).__name__}")
     _finite_everywhere(data, where)
-    errors = schemas.errors("iapo_gym.llm", SCHEMA_FILE, data)
-    if errors:
-        first = errors[0]
-        more = f" ({len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-        raise SpecError(_schema_message(where, first) + more)
+    schemas.check("iapo_gym.llm", SCHEMA_FILE, data, where, SpecError)
 
 
 def load_spec(path: str | os.PathLike[str]) -> Spec:
@@ -454,9 +406,7 @@ def parse_spec(data: Any, path: Path) -> Spec:
     aggregator = data["aggregator"]
     endpoints = _endpoints(where, data)
     sampling = _sampling(data["sampling"])
-    b = data.get("budget", {})
-    budget = Budget(max_requests=b.get("max_requests"), max_tokens_total=b.get("max_tokens_total"),
-                    price_per_1k_tokens=float(b.get("price_per_1k_tokens", 0.0)))
+    budget = _settings(Budget, data.get("budget", {}))
     templates = _prompts(where, data["prompts"], endpoints[0].api)
     if len(endpoints) > 1:
         prompts = tuple(Prompt(f"{e.id}/{t.id}", t.text, t.messages, endpoint=i)
@@ -470,9 +420,7 @@ def parse_spec(data: Any, path: Path) -> Spec:
         if where in str(exc):
             raise
         raise SpecError(f"{where}: field 'queries.path': {exc}") from None
-    bd = data.get("build", {})
-    build = Build(top_k=bd.get("top_k", 4), cost_scale=float(bd.get("cost_scale", 0.01)),
-                  test_fraction=float(bd.get("test_fraction", 0.2)), seed=bd.get("seed", 0))
+    build = _settings(Build, data.get("build", {}))
     cache = data.get("cache")
     live_cost = data.get("live", {}).get("cost")
     if live_cost is not None:
@@ -540,18 +488,25 @@ def _contexts(where: str, items: list[dict[str, Any]], aggregator: str, scorer: 
     return tuple(out)
 
 
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
+_T = TypeVar("_T")
+
+
+def _settings(cls: type[_T], table: Mapping[str, Any], **given: Any) -> _T:
+    """The dataclass ``cls`` from a table of the spec: each field the table sets (an integer given for a
+    ``float`` field as a float), ``given`` for the fields the parser derives, and the dataclass's own
+    default for the rest: the defaults are stated once, in the dataclasses above (docs/collect.md lists them).
+    """
+    values: dict[str, Any] = {}
+    for f in fields(cls):  # type: ignore[arg-type]  # every cls here is a dataclass
+        if f.name in given or f.name not in table:
+            continue
+        value = table[f.name]
+        values[f.name] = float(value) if value is not None and str(f.type).startswith("float") else value
+    return cls(**values, **given)
 
 
 def _endpoint(s: dict[str, Any], endpoint_id: str = "") -> Endpoint:
-    return Endpoint(base_url=s["base_url"].rstrip("/"), model=s["model"], api_key_env=s.get("api_key_env"),
-                    api=s.get("api", "completions"), concurrency=s.get("concurrency", 4),
-                    timeout=float(s.get("timeout", 60.0)), max_retries=s.get("max_retries", 6),
-                    backoff=float(s.get("backoff", 0.5)), max_backoff=float(s.get("max_backoff", 30.0)),
-                    use_n=s.get("use_n", "auto"), id=endpoint_id,
-                    input_price_per_million=_optional_float(s.get("input_price_per_million")),
-                    output_price_per_million=_optional_float(s.get("output_price_per_million")))
+    return _settings(Endpoint, s, base_url=s["base_url"].rstrip("/"), id=endpoint_id)
 
 
 def _endpoints(where: str, data: dict[str, Any]) -> tuple[Endpoint, ...]:
@@ -573,10 +528,9 @@ def _endpoints(where: str, data: dict[str, Any]) -> tuple[Endpoint, ...]:
 
 
 def _sampling(s: dict[str, Any]) -> Sampling:
-    stop = s.get("stop", [])
-    stop = [stop] if isinstance(stop, str) else stop
-    return Sampling(max_tokens=s["max_tokens"], temperature=float(s.get("temperature", 1.0)),
-                    top_p=_optional_float(s.get("top_p")), seed=s.get("seed"), stop=tuple(stop))
+    if "stop" not in s:
+        return _settings(Sampling, s)
+    return _settings(Sampling, s, stop=(s["stop"],) if isinstance(s["stop"], str) else tuple(s["stop"]))
 
 
 def _prompts(where: str, items: list[Any], api: str) -> tuple[Prompt, ...]:
@@ -602,6 +556,10 @@ def _prompts(where: str, items: list[Any], api: str) -> tuple[Prompt, ...]:
     return tuple(out)
 
 
+#: The scorer settings of majority vote; Best-of-N reads the others.
+_MV_SCORER = ("extractor", "pattern", "choices")
+
+
 def _scorer(where: str, s: dict[str, Any], aggregator: str) -> Scorer:
     def fail(key: str, message: str) -> None:
         _fail(where, f"scorer.{key}", message)
@@ -621,7 +579,7 @@ def _scorer(where: str, s: dict[str, Any], aggregator: str) -> Scorer:
         for key in ("reward_url", "callable", "api_key_env"):
             if key in s:
                 fail(key, "is for Best-of-N (aggregator = 'bon'); majority vote uses 'extractor'")
-        return Scorer(extractor=extractor, pattern=pattern, choices=s.get("choices", "ABCDE"))
+        return _settings(Scorer, {k: v for k, v in s.items() if k in _MV_SCORER})
     reward_url, target = s.get("reward_url"), s.get("callable")
     if (reward_url is None) == (target is None):
         fail("callable", "or 'reward_url' must be given for Best-of-N (exactly one of them)")
@@ -630,14 +588,17 @@ def _scorer(where: str, s: dict[str, Any], aggregator: str) -> Scorer:
         fail("api_key_env", "names the reward endpoint's key; it needs 'reward_url'")
     if "extractor" in s:
         fail("extractor", "is for majority vote (aggregator = 'mv')")
-    grid = s.get("grid", 0.5)
-    rng = s.get("score_range")
-    if rng is not None:
+    derived: dict[str, Any] = {}
+    if "score_range" in s:
+        rng = s["score_range"]
         if not rng[0] < rng[1]:
             fail("score_range", f"must be [low, high] with low < high, got {rng!r}")
-        rng = (float(rng[0]), float(rng[1]))
-    return Scorer(reward_url=reward_url, callable=target, objectives=tuple(s.get("objectives", ())),
-                  grid=None if grid is False else float(grid), score_range=rng, api_key_env=key_env)
+        derived["score_range"] = (float(rng[0]), float(rng[1]))
+    if "objectives" in s:
+        derived["objectives"] = tuple(s["objectives"])
+    if s.get("grid") is False:  # false: no binning
+        derived["grid"] = None
+    return _settings(Scorer, {k: v for k, v in s.items() if k not in _MV_SCORER}, **derived)
 
 
 def _queries(where: str, s: dict[str, Any], base: Path, aggregator: str) -> tuple[Query, ...]:

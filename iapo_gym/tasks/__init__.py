@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: The version of the table generators (``tasks.synthetic``, ``tasks.generated``): bumped whenever one of them
+#: gives another table for some instance or level. Recorded in every generated table's attributes, part of the
+#: synthetic tables' cache file names and of a bundle's record of the generated tasks it ran.
+GENERATOR_VERSION = 1
+
 
 @dataclass(frozen=True)
 class TaskSpec:

@@ -4,7 +4,7 @@ Each family is a documented parametric model of how outcomes arise. Level k of a
 model's parameters (sizes, spreads, context set, costs) from the family's stated ranges with its
 own generator (``derive_rng(GENERATED_ROOT_SEED, "generated", family, k)``) and returns the whole
 outcome table, so every value is exact, as for the paper's synthetic tasks. Levels 0-9,999 are for
-tuning; levels from 1,000,000 on are held out, for reports only (``TUNING_LEVELS``, ``HELD_OUT_LEVELS``).
+tuning; levels 1,000,000-1,999,999 are held out, for reports only (``TUNING_LEVELS``, ``HELD_OUT_LEVELS``).
 The families, their parameters and ranges are documented in docs/tasks.md.
 """
 
@@ -21,10 +21,9 @@ from scipy.special import expit, log_ndtr
 
 from iapo_gym.seeding import derive_rng
 from iapo_gym.tables import TEST, TRAIN, OutcomeTable
+from iapo_gym.tasks import GENERATOR_VERSION
 from iapo_gym.tasks.contexts import bon_grid_contexts, mv_cost_contexts
 
-#: Bumped whenever a family's output changes for some level (recorded in every table's attributes).
-GENERATOR_VERSION = 1
 GENERATED_ROOT_SEED = 20_261_125
 #: Levels for tuning agents and their hyper-parameters.
 TUNING_LEVELS = range(0, 10_000)

@@ -11,10 +11,9 @@ import numpy as np
 
 from iapo_gym.seeding import derive_rng
 from iapo_gym.tables import TEST, TRAIN, OutcomeTable
+from iapo_gym.tasks import GENERATOR_VERSION
 from iapo_gym.tasks.contexts import bon_grid_contexts, mv_cost_contexts
 
-#: Bumped whenever a generator's output changes (part of the cache key and the env id's -vN).
-GENERATOR_VERSION = 1
 GENERATOR_ROOT_SEED = 20_251_122
 
 

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import jinja2
 
+from iapo_gym.atomic import atomic_directory
 from iapo_gym.leaderboard.report.model import (
     Report,
     budgets_of,
@@ -131,9 +130,7 @@ def write_site(report: Report, out_dir: str | Path, site_dir: str | Path,
     from iapo_gym.leaderboard.submit.provenance import site_provenance
 
     site = Path(site_dir)
-    site.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{site.name}.", dir=site.parent))
-    try:
+    with atomic_directory(site) as tmp:
         assets = tmp / "assets"
         assets.mkdir()
         tasks = sorted({s.task for s in report.summary})
@@ -154,17 +151,4 @@ def write_site(report: Report, out_dir: str | Path, site_dir: str | Path,
             provenance=_provenance_view(site_provenance(out_dir)), source=display_path(out_dir),
         )
         (tmp / "index.html").write_text(page, encoding="utf-8")
-        old = site.with_name(f".{site.name}.old-{os.getpid()}")
-        if site.exists():
-            os.replace(site, old)  # kept until the new site is in place
-        try:
-            os.replace(tmp, site)
-        except BaseException:
-            if old.exists():
-                os.replace(old, site)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return site / "index.html"

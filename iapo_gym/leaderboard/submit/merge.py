@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from iapo_gym.atomic import atomic_directory
 from iapo_gym.leaderboard.run.specs import AgentSpec, check_unique_labels
 from iapo_gym.leaderboard.run.store import ResultStore, RunResult, TaskInfo
 from iapo_gym.leaderboard.submit.bundle import Bundle, BundleError
@@ -107,18 +106,10 @@ def merge(sources: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[
     results, infos, duplicates = merge_results(bundles)
     provenance = [entry for b in bundles for entry in provenance_entries(b)]
     protocol = bundles[0].manifest["protocol"]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:  # an empty --out is replaced
         with ResultStore(tmp) as store:
             store.claim_meta("root_seed", str(protocol["root_seed"]))
             store.claim_meta("train_fraction", repr(float(protocol["train_fraction"])))
             store.add(results, infos)
         (tmp / PROVENANCE).write_text(json.dumps({"inputs": provenance}, indent=1, sort_keys=True) + "\n")
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"inputs": len(bundles), "runs": len(results), "duplicates": duplicates}
