@@ -1,4 +1,4 @@
-"""Optional numba kernel of the exact sequential loop (``_Sequential._advance`` with batch_size 1).
+"""The numba kernel of the exact sequential loop (``_Sequential._advance`` with batch_size 1).
 
 The same algorithm as the numpy path, step for step: the same generator calls in the same
 order on the agent's and the env's generators (numba's ``Generator.integers``/``random``
@@ -6,8 +6,9 @@ draw what numpy's draw), and the same floating-point operations in the same orde
 fastmath), so the pulls, the estimator's sums and counts and the generators' states end
 bit-identical; ``tests/test_jit.py`` checks it. Each function below names the numpy code it
 mirrors (``agents/baselines.py``, ``agents/estimator.py``, ``iapo_gym/env.py``,
-``iapo_gym/sampling.py``). Install the ``fast`` extra (numba) to use it; without numba, or
-with the environment variable ``IAPO_GYM_JIT=0``, the numpy path runs.
+``iapo_gym/sampling.py``). The environment variable ``IAPO_GYM_JIT=0`` runs the numpy path instead (the same
+results; it is the reference the compiled loop is checked against). ``_njit`` compiles every kernel of the
+package (numba is a dependency), the plug-in estimator's too, which have no numpy twin.
 """
 
 from __future__ import annotations
@@ -16,24 +17,22 @@ import math
 import os
 from typing import Any
 
+import numba
 import numpy as np
-
-try:  # the optional extra
-    import numba
-except ImportError:  # pragma: no cover - depends on the install
-    numba = None  # type: ignore[assignment]
 
 SOFTMAX, EPSILON_GREEDY, UCB = 0, 1, 2  # the kinds of choice rule (``_Sequential.jit_rule``)
 
 
 def enabled() -> bool:
-    """Whether the compiled loop is available (numba installed) and not switched off by ``IAPO_GYM_JIT=0``."""
-    return numba is not None and os.environ.get("IAPO_GYM_JIT", "1").strip() != "0"
+    """Whether the sequential baselines run their compiled loop: unless switched off by ``IAPO_GYM_JIT=0``."""
+    return os.environ.get("IAPO_GYM_JIT", "1").strip() != "0"
 
 
 def _njit(fn: Any) -> Any:
-    # error_model="numpy": x / 0 gives inf or nan as in numpy instead of raising (and loops vectorize)
-    return numba.njit(cache=True, error_model="numpy")(fn) if numba is not None else fn
+    """``fn`` compiled by numba, cached on disk. error_model="numpy": x / 0 gives inf or nan as in numpy instead of
+    raising (and loops vectorize); no fastmath, so every sum runs in the order written, whatever the machine's
+    thread count (no kernel is parallel)."""
+    return numba.njit(cache=True, error_model="numpy")(fn)
 
 
 # ---- the choice rules (baselines.py: _Sequential._argmax, Softmax/EpsilonGreedy/UCB.choose) ----
@@ -240,7 +239,7 @@ def _update(p: int, n: int, q: int, atoms: np.ndarray, n_atoms: int, mv: bool, g
     """
     n_contexts, n_obj = weights.shape[0], weights.shape[1] - 1
     cost_k, credit = per_k[0], per_k[1]  # per scale k = 1..n
-    if not mv:  # estimator.objective_scores, objective by objective; then range maxima over 2^l completions
+    if not mv:  # scoring.objective_scores, objective by objective; then range maxima over 2^l completions
         for i in range(n):
             a = atoms[i]
             value = table_atoms[p, q, a, 0]

@@ -8,7 +8,7 @@ N_max 32, the three MV contexts; every answer of positive probability, the costl
 the credit) and times, per budget, PSST and each agent on the same env seeds, interleaved, as
 the median over ``--runs`` runs and its ratio to PSST's median.
 
-With ``--kernel``, it times instead the compiled majority-vote credit (``agents.plugin._credit_jit``)
+With ``--kernel``, it times instead the compiled majority-vote credit (``agents.plugin._vote_kernels.credit_rows``)
 on the rows one ``auto`` run at 10K recomputes on that table, for several rows per block, as
 the median over ``--runs`` calls and its ratio to one row per block in the same run.
 
@@ -72,23 +72,21 @@ def main() -> None:
 
 def time_kernel(env: IAPOEnv, runs: int) -> None:
     """Median time per row of ``credit_rows`` on one ``auto`` run's rows, per rows per block, against one per block."""
-    from agents.plugin import _credit_jit as _plugin_jit
+    from agents.plugin import majority_vote
 
-    if not _plugin_jit.available():
-        raise SystemExit("the credit kernel needs numba (the fast extra) and IAPO_GYM_JIT not 0")
     recorded: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]] = []
-    kernel = _plugin_jit.credit_rows
+    kernel = majority_vote.credit_rows
 
     def record(p_gold: np.ndarray, others: np.ndarray, width: np.ndarray, n_max: int) -> np.ndarray:
         recorded.append((p_gold.copy(), others.copy(), width.copy(), n_max))
         return kernel(p_gold, others, width, n_max)
 
-    _plugin_jit.credit_rows = record  # type: ignore[assignment]
+    majority_vote.credit_rows = record  # type: ignore[assignment]
     try:
         env.reset(seed=1)
         agents.make("auto", seed=1).train(env, 10_000)
     finally:
-        _plugin_jit.credit_rows = kernel  # type: ignore[assignment]
+        majority_vote.credit_rows = kernel  # type: ignore[assignment]
     n_rows = sum(p.size for p, _, _, _ in recorded)
     print(f"{n_rows} rows in {len(recorded)} calls (one auto run, T = 10,000)")
     print("| rows per block | per row | against 1 per block |")

@@ -67,9 +67,9 @@ def trim_readings(kind: str, level: int, seed: int, budget: int, context: int,
     columns = sorted({n for n in at_n if 1 <= n <= table.n_max} | {table.n_max})
     records = []
     for prompt in dict.fromkeys((optimal, chosen)):
-        draws = est._completions[prompt]
+        draws = est.draws(np.array([prompt]))[0]
         seen = np.flatnonzero(draws > 0)
-        estimate = (est._bon_value(np.array([prompt])) + est._cost_term(np.array([prompt])))[context, 0]
+        estimate = est.estimate(np.array([prompt]))[context, 0]
         on_seen = q_table(table, seen)[context, prompt]
         assert agent.tail_live is not None
         records.append({

@@ -26,12 +26,7 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 @pytest.fixture(params=["jit", "numpy"])
 def sequential_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test with the sequential baselines' compiled loop (skipped without numba) and with IAPO_GYM_JIT=0."""
-    if request.param == "jit":
-        from agents import _jit
-
-        if _jit.numba is None:
-            pytest.skip("numba is not installed (the optional 'fast' extra)")
+    """Run a test with the sequential baselines' compiled loop and with IAPO_GYM_JIT=0 (their numpy loop)."""
     monkeypatch.setenv("IAPO_GYM_JIT", "1" if request.param == "jit" else "0")
     return str(request.param)
 

@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from agents.estimator import Estimator, bon_subset_weights, mv_subset_credit
+from agents.estimator import Estimator
+from agents.scoring import bon_subset_weights, mv_subset_credit
 from iapo_gym import IAPOEnv
 from iapo_gym.utility import block_utilities, mv_credit
 from tests.conftest import tiny_bon_table, tiny_mv_table

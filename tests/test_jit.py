@@ -1,11 +1,11 @@
-"""The optional numba loop of the sequential baselines takes exactly the numpy path's steps.
+"""The numba loop of the sequential baselines takes exactly the numpy path's (``IAPO_GYM_JIT=0``) steps.
 
 For softmax, epsilon-greedy and UCB on both aggregators, several seeds and budgets (below
 N_max, around it, and the anytime branches of ``train_budgets``): the same policy, bitwise
 the same estimator sums, counts and means, the same completions spent, and the env's and the
 agent's generators in the same state afterwards. The env's completion counter still counts
 every completion. The FROZEN, recorded-MATH and anytime tests also run on both paths (the
-``sequential_path`` fixture). Skipped where numba (the ``fast`` extra) is not installed.
+``sequential_path`` fixture). Only the MATH cases need data (../shared); they skip without it.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from agents.baselines import _Sequential, _Trajectory
 from iapo_gym import IAPOEnv
 from iapo_gym.tables import OutcomeTable
 from tests.conftest import tiny_bon_table, tiny_mv_table
-
-pytestmark = pytest.mark.skipif(_jit.numba is None, reason="numba is not installed (the optional 'fast' extra)")
 
 NAMES = ["softmax", "epsilon_greedy", "ucb"]
 TABLES = {"mv": lambda seed: tiny_mv_table(seed=seed, n_prompts=4, n_buckets=3, n_max=16),
@@ -153,10 +151,10 @@ def test_switches_and_cases_without_a_compiled_copy(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("IAPO_GYM_JIT", "0")
     assert not _jit.enabled()
     assert _Trajectory(agents.make("softmax", seed=0), env).compiled is None
-    monkeypatch.setenv("IAPO_GYM_JIT", "1")
-    monkeypatch.setattr(_jit, "numba", None)  # as if the extra were not installed
-    assert not _jit.enabled()
+    monkeypatch.setenv("IAPO_GYM_JIT", " 0 ")
     assert _Trajectory(agents.make("ucb", seed=0), env).compiled is None
+    monkeypatch.setenv("IAPO_GYM_JIT", "1")
+    assert _Trajectory(agents.make("ucb", seed=0), env).compiled is not None
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -171,16 +169,20 @@ def test_batched_approximation_is_unchanged_by_the_switch(name: str, monkeypatch
     assert out[0] == out[1]
 
 
+@pytest.mark.parametrize("task", ["IAPO-SyntheticCategorical-v0", "IAPO-SyntheticBernoulli-v0"])
 @pytest.mark.parametrize("name", NAMES)
-def test_compiled_loop_matches_on_the_registered_tasks(name: str, math_release: Any,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compiled_loop_matches_on_the_synthetic_tasks(name: str, task: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import gymnasium as gym
 
+    table = gym.make(task, instance=0).unwrapped.table  # 27 contexts and 2 objectives (BoN), 81 atoms; 5-bucket votes
+    fast = _train(table, name, 11, 3000, True, monkeypatch)
+    assert fast == _train(table, name, 11, 3000, False, monkeypatch), table.task
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compiled_loop_matches_on_math(name: str, math_release: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MATH (25 prompts), read from the release file: skips where ../shared is absent."""
     from iapo_gym.data.release import read_release
 
-    tables = [gym.make("IAPO-SyntheticCategorical-v0", instance=0).unwrapped.table,
-              gym.make("IAPO-SyntheticBernoulli-v0", instance=0).unwrapped.table,
-              read_release(str(math_release))[0]]
-    for table in tables:  # 27 contexts and 2 objectives (BoN), 81 atoms; 5-bucket votes with 25 prompts
-        fast = _train(table, name, 11, 3000, True, monkeypatch)
-        assert fast == _train(table, name, 11, 3000, False, monkeypatch), table.task
+    table = read_release(str(math_release))[0]
+    assert _train(table, name, 11, 3000, True, monkeypatch) == _train(table, name, 11, 3000, False, monkeypatch)

@@ -12,7 +12,7 @@ import pytest
 import agents
 from agents.plugin import PlugInEstimator
 from agents.plugin.common import QueryStream
-from agents.plugin.estimator import prior_votes
+from agents.plugin.majority_vote import prior_votes
 from iapo_gym import IAPOEnv, OutcomeTable, Pulls
 from tests.conftest import query_shifted_bon_table, shape_bon_table, tiny_bon_table, tiny_mv_table
 
@@ -227,191 +227,6 @@ def test_anytime_steps_do_not_depend_on_the_budget() -> None:
     assert sum(p.completions for p in small) <= 1_000  # the whole steps spend at most half of T
 
 
-def test_mv_credit_rows_matches_the_exact_oracle() -> None:
-    from agents.plugin import _credit_jit
-    from agents.plugin.estimator import mv_credit_rows
-    from iapo_gym.utility import mv_expected_credit
-
-    rng = np.random.default_rng(0)
-    probs = rng.dirichlet(np.full(5, 0.5), size=300)
-    probs[probs < 0.08] = 0.0  # rows with 0-4 other buckets of positive probability
-    probs[:20] = np.eye(5)[rng.integers(5, size=20)]
-    probs /= probs.sum(axis=1, keepdims=True)
-    gold = rng.integers(5, size=300)
-    exact = mv_expected_credit(probs, gold, 16)
-    assert np.abs(mv_credit_rows(probs, gold, 16) - exact).max() < 1e-12
-    if _credit_jit.available():
-        others = np.sort(np.where(np.eye(5, dtype=bool)[gold], -1.0, probs), axis=1)[:, ::-1][:, :4]
-        width = (others > 0).sum(axis=1)
-        compiled = _credit_jit.credit_rows(probs[np.arange(300), gold], others, width, 16)
-        assert np.abs(compiled - exact).max() < 1e-12
-        for block_rows in (1, 7):  # a row's lane never reads another row's: any block gives the same bits
-            assert np.array_equal(_credit_jit.credit_rows(probs[np.arange(300), gold], others, width, 16, block_rows),
-                                  compiled)
-        with pytest.raises(ValueError, match="block_rows"):
-            _credit_jit.credit_rows(probs[np.arange(300), gold], others, width, 16, 0)
-
-
-def test_expected_max_kernel_sorts_rows_of_any_spread_as_presorted_rows_read() -> None:
-    """The kernel's sort (insertion up to 32 outcomes, buckets then insertion past it) gives, on shuffled rows, the
-    presorted path's bits on the same rows sorted: normal scores, one score, ties, one outlier far above the rest,
-    a range of a few ulps and a range of subnormals too narrow to bucket (the insertion pass alone)."""
-    from agents.plugin import _credit_jit
-
-    if not _credit_jit.available():
-        pytest.skip("numba is not installed (the fast extra) or IAPO_GYM_JIT=0: no compiled path to check")
-    rng = np.random.default_rng(5)
-    width = 200
-    ramp = np.arange(width, dtype=np.float64)
-    rows = np.stack([rng.normal(size=width), np.full(width, 0.25), np.round(rng.normal(size=width), 1),
-                     np.r_[rng.normal(size=width - 1), 1e6], 1.0 + ramp * np.spacing(1.0), ramp * 5e-324,
-                     rng.normal(size=width)[:40].repeat(5)])
-    counts = rng.integers(0, 4, rows.shape).astype(np.float64)
-    counts[:, 0] = 1.0
-    for k in (5, 33, width):  # outcomes per row: insertion alone, just past it, the whole row
-        shuffled = rng.permuted(np.argsort(rng.random(rows.shape), axis=1)[:, :k], axis=1)
-        scores, mass = np.take_along_axis(rows, shuffled, axis=1), np.take_along_axis(counts, shuffled, axis=1)
-        mass[:, 0] = 1.0
-        order = np.argsort(scores, axis=1, kind="stable")
-        ascending = np.take_along_axis(scores, order, axis=1)
-        assert np.array_equal(_credit_jit.expected_max_rows(scores, mass, 24),
-                              _credit_jit.expected_max_rows(ascending, np.take_along_axis(mass, order, axis=1), 24,
-                                                            presorted=True))
-
-
-@pytest.mark.parametrize("width", [5, 40, 200])  # insertion sort, and the bucket sort past 32 outcomes
-def test_best_of_n_rows_match_the_exact_oracle(width: int) -> None:
-    """``bon_values`` (compiled or numpy) equals the oracle's ``bon_expected_max`` on rows with ties, zero
-    counts (padding) and one outcome, and the kernel's ``presorted`` path equals its sorting path on
-    ascending rows; the binned pooled reading moves each value by less than a bin width."""
-    from agents.plugin import _credit_jit
-    from agents.plugin.estimator import bon_values, pooled_values
-    from iapo_gym.exact import bon_expected_max
-
-    rng = np.random.default_rng(width)
-    scores = np.round(rng.normal(size=(3, 50, width)), 1)  # rounded: many ties
-    counts = rng.integers(0, 3, scores.shape).astype(np.float64)
-    counts[..., 0] = 1.0
-    counts[:, :5, 1:] = 0.0  # rows with one outcome
-    padded = np.where(counts > 0, scores, scores.min(axis=-1, keepdims=True) - 1.0)
-    exact = bon_expected_max(padded, counts, 24)
-    assert np.abs(bon_values(scores, counts, 24) - exact).max() < 1e-12
-    if _credit_jit.available():
-        compiled = _credit_jit.expected_max_rows(scores, counts, 24)
-        assert np.abs(compiled - exact).max() < 1e-12
-        ascending = np.sort(scores, axis=-1)
-        assert np.array_equal(_credit_jit.expected_max_rows(ascending, counts, 24, presorted=True),
-                              _credit_jit.expected_max_rows(ascending, counts, 24))
-    values = rng.normal(size=(2, 3000))
-    row = np.sort(rng.integers(0, 4, 3000))
-    row[:4] = np.arange(4)
-    row.sort()
-    weight = rng.integers(1, 4, 3000).astype(np.float64)
-    whole = pooled_values(values, weight, row, 4, 16)
-    binned = pooled_values(values, weight, row, 4, 16, bins=256)
-    spread = np.array([[np.ptp(values[w, row == r]) for r in range(4)] for w in range(2)])
-    assert (np.abs(binned - whole) < spread[..., None] / 256).all()
-    from agents.plugin.estimator import binned_rows
-
-    values[:, row == 2] = 0.5  # a row of one score: zero width
-    sizes = np.bincount(row, minlength=4)
-    numpy_bins = binned_rows(values, weight, row, sizes, 64)
-    assert (numpy_bins[1].sum(axis=-1) == np.bincount(row, weights=weight)).all()
-    if _credit_jit.available():  # the compiled binning reads the numpy binning's bins, bit for bit
-        assert np.array_equal(pooled_values(values, weight, row, 4, 16, bins=64),
-                              _credit_jit.expected_max_rows(*numpy_bins, 16, presorted=True))
-
-
-@pytest.mark.parametrize("compiled", [True, False])
-def test_unbiased_best_of_n_rows_are_the_mean_max_over_subsets(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``bon_values_and_subset_means``' second part, of a row of counted draws, is the mean of max over every
-    N-subset of the draws (PSST's U-statistic, ``bon_subset_weights``, on the sorted draws) for N <= n and 0
-    beyond, on rows with ties, padding and one draw, and its first part is ``bon_values``; both the compiled
-    kernel (one pass for the two) and the numpy path."""
-    from agents.estimator import bon_subset_weights
-    from agents.plugin import _credit_jit
-    from agents.plugin.estimator import bon_values, bon_values_and_subset_means
-
-    if compiled and not _credit_jit.available():
-        pytest.skip("numba is not installed (the fast extra) or IAPO_GYM_JIT=0: no compiled path to check")
-    monkeypatch.setattr(_credit_jit, "available", lambda: compiled)
-    rng = np.random.default_rng(4)
-    scores = np.round(rng.normal(size=(2, 40, 7)), 1)  # many ties
-    counts = rng.integers(0, 4, (40, 7)).astype(np.float64)
-    counts[:, 0] = np.maximum(counts[:, 0], 1.0)
-    counts[:3, 1:] = 0.0
-    counts[3] = [1, 0, 0, 0, 0, 0, 0]  # one draw
-    plug_in, got = bon_values_and_subset_means(scores, np.broadcast_to(counts, scores.shape), 12)
-    np.testing.assert_allclose(plug_in, bon_values(scores, np.broadcast_to(counts, scores.shape), 12), atol=1e-12)
-    for w in range(2):
-        for r in range(40):
-            draws = np.sort(np.repeat(scores[w, r], counts[r].astype(np.int64)))
-            n = draws.size
-            want = np.zeros(12)
-            want[:min(n, 12)] = (draws @ bon_subset_weights(n))[:12]
-            np.testing.assert_allclose(got[w, r], want, atol=1e-12)
-
-
-def test_location_scale_kernels_equal_their_numpy_operations_bit_for_bit() -> None:
-    """The compiled pieces of the Best-of-N pass give the numpy operations' values bit for bit: the per-prompt
-    segment sums of the own readings and of their held gaps U(m) - w(m) V(m), m = min(N, the row's draws)
-    (``np.add.reduceat``, segments of 1 to 300 rows, past numpy's 128-term pairwise blocks), the residuals and
-    their squared sums (``np.bincount``), the standardized residuals, the gathered division by the query
-    spreads, the binning of gathered columns, and the expected maximum with counts shared by every weighting."""
-    from agents.plugin import _credit_jit
-
-    if not _credit_jit.available():
-        pytest.skip("numba is not installed (the fast extra) or IAPO_GYM_JIT=0: no compiled path to check")
-    rng = np.random.default_rng(11)
-    n_rows, width, n_max = 700, 9, 40
-    counts = rng.integers(0, 5, (n_rows, width)).astype(np.float64)
-    counts[:, 0] = np.maximum(counts[:, 0], 1.0)
-    counts[::7] += 5.0  # every 7th row has N_max draws or more
-    scores = np.round(rng.normal(size=(3, n_rows, width)) * np.exp(rng.normal(size=(3, n_rows, 1)) * 3), 2)
-    weight = rng.random((n_rows, n_max))
-    bounds = np.array([0, 1, 3, 10, 138, 139, 439, 600, 700])
-    plug_in, unbiased = _credit_jit.expected_max_rows(scores, np.broadcast_to(counts, scores.shape), n_max,
-                                                      subsets=True)
-    sums = _credit_jit.segment_readings(scores, counts, n_max, weight, bounds)
-    assert np.array_equal(sums[0], np.add.reduceat(plug_in * weight, bounds[:-1], axis=1))
-    m = np.minimum(np.arange(n_max), counts.sum(axis=1).astype(np.int64)[:, None] - 1)  # some rows reach N_max
-    assert (m[:, -1] < n_max - 1).any() and (m[:, -1] == n_max - 1).any()
-    rows = np.arange(n_rows)[:, None]
-    held = unbiased[:, rows, m] - weight[rows, m][None] * plug_in[:, rows, m]
-    assert np.array_equal(sums[1], np.add.reduceat(held, bounds[:-1], axis=1))
-    assert np.array_equal(_credit_jit.expected_max_rows(scores, counts, n_max), plug_in)  # counts not copied per row
-
-    n_entries, n_prompts, n_queries = 5000, 30, 50
-    prompt, query = rng.integers(0, n_prompts, n_entries), np.sort(rng.integers(0, n_queries, n_entries))
-    draws = rng.integers(1, 6, n_entries).astype(np.float64)
-    projected = rng.normal(size=(n_entries, 4))
-    level, offsets = rng.normal(size=(4, n_prompts)), rng.normal(size=(4, n_queries))
-    resid, ss_prompt, ss_query = _credit_jit.residual_sums(projected, level, offsets, prompt, query, draws, n_prompts,
-                                                           n_queries)
-    numpy_resid = projected.T - level[:, prompt] - offsets[:, query]
-    assert np.array_equal(resid, numpy_resid)
-    square = draws * numpy_resid ** 2
-    for got, index, size in ((ss_prompt, prompt, n_prompts), (ss_query, query, n_queries)):
-        assert np.array_equal(got, np.stack([np.bincount(index, weights=row, minlength=size) for row in square]))
-    scale = np.abs(rng.normal(size=(4, n_prompts)))
-    scale[:, 3] = 0.0  # a prompt without spread
-    by_prompt = scale[:, prompt]
-    std = _credit_jit.standardize(resid.copy(), scale, prompt)
-    assert np.array_equal(std, np.where(by_prompt > 0, numpy_resid / np.where(by_prompt > 0, by_prompt, 1.0), 0.0))
-    spread = np.abs(rng.normal(size=(4, n_queries))) + 0.1
-    entries = np.sort(rng.choice(n_entries, 3000, replace=False))
-    unit = _credit_jit.over_spread(std, spread, query, entries)
-    assert unit.flags.c_contiguous and np.array_equal(unit, std[:, entries] / spread[:, query[entries]])
-    picked = entries[np.argsort(prompt[entries], kind="stable")]  # gathered columns, grouped by prompt
-    sizes = np.bincount(prompt[picked], minlength=n_prompts)
-    starts = np.cumsum(sizes) - sizes
-    assert (sizes > 0).all()
-    in_place = _credit_jit.binned_expected_max(std, draws[picked], starts, sizes, 64, n_max, picked)
-    gathered = _credit_jit.binned_expected_max(np.ascontiguousarray(std[:, picked]), draws[picked], starts, sizes, 64,
-                                               n_max)
-    assert np.array_equal(in_place, gathered)
-
-
 def test_response_curve_prior_separates_a_steep_prompt_from_a_flat_one() -> None:
     """Prompt 0 is right with 0.95 on easy and 0.3 on hard queries, prompt 1 with 0.65 on both.
 
@@ -508,34 +323,6 @@ def test_slope_ridge_holds_every_slope_at_the_pooled_one() -> None:
     assert np.abs(fits[1e6][:, 1] - 1.0).max() < 0.01
     assert np.abs(fits[3.0][:, 1] - 1.0).max() > 0.2  # the free slopes do move
     assert np.corrcoef(fits[1e6][:, 0], a)[0, 1] > 0.9
-
-
-def test_compiled_curve_fit_matches_the_numpy_fit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``_credit_jit.fit_curves`` takes the numpy path's Newton steps: the same curves and variances to
-    rounding, from the pooled start and from a start far off (where the step halving does the work),
-    with slopes free and held at one value."""
-    from agents.plugin import _credit_jit
-
-    if not _credit_jit.available():
-        pytest.skip("numba is not installed (the fast extra) or IAPO_GYM_JIT=0: no compiled fit to compare")
-    rng = np.random.default_rng(7)
-    a, b = rng.normal(0.0, 1.0, 12), rng.normal(1.0, 0.5, 12)
-    a[0], b[0] = -4.0, 0.1  # a prompt far from the pool
-    env = IAPOEnv(table=_curve_table(a, b, rng.normal(0.0, 1.5, 120)))
-    env.reset(seed=0)
-    est = PlugInEstimator(env, alpha=32.0, curve=3.0)
-    _pull_every_train_query(env, est, 2)
-    seen, z = _difficulty(est)
-    starts = (np.column_stack([np.zeros(12), np.ones(12)]), np.column_stack([np.full(12, 8.0), np.full(12, -5.0)]))
-    fits = {}
-    for compiled in (True, False):
-        monkeypatch.setattr(_credit_jit, "available", lambda compiled=compiled: compiled)
-        fits[compiled] = [est._fit_curves(np.arange(12), seen, z, ridge, start, slope)
-                          for start in starts for ridge, slope in (((3.0, 1.0), 1.0), ((3.0, 1e6), 1.3))]
-    for (theta, variance), (theta_np, variance_np) in zip(fits[True], fits[False], strict=True):
-        np.testing.assert_allclose(theta, theta_np, rtol=0, atol=1e-9)
-        np.testing.assert_allclose(variance, variance_np, rtol=1e-9, atol=1e-12)
-    assert abs(fits[True][0][0][0, 1] - fits[True][0][0][1:, 1].mean()) > 0.3  # the far prompt's slope is its own
 
 
 def test_pretest_frees_only_the_slopes_far_from_the_median() -> None:
@@ -644,6 +431,32 @@ def test_best_of_n_reading_of_a_prompt_does_not_depend_on_the_prompts_read_with_
         np.testing.assert_allclose(est._bon_value(np.array([p]))[:, 0], together[:, p], rtol=0, atol=1e-12)
 
 
+def test_public_readings_draws_and_estimate() -> None:
+    """``draws`` counts each (prompt, query)'s completions; ``estimate`` recomputes the Best-of-N estimates from every
+    completion: for the prompts of the last update it is what that update stored, bit for bit, while an earlier
+    prompt's stored estimate has since moved (the fits over every prompt changed); a prompt that shares no query
+    with the reference stays where it is (finite); majority vote is refused."""
+    table = shape_bon_table(seed=2, n_prompts=5, n_queries=20, n_max=8, n_objectives=2)
+    env = IAPOEnv(table=table)
+    env.reset(seed=3)
+    rng = np.random.default_rng(0)
+    est, counts = PlugInEstimator(env), np.zeros((5, table.n_queries), dtype=np.int64)
+    for prompts in (np.array([0, 1, 2, 3, 4] * 6), np.array([1, 3] * 15)):
+        queries = rng.choice(env.queries("train"), prompts.size)
+        ns = rng.integers(1, 6, prompts.size)
+        est.update(env.pull(prompts, ns, queries=queries))
+        np.add.at(counts, (prompts, queries), ns)
+    assert np.array_equal(est.draws(np.arange(5)), counts)
+    assert np.array_equal(est.estimate(np.array([1, 3])), est.mean()[:, [1, 3]])
+    seen = est.seen(np.array([0, 2, 4]))
+    assert seen.sum(axis=1).argmax() == 2 and not (seen[1] & seen[2]).any()  # 2 shares no query with the reference 4
+    later = est.estimate(np.array([0, 2, 4]))
+    assert np.isfinite(later).all() and not np.array_equal(later, est.mean()[:, [0, 2, 4]])
+    mv = IAPOEnv(table=tiny_mv_table(seed=1))
+    with pytest.raises(ValueError, match="aggregator is 'mv'"):
+        PlugInEstimator(mv).estimate(np.array([0]))
+
+
 def test_best_of_n_own_sums_match_a_fresh_recount() -> None:
     """The per-prompt sums of the shrunk own readings, kept by taking back and adding each pulled (prompt,
     query)'s share, equal a fresh estimator's fed the same completions in one update."""
@@ -667,10 +480,8 @@ def test_best_of_n_own_sums_match_a_fresh_recount() -> None:
     np.testing.assert_allclose(stepwise.mean(), once.mean(), atol=1e-9)
 
 
-@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("bon_prior", [0.0, 1.0, 4.0, 1e12])
-def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float, compiled: bool,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each prompt's Best-of-N value is the mean over its s queries of the shrunk reading S_q(N) = R_q + w_q (V_own -
     o_q - R_q), w_q = n_q / (n_q + bon_prior N), R_q the location-scale reading, plus the correction s / (s + K)
     (U_q(m) - o_q - S_q(m)) at m = min(N, n_q), U_q the mean max over the query's m-subsets (PSST's U-statistic:
@@ -678,18 +489,13 @@ def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float, com
     held within the outcomes' score range and recomputed query by query with the exact oracle (unbinned): the
     scales' fit, each query's pooled residuals, the pool over every query (a query drawn once stays out of it)
     and each prompt's shrunk shape against that pool. A prompt that saw other queries than the one that saw the
-    most (prompt 0 here) is moved by that prompt's value on its own queries less its value on the prompt's. Both
-    the compiled kernels and the numpy path."""
-    import agents.plugin.estimator as estimator
-    from agents.estimator import bon_subset_weights
-    from agents.plugin import _credit_jit
+    most (prompt 0 here) is moved by that prompt's value on its own queries less its value on the prompt's."""
+    from agents.plugin import best_of_n, location_scale
+    from agents.scoring import bon_subset_weights
     from iapo_gym.exact import bon_expected_max
 
-    if compiled and not _credit_jit.available():
-        pytest.skip("numba is not installed (the fast extra) or IAPO_GYM_JIT=0: no compiled path to check")
-    monkeypatch.setattr(_credit_jit, "available", lambda: compiled)
-    monkeypatch.setattr(estimator, "POOL_BINS", 10 ** 6)
-    monkeypatch.setattr(estimator, "CORRECTION_QUERIES", 3.0)
+    monkeypatch.setattr(location_scale, "POOL_BINS", 10 ** 6)
+    monkeypatch.setattr(best_of_n, "CORRECTION_QUERIES", 3.0)
     table = shape_bon_table(seed=6, n_prompts=4, n_queries=15, n_max=8, n_objectives=2)
     table = dataclasses.replace(table, atoms=np.minimum(table.atoms, 0.5))  # a ceiling the readings meet
     env = IAPOEnv(table=table)
@@ -722,15 +528,15 @@ def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float, com
         for (p, q), x in resid.items():
             ss[p, q] = (counts[p, q] * x ** 2).sum()
         var_q = np.ones(n.shape[1])
-        for _ in range(estimator.SCALE_SWEEPS):
+        for _ in range(location_scale.SCALE_SWEEPS):
             var_p = ss.sum(axis=1) / (n @ var_q)
-            var_q = (ss.sum(axis=0) + estimator.LS_PRIOR_DRAWS) / (var_p @ n + estimator.LS_PRIOR_DRAWS)
+            var_q = (ss.sum(axis=0) + location_scale.LS_PRIOR_DRAWS) / (var_p @ n + location_scale.LS_PRIOR_DRAWS)
         sp, sq = np.sqrt(var_p), np.sqrt(var_q)
         unit = {(p, q): (x / sp[p] / sq[q], counts[p, q]) for (p, q), x in resid.items() if n[:, q].sum() > 1}
         pool = emax(list(unit.values()))
         shape = np.array([emax([u for (pp, _), u in unit.items() if pp == p]) - pool for p in range(4)])
         drawn = n.sum(axis=1)
-        shape *= drawn[:, None] / (drawn[:, None] + estimator.SHAPE_DRAWS * scale_n)
+        shape *= drawn[:, None] / (drawn[:, None] + best_of_n.SHAPE_DRAWS * scale_n)
         own_queries = [[q for q in seen_q if n[p, q] > 0] for p in range(4)]
         values, reached_n = {}, {}  # (prompt, read on whose queries) -> its value; prompt -> its k at each N
         for p, on in [(p, p) for p in range(4)] + [(0, p) for p in range(1, 4)]:
@@ -740,7 +546,7 @@ def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float, com
             lam_s = len(queries) / (len(queries) + 3.0)
             for q in queries:
                 d = n[:, q].sum() - 1.0
-                lam = d / (d + estimator.LS_PRIOR_DRAWS)
+                lam = d / (d + location_scale.LS_PRIOR_DRAWS)
                 own_pool = emax([(x / sp[pp], counts[pp, q]) for (pp, qq), x in resid.items() if qq == q])
                 reading = level[r, p] + sp[p] * (lam * own_pool + (1.0 - lam) * sq[q] * pool + sq[q] * shape[p])
                 reading = np.clip(reading + offsets[r, q], low, high) - offsets[r, q]
@@ -908,7 +714,7 @@ def test_auto_finds_the_train_optimal_policy_where_psst_does(family: str) -> Non
 def test_binned_pooled_reading_is_within_a_bin_of_the_exact_one() -> None:
     """Once a row has more than ``bins`` outcomes the pooled readings are merged into bins; every expected max
     of N moves by less than one bin width of its row's score range; with fewer outcomes they are exact."""
-    from agents.plugin.estimator import pooled_values
+    from agents.plugin.location_scale import pooled_values
 
     rng = np.random.default_rng(0)
     sizes = np.array([5000, 300, 1200])
@@ -928,7 +734,7 @@ def test_binned_pooled_reading_is_within_a_bin_of_the_exact_one() -> None:
 def test_best_of_n_readings_in_blocks_equal_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocking the Best-of-N readings (``BLOCK_ELEMENTS``: here every pair and prompt a block of its own)
     changes the memory they take, not the estimates."""
-    from agents.plugin import estimator as plugin_estimator
+    from agents.plugin import location_scale
 
     table = shape_bon_table(seed=4, n_prompts=5, n_queries=20, n_max=8, n_objectives=2)
     rng = np.random.default_rng(1)
@@ -940,7 +746,7 @@ def test_best_of_n_readings_in_blocks_equal_one_pass(monkeypatch: pytest.MonkeyP
         batches.append(env.pull(prompts, rng.integers(1, 6, 40), queries=rng.choice(env.queries("train"), 40)))
 
     def means(block_elements: int) -> np.ndarray:
-        monkeypatch.setattr(plugin_estimator, "BLOCK_ELEMENTS", block_elements)
+        monkeypatch.setattr(location_scale, "BLOCK_ELEMENTS", block_elements)
         est = PlugInEstimator(env)
         for pulls in batches:
             est.update(pulls)
@@ -949,21 +755,16 @@ def test_best_of_n_readings_in_blocks_equal_one_pass(monkeypatch: pytest.MonkeyP
     np.testing.assert_allclose(means(1), means(1 << 30), rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize(("pool_bins", "read"), [(256, [1, 3]), (4, [1, 3]), (8, [1])])
-def test_location_scale_of_the_read_prompts_equals_their_rows_of_the_whole(pool_bins: int, read: list[int], compiled: bool,
+def test_location_scale_of_the_read_prompts_equals_their_rows_of_the_whole(pool_bins: int, read: list[int],
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """``_location_scale`` for some prompts computes only their shapes and their queries' expected maxima, each
     as among all of them, bit for bit (the choice to bin is the whole set's: with 8 bins prompt 1's few
-    outcomes alone would not be binned; unbinned, the numpy path pads to the whole set's width): the fits, the
-    query readings the prompts use and their shapes equal the whole computation's, compiled and numpy."""
-    from agents.plugin import _credit_jit
-    from agents.plugin import estimator as plugin_estimator
+    outcomes alone would not be binned): the fits, the query readings the prompts use and their shapes equal the
+    whole computation's."""
+    from agents.plugin import location_scale
 
-    if compiled and not _credit_jit.available():
-        pytest.skip("numba is not installed (the fast extra) or IAPO_GYM_JIT=0: no compiled path to check")
-    monkeypatch.setattr(_credit_jit, "available", lambda: compiled)
-    monkeypatch.setattr(plugin_estimator, "POOL_BINS", pool_bins)
+    monkeypatch.setattr(location_scale, "POOL_BINS", pool_bins)
     table = shape_bon_table(seed=3, n_prompts=6, n_queries=40, n_max=8, n_objectives=2)
     env = IAPOEnv(table=table)
     env.reset(seed=1)

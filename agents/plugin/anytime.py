@@ -16,9 +16,8 @@ from typing import Any
 import numpy as np
 
 from agents.base import Agent
-from agents.plugin import _credit_jit
 from agents.plugin.common import QueryStream, keep_top
-from agents.plugin.estimator import PlugInEstimator, check_nonnegative
+from agents.plugin.estimator import PlugInEstimator, check_nonnegative, warm_up
 from agents.psst import rounds_to_one
 from iapo_gym import Policy
 
@@ -91,7 +90,7 @@ class AnytimePlugIn(Agent):
         self.prior: dict[str, Any] = dict(zip(("alpha", "curve", "pretest", "bon_prior"), check_nonnegative(
             alpha=alpha, curve=curve, pretest=pretest, bon_prior=bon_prior), strict=True))
         (self.restore,) = check_nonnegative(restore=restore)
-        _credit_jit.warm_up()
+        warm_up()
 
     def params(self) -> dict[str, Any]:
         """Hyper-parameters recorded with results."""

@@ -7,9 +7,8 @@ from typing import Any
 import numpy as np
 
 from agents.base import Agent
-from agents.plugin import _credit_jit
 from agents.plugin.common import QueryStream, keep_top
-from agents.plugin.estimator import PlugInEstimator, check_nonnegative
+from agents.plugin.estimator import PlugInEstimator, check_nonnegative, warm_up
 from agents.psst import rounds_to_one
 from iapo_gym import Policy
 
@@ -36,7 +35,7 @@ class PlugInHalving(Agent):
             raise ValueError(f"m_min must be an integer >= 1, got {m_min!r}")
         self.m_min = int(m_min)
         (self.alpha,) = check_nonnegative(alpha=alpha)
-        _credit_jit.warm_up()
+        warm_up()
 
     def params(self) -> dict[str, Any]:
         """The effective hyper-parameters, defaults included."""

@@ -251,6 +251,8 @@ def _verify(args: argparse.Namespace) -> int:
         acr = "-" if check.acr is None else repr(check.acr)
         mark = "match" if check.match else "MISMATCH"
         print(f"  {mark:8s} {check.run}: bundle {check.bundled_acr!r}, here {acr}" + (f" ({check.note})" if check.note else ""))
+    for difference in outcome.stack_differences:
+        print(f"NUMERIC STACK DIFFERS (may change the last bits): {difference}")
     matched = sum(c.match for c in outcome.checks)
     print(f"{outcome.status}: {matched} of {len(outcome.checks)} runs match exactly in {outcome.seconds:.1f} s")
     if not args.no_record:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+from bench_challenger import select
 
 from iapo_gym.leaderboard.run.store import ResultStore, RunResult
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "research"))
-from bench_challenger import select  # noqa: E402
 
 TRAIN_OPTIMAL, PSST_ACR, TOPK_ACR = 0.6, 0.5, 0.4  # PSST is the better reference: regret 0.1
 

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "research"))
-from paired_screen import report, screen  # noqa: E402
+from paired_screen import report, screen
 
 SPECS = ["plugin_anytime@a", "plugin_anytime@b", "plugin_anytime:pretest=0.0@c", "psst@d"]
 

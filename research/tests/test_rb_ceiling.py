@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from rb_ceiling import QueryOracleEstimator, QueryOraclePSST
 
 from agents.estimator import Estimator
 from iapo_gym import IAPOEnv
 from iapo_gym.oracle import q_table
 from tests.conftest import tiny_bon_table, tiny_mv_table
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "research"))
-from rb_ceiling import QueryOracleEstimator, QueryOraclePSST  # noqa: E402
 
 TABLES = {"mv": tiny_mv_table, "bon": tiny_bon_table}
 

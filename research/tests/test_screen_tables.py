@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "research"))
-from screen_tables import level_regrets  # noqa: E402
+from screen_tables import level_regrets
 
 
 def test_screen_tables_pairs_the_specs_and_measures_train_regret() -> None:

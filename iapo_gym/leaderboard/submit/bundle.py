@@ -24,7 +24,6 @@ import os
 import platform
 import sys
 import tarfile
-import tempfile
 import time
 import zipfile
 import zlib
@@ -37,6 +36,7 @@ import numpy as np
 
 from iapo_gym import schemas
 from iapo_gym._version import __version__
+from iapo_gym.atomic import atomic_path
 from iapo_gym.data.download import file_hashes
 from iapo_gym.leaderboard.run.specs import AgentSpec
 from iapo_gym.leaderboard.run.store import DB_NAME, ResultStore, RunResult, TaskInfo
@@ -151,7 +151,7 @@ def _release_blob(task: str, digests: set[str]) -> str | None:
 def _generated_entry(task: str) -> dict[str, Any] | None:
     """What rebuilds a generated task's levels: family, first and last level, generator version (None otherwise)."""
     from iapo_gym.leaderboard.run.specs import GENERATED_PREFIX, resolve_generated
-    from iapo_gym.tasks.generated import GENERATOR_VERSION
+    from iapo_gym.tasks import GENERATOR_VERSION
 
     if not task.startswith(GENERATED_PREFIX):
         return None
@@ -165,6 +165,22 @@ def _generated_entry(task: str) -> dict[str, Any] | None:
 
 
 # ---- building --------------------------------------------------------------------------------
+
+
+def numeric_stack() -> dict[str, Any]:
+    """What a run's floating-point results can depend on beyond iapo-gym, numpy and Python: the numba version
+    (it compiles the agents' kernels) and each loaded BLAS (vendor, version and the CPU kernel it chose: a product
+    may round by the kernel): those numpy and scipy load, both loaded first, so that every process lists the same.
+    ``verify`` names a difference in them where a run does not match."""
+    from importlib.metadata import version
+
+    import scipy.linalg  # noqa: F401  (loads scipy's BLAS)
+    from threadpoolctl import threadpool_info
+
+    blas = sorted({(str(lib.get("internal_api")), str(lib.get("version")), str(lib.get("architecture")))
+                   for lib in threadpool_info() if lib.get("user_api") == "blas"})
+    return {"numba": version("numba"),
+            "blas": [{"vendor": vendor, "version": ver, "architecture": arch} for vendor, ver, arch in blas]}
 
 
 def _utc_now() -> str:
@@ -205,7 +221,8 @@ def build_manifest(results: list[RunResult], tasks: list[TaskInfo], meta: dict[s
     return {
         "format": BUNDLE_FORMAT, "schema_version": BUNDLE_SCHEMA_VERSION, "created_at": _utc_now(),
         "software": {"iapo_gym": __version__, "python": platform.python_version(), "numpy": np.__version__,
-                     "platform": platform.platform(terse=True), "result_versions": sorted({r.version for r in results})},
+                     "platform": platform.platform(terse=True), "result_versions": sorted({r.version for r in results}),
+                     **numeric_stack()},
         "protocol": {"root_seed": int(str(meta["root_seed"])), "train_fraction": float(str(meta["train_fraction"])),
                      "budgets": sorted({r.budget for r in results}), "runs": len({r.run for r in results})},
         "n_results": len(results), "tasks": task_entries, "agents": agent_entries, "files": files,
@@ -247,28 +264,20 @@ def write_bundle(out_dir: str | os.PathLike[str], target: str | os.PathLike[str]
     members = {MANIFEST: json.dumps(bundle.manifest, indent=1, sort_keys=True).encode() + b"\n",
                RESULTS: _results_jsonl(bundle.results), TASKS: _tasks_jsonl(bundle.tasks)}
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            if kind == "zip":
-                with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-                    for name, data in members.items():
-                        info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
-                        info.compress_type = zipfile.ZIP_DEFLATED
-                        zf.writestr(info, data)
-            else:
-                with tarfile.open(fileobj=fh, mode="w:gz") as tf:
-                    for name, data in members.items():
-                        tinfo = tarfile.TarInfo(name)
-                        tinfo.size = len(data)
-                        tinfo.mode = 0o644
-                        tf.addfile(tinfo, io.BytesIO(data))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(target) as tmp, tmp.open("wb") as fh:
+        if kind == "zip":
+            with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+                for name, data in members.items():
+                    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+                    info.compress_type = zipfile.ZIP_DEFLATED
+                    zf.writestr(info, data)
+        else:
+            with tarfile.open(fileobj=fh, mode="w:gz") as tf:
+                for name, data in members.items():
+                    tinfo = tarfile.TarInfo(name)
+                    tinfo.size = len(data)
+                    tinfo.mode = 0o644
+                    tf.addfile(tinfo, io.BytesIO(data))
     return target
 
 
@@ -379,10 +388,7 @@ def validate_manifest(manifest: Any, where: str = "bundle") -> dict[str, Any]:
     if isinstance(version, int) and not isinstance(version, bool) and version > BUNDLE_SCHEMA_VERSION:
         raise BundleError(f"{where}: manifest schema version {version} is newer than this iapo-gym "
                           f"({__version__}) reads (up to {BUNDLE_SCHEMA_VERSION}); upgrade iapo-gym")
-    errors = schemas.errors("iapo_gym.leaderboard.submit", SCHEMA_FILE, manifest)
-    if errors:
-        field = schemas.dotted(errors[0].absolute_path) or "(top level)"
-        raise BundleError(f"{where}: manifest field {field!r}: {errors[0].message}"[:400])
+    schemas.check("iapo_gym.leaderboard.submit", SCHEMA_FILE, manifest, f"{where}: {MANIFEST}", BundleError)
     return manifest
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -20,10 +21,11 @@ from typing import Any
 
 import numpy as np
 
+from iapo_gym.atomic import atomic_write_text
 from iapo_gym.leaderboard.run.runner import WorkUnit, run_unit
 from iapo_gym.leaderboard.run.specs import AgentSpec, TaskRef, resolve_task, task_available
 from iapo_gym.leaderboard.run.store import RunResult
-from iapo_gym.leaderboard.submit.bundle import Bundle, agent_source_digest, read_bundle
+from iapo_gym.leaderboard.submit.bundle import Bundle, agent_source_digest, numeric_stack, read_bundle
 from iapo_gym.leaderboard.submit.merge import run_name
 from iapo_gym.leaderboard.submit.provenance import verify_record_path
 from iapo_gym.seeding import derive_rng
@@ -53,6 +55,9 @@ class VerifyOutcome:
     agent_problems: list[str] = field(default_factory=list)
     table_problems: list[str] = field(default_factory=list)
     checks: list[RunCheck] = field(default_factory=list)
+    #: Where a run does not match: each way this machine's numeric stack differs from the bundle's (numpy, numba,
+    #: BLAS, Python), which can change the last bits of a result without anyone's fault.
+    stack_differences: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -88,6 +93,26 @@ def check_agent_sources(bundle: Bundle) -> list[str]:
             problems.append(f"agent {agent['spec']!r}: source differs from the bundle's "
                             f"(module(s) {', '.join(changed)})")
     return problems
+
+
+def stack_differences(software: dict[str, Any]) -> list[str]:
+    """One line per part of the numeric stack (``bundle.numeric_stack``, numpy, Python) that differs between the
+    bundle's ``software`` and this machine; a part the bundle did not record (an older iapo-gym) is named as such."""
+    here = {"python": platform.python_version(), "numpy": np.__version__, **numeric_stack()}
+    out = []
+    for key, value in here.items():
+        theirs = software.get(key)
+        if theirs is None:
+            out.append(f"{key}: not recorded in the bundle; here {_stack_text(value)}")
+        elif theirs != value:
+            out.append(f"{key}: bundle {_stack_text(theirs)}, here {_stack_text(value)}")
+    return out
+
+
+def _stack_text(value: Any) -> str:
+    if isinstance(value, list):  # BLAS libraries
+        return ", ".join(f"{b.get('vendor')} {b.get('version')} ({b.get('architecture')})" for b in value) or "none"
+    return str(value)
 
 
 def choose_sample(results: list[RunResult], k: int | None, seed: int) -> list[RunResult]:
@@ -163,14 +188,12 @@ def verify_bundle(path: str | os.PathLike[str], sample: int | None = None, seed:
             if x.arms != r.arms:
                 note += ("; " if note else "") + "policy differs"
             outcome.checks.append(RunCheck(run_name(r), r.acr, x.acr, x.acr == r.acr and x.arms == r.arms, note))
+    if not all(c.match for c in outcome.checks):
+        outcome.stack_differences = stack_differences(bundle.manifest["software"])
     outcome.seconds = time.monotonic() - start
     return outcome
 
 
 def write_record(path: str | os.PathLike[str], outcome: VerifyOutcome) -> Path:
     """Write the outcome to ``BUNDLE.verify.json`` (atomically) and return its path."""
-    target = verify_record_path(path)
-    tmp = target.with_name(target.name + ".part")
-    tmp.write_text(json.dumps(outcome.record(), indent=1) + "\n")
-    os.replace(tmp, target)
-    return target
+    return atomic_write_text(verify_record_path(path), json.dumps(outcome.record(), indent=1) + "\n")
