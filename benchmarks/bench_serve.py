@@ -13,7 +13,9 @@ One logical call = N completions of one query:
   what stopping early saves and costs);
 * ``optillm`` (``--optillm-python PY``, OptiLLM installed in a venv of its own): one chat request with
   its self-consistency approach, which always samples 5 completions, one after another, through the
-  upstream's chat API (run with ``--n 5`` to compare at the same N).
+  upstream's chat API (run with ``--n 5`` to compare at the same N);
+* ``serve h11`` (``--h11``): serve again with ``--http h11`` instead of httptools, the parser's cost (both
+  run with the same connection bounds, ``iapo_gym.deploy.connections``).
 
 The load generator (this process, asyncio + httpx2) runs ``--calls`` calls per side at each
 concurrency, sides interleaved over ``--repeats`` rounds; it reports p50/p99 latency, calls per
@@ -22,6 +24,11 @@ proxy (the goal: serve within 1 ms of its p50 at concurrency 1, and at least 90 
 second at concurrency 16), and the CPU time per call of each proxy process (read from /proc: a
 steadier figure on a shared machine).
 Run: ``nice -n 5 python benchmarks/bench_serve.py`` (needs ``pip install "iapo-gym[llm,serve]"`` and fastapi).
+
+``--ttft``: time to first token at N = 1, streamed: ``serve``'s first text chunk against the upstream's
+own (a streaming request straight to llama.cpp with the body serve sends), and the whole answer
+without streaming (what a caller waited for before the first text when serve streamed the decided
+answer only), medians and ratios in the same run, sides interleaved.
 """
 
 from __future__ import annotations
@@ -150,6 +157,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--optillm-python", help="python of a venv with optillm installed (a peer, never a dependency)")
+    ap.add_argument("--h11", action="store_true",
+                    help="also a side 'serve h11': serve with --http h11 instead of httptools (the parser's cost)")
     ap.add_argument("--bare-proxy", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.bare_proxy:
@@ -184,6 +193,11 @@ def main() -> None:
         wait_ready(f"http://127.0.0.1:{bare_port}/health", bare)
         sides = [Side("direct", up, None, "fan-out"), Side("bare proxy", bare_port, bare.pid, "fan-out"),
                  Side("serve", serve_port, serve.pid, "serve")]
+        if args.h11:
+            h11_port = free_port()
+            serve_h11 = start_serve(policy, spec_path, h11_port, extra=["--no-early-stop", "--http", "h11"])
+            procs.append(serve_h11)
+            sides.append(Side("serve h11", h11_port, serve_h11.pid, "serve"))
         optillm_note = "not run (give --optillm-python)"
         if args.optillm_python:
             opt_port = free_port()
@@ -303,8 +317,108 @@ def early_stop_bench(argv: list[str]) -> None:
         stop(llama)
 
 
+async def _first_text(client: Any, url: str, body: dict[str, Any]) -> tuple[float, float, str]:
+    """A streaming completions request: seconds to the first chunk with text, to the end, and the text."""
+    start = time.perf_counter()
+    first: float | None = None
+    parts: list[str] = []
+    async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status_code} {(await resp.aread())[:200]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            text = "".join(c.get("text") or "" for c in chunk.get("choices") or ())
+            if text:
+                parts.append(text)
+                if first is None:
+                    first = time.perf_counter() - start
+    total = time.perf_counter() - start
+    return (total if first is None else first), total, "".join(parts)
+
+
+def ttft_bench(argv: list[str]) -> None:
+    """``--ttft``: time to first token at N = 1 through serve, streamed, against the upstream's own (module docstring)."""
+    import httpx2
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ttft", action="store_true")
+    ap.add_argument("--calls", type=int, default=100, help="calls per side and round")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+    folder = Path(tempfile.mkdtemp(prefix="bench-ttft-"))
+    up = free_port()
+    llama = start_llama_server(write_tiny_gguf(folder / "tiny.gguf"), up)
+    procs: list[subprocess.Popen[bytes]] = [llama]
+    try:
+        spec_path = write_spec(folder, up, n_max=1, sampling={"temperature": 0.9, "max_tokens": args.max_tokens},
+                               endpoint={"use_n": "no", "max_retries": 0})
+        spec = load_spec(spec_path)
+        seeder = LLMClient(spec)
+        params = spec.sampling.as_dict()
+        params.pop("seed", None)
+        policy = mv_policy({"low": ("plain", 1)}, extractor={"extractor": "regex", "pattern": r"\A\s*(\S)"},
+                           n_max=1).save(folder / "policy.json")
+        serve_port = free_port()
+        procs.append(start_serve(policy, spec_path, serve_port))
+        direct_url = f"http://127.0.0.1:{up}/v1/completions"
+        serve_url = f"http://127.0.0.1:{serve_port}/v1/completions"
+
+        def direct_body(query: str) -> dict[str, Any]:  # the body serve sends upstream for this query
+            prompt = TEMPLATE.replace("{query}", query)
+            return {"model": spec.endpoint.model, "prompt": prompt, **params, "seed": seeder._seed(prompt, 0),
+                    "stream": True, "stream_options": {"include_usage": True}}
+
+        sides = ("direct stream", "serve stream", "serve whole")
+        first: dict[str, list[float]] = {s: [] for s in sides}
+        total: dict[str, list[float]] = {s: [] for s in sides}
+        mismatched = 0
+
+        async def round_(r: int) -> None:
+            nonlocal mismatched
+            async with httpx2.AsyncClient(timeout=120) as client:
+                await _first_text(client, serve_url, {"model": "iapo/low", "prompt": "warm up", "stream": True})
+                for i in range(args.calls):
+                    query = f"{r * 1000 + i} + {i % 7} ="
+                    texts: dict[str, str] = {}
+                    order = list(sides)
+                    random.Random(r * 1000 + i).shuffle(order)
+                    for side in order:
+                        if side == "direct stream":
+                            f, t, texts[side] = await _first_text(client, direct_url, direct_body(query))
+                        elif side == "serve stream":
+                            f, t, texts[side] = await _first_text(client, serve_url, {"model": "iapo/low", "prompt": query,
+                                                                                      "stream": True})
+                        else:
+                            start = time.perf_counter()
+                            resp = await client.post(serve_url, json={"model": "iapo/low", "prompt": query})
+                            f = t = time.perf_counter() - start
+                            texts[side] = resp.json()["choices"][0]["text"]
+                        first[side].append(f)
+                        total[side].append(t)
+                    mismatched += len(set(texts.values())) != 1
+
+        for r in range(args.repeats):
+            asyncio.run(round_(r))
+        med = {s: (float(np.median(first[s])) * 1000, float(np.median(total[s])) * 1000) for s in sides}
+        print(f"time to first token at N = 1: {args.calls} calls x {args.repeats} rounds per side, tiny llama.cpp model, "
+              f"max_tokens {args.max_tokens}, {os.cpu_count()} cores shared with other jobs; answers that differed "
+              f"between the sides: {mismatched}")
+        print(f"{'side':<14} {'first text p50 ms':>17} {'whole p50 ms':>12} {'first / direct':>14}")
+        for s in sides:
+            print(f"{s:<14} {med[s][0]:>17.2f} {med[s][1]:>12.2f} {med[s][0] / med['direct stream'][0]:>14.2f}")
+        print(json.dumps({s: {"first_text_p50_ms": med[s][0], "whole_p50_ms": med[s][1]} for s in sides}))
+    finally:
+        for p in reversed(procs):
+            stop(p)
+
+
 if __name__ == "__main__":
     if "--early-stop" in sys.argv:
         early_stop_bench(sys.argv[1:])
+    elif "--ttft" in sys.argv:
+        ttft_bench(sys.argv[1:])
     else:
         main()

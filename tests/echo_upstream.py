@@ -4,7 +4,10 @@ Completions and chat completions answer ``answer`` for each of ``n`` choices, or
 texts of that list in turn, one per choice (usage: completion tokens = characters of the answers, prompt
 tokens = words of the prompt). A prompt containing ``STATUS:NNN``
 gets HTTP NNN with a body that echoes, as some providers do, the ``Authorization`` header it received,
-the prompt and this server's address; ``SLEEP:S`` waits S seconds first. ``GET /v1/models`` answers
+the prompt and this server's address; ``SLEEP:S`` waits S seconds first. With ``stream: true`` the
+answer goes as server-sent events, one character a chunk (``stream_delay`` seconds apart), then the
+finish chunk, a usage chunk when ``stream_options.include_usage``, and ``[DONE]``; ``streams_done``
+records when each finished (``time.monotonic()``). ``GET /v1/models`` answers
 ``models_status``. ``headers`` and ``bodies`` record every POST; ``posts`` counts them.
 """
 
@@ -21,9 +24,11 @@ from typing import Any
 class EchoUpstream:
     """The upstream (module docstring); ``url`` is its ``/v1`` base."""
 
-    def __init__(self, answer: str = "42", answers: list[str] | None = None) -> None:
+    def __init__(self, answer: str = "42", answers: list[str] | None = None, stream_delay: float = 0.0) -> None:
         self.answer = answer
         self.answers = answers
+        self.stream_delay = stream_delay
+        self.streams_done: list[float] = []
         self.turn = 0
         self.models_status = 200
         self.headers: list[dict[str, str]] = []
@@ -46,6 +51,32 @@ class EchoUpstream:
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+            def _stream(self, chat: bool, text: str, prompt_tokens: int, usage: bool) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.close_connection = True
+
+                def event(choice: dict[str, Any] | None, **more: Any) -> None:
+                    doc = {"id": "x", "object": "chat.completion.chunk" if chat else "text_completion", "created": 0,
+                           "model": "echo", "choices": [choice] if choice else [], **more}
+                    self.wfile.write(b"data: " + json.dumps(doc).encode() + b"\n\n")
+                    self.wfile.flush()
+
+                for ch in text:
+                    time.sleep(outer.stream_delay)
+                    event({"index": 0, "delta": {"content": ch}, "finish_reason": None} if chat else
+                          {"index": 0, "text": ch, "finish_reason": None})
+                event({"index": 0, "delta": {}, "finish_reason": "stop"} if chat else
+                      {"index": 0, "text": "", "finish_reason": "stop"})
+                if usage:
+                    event(None, usage={"prompt_tokens": prompt_tokens, "completion_tokens": len(text),
+                                       "total_tokens": prompt_tokens + len(text)})
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+                outer.streams_done.append(time.monotonic())
 
             def do_GET(self) -> None:  # noqa: N802
                 if outer.models_status != 200:
@@ -80,6 +111,10 @@ class EchoUpstream:
                     with outer.lock:
                         texts = [outer.answers[(outer.turn + i) % len(outer.answers)] for i in range(n)]
                         outer.turn += n
+                if body.get("stream"):
+                    self._stream(chat, texts[0], len(prompt.split()), bool((body.get("stream_options") or {})
+                                                                           .get("include_usage")))
+                    return
                 if chat:
                     choices = [{"index": i, "message": {"role": "assistant", "content": t},
                                 "finish_reason": "stop"} for i, t in enumerate(texts)]

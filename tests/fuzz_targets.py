@@ -951,7 +951,7 @@ def _user(content: Any) -> list[dict[str, Any]]:
     return [{"role": "user", "content": content}]
 
 
-SERVE_SEEDS = {
+SERVE_SEEDS = {  # by endpoint, and "chat_modes": chats for a server that accepts system messages and history
     "/v1/chat/completions": [
         {"model": "iapo/low", "messages": _user("1 + 1 =")},
         {"model": "any", "iapo_context": "mid", "messages": _user("2 + 2 ="), "max_tokens": 3, "stream": True,
@@ -960,6 +960,16 @@ SERVE_SEEDS = {
          "stop": ["\n"], "seed": 4, "user": "u-1"},
         {"model": "anything", "iapo_context": [1.0, -1.0], "messages": _user("q"), "max_completion_tokens": 100,
          "n": 1, "top_p": 1, "tools": [], "response_format": {"type": "text"}},
+    ],
+    "chat_modes": [
+        {"model": "iapo/high", "messages": [{"role": "system", "content": "Be brief."}, *_user("1 + 1 =")]},
+        {"model": "iapo/low", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
+                                           {"role": "assistant", "content": "hello"}, *_user("2 + 2 =")],
+         "temperature": 0.5, "stream": True},
+        {"model": "iapo/high", "messages": [{"role": "developer", "content": "d"}, {"role": "user", "content": "a"},
+                                            {"role": "assistant", "content": [{"type": "text", "text": "b"}]},
+                                            *_user("q")], "stream": True, "stop": ["x"],
+         "stream_options": {"include_usage": True}},
     ],
     "/v1/completions": [
         {"model": "iapo/low", "prompt": "1 + 1 ="},
@@ -974,7 +984,8 @@ SERVE_SEEDS = {
 #: parameters at and past what the policy was learned with, unsupported features, hostile text.
 SERVE_KEYS = ["model", "iapo_context", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "stop",
               "seed", "temperature", "top_p", "tools", "tool_choice", "messages", "prompt", "user", "logprobs",
-              "response_format", "best_of", "echo", "suffix", "logit_bias", "frequency_penalty", "metadata"]
+              "response_format", "best_of", "echo", "suffix", "logit_bias", "frequency_penalty", "metadata", "messages",
+              "messages", "temperature"]
 SERVE_VALUES: list[Any] = [
     "iapo/low", "iapo/mid", "iapo/high", "iapo/", "iapo/[1.0, -0.2]", "iapo/[1.0]", "iapo/[1.0, -0.2, 3]",
     "iapo/[1e999]", "iapo/[NaN]", "iapo/[", "iapo/[[1]]", "iapo/[true, 1]", "iapo/" + "[" * 5000,
@@ -983,6 +994,13 @@ SERVE_VALUES: list[Any] = [
     "x" * 40000, {}, {"include_usage": True}, {"include_usage": "yes"}, {"type": "json_object"},
     ["a", "b", "c", "d", "e"], ["\n"], _user("hi"), _user(None), _user([{"type": "image_url", "image_url": {}}]),
     _user([{"type": "text"}]), [{"role": "system", "content": "s"}, *_user("hi")], [{"role": "tool"}],
+    [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+     *_user("c")], [{"role": "user", "content": "a"}, {"role": "assistant", "content": None}, *_user("c")],
+    [*_user("a"), {"role": "system", "content": "late"}, *_user("c")], [*_user("a"), {"role": "assistant"}],
+    [{"role": "developer", "content": [{"type": "text", "text": "d"}]}, *_user("q")],
+    [{"role": "system", "content": "\ud800"}, *_user("q")], [{"role": "system", "content": "x" * 40000}, *_user("q")],
+    [{"role": "assistant", "content": "b", "tool_calls": []}, *_user("q")], [{"role": "system", "content": 5}, *_user("q")],
+    0.5, 2.5, -0.1,
     [{"type": "function", "function": {"name": "f"}}], ["p1", "p2"], [1, 2, 3],
 ]
 
@@ -1004,10 +1022,15 @@ def serve_mutator(data: bytes, rnd: random.Random) -> bytes:
 
 
 @functools.cache
-def _serve_harness() -> tuple[Any, Any]:
-    """serve's ASGI app in this process on a loop thread; its upstream the echo server (tests/echo_upstream.py)."""
+def _serve_harness(modes: bool = False) -> tuple[Any, Any]:
+    """serve's ASGI app in this process on a loop thread; its upstream the echo server (tests/echo_upstream.py).
+
+    ``modes``: the server accepts a chat's system message (``append``), its earlier turns (``keep``) and a
+    temperature from 0 to 1 (``serve --system-message append --history keep --accept temperature=0:1``).
+    """
     import os
 
+    from iapo_gym.deploy.params import CallerRules
     from iapo_gym.deploy.router import Router
     from iapo_gym.deploy.server import create_app
     from iapo_gym.llm.loop import LoopThread
@@ -1018,7 +1041,8 @@ def _serve_harness() -> tuple[Any, Any]:
     upstream = EchoUpstream("7")
     folder = Path(tempfile.mkdtemp(prefix="iapo-fuzz-serve-"))
     spec = write_spec(folder, 0, endpoint={"base_url": upstream.url, "max_retries": 0})
-    router = Router(mv_policy(), spec)
+    rules = CallerRules("append", "keep", (("temperature", 0.0, 1.0),)) if modes else None
+    router = Router(mv_policy(), spec, rules=rules)
     app = create_app(router, log=open(os.devnull, "w", encoding="utf-8"))  # noqa: SIM115 (lives with the app)
     loop = LoopThread("iapo-fuzz-serve")
     loop.run(router.start(app.client_options()))
@@ -1046,16 +1070,17 @@ async def _asgi_post(app: Any, path: str, body: bytes) -> tuple[int, dict[bytes,
             out["body"].append(message.get("body", b""))
 
     scope = {"type": "http", "method": "POST", "path": path, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+        (b"host", b"127.0.0.1"), (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
     await app(scope, receive, send)
     return out["status"], out["headers"], b"".join(out["body"])
 
 
-def parse_serve(endpoint: str) -> Callable[[Path, Path], object]:
+def parse_serve(endpoint: str, modes: bool = False) -> Callable[[Path, Path], object]:
     """Send the input file as a request body to serve's ``endpoint``: 200 is accepted, a 4xx in the OpenAI error
-    shape is refused (``ServeRefused``), anything else (a 5xx, a malformed answer) fails."""
+    shape is refused (``ServeRefused``), anything else (a 5xx, a malformed answer) fails. ``modes``: the server
+    that accepts system messages, history and a temperature range (``_serve_harness``)."""
     def parse(path: Path, out: Path) -> object:
-        app, loop = _serve_harness()
+        app, loop = _serve_harness(modes)
         status, headers, body = loop.run(_asgi_post(app, endpoint, path.read_bytes()))
         if status == 200:
             if headers.get(b"content-type", b"").startswith(b"text/event-stream"):
@@ -1076,6 +1101,53 @@ def parse_serve(endpoint: str) -> Callable[[Path, Path], object]:
 
 def serve_seeds(endpoint: str) -> list[bytes]:
     return [json.dumps(doc).encode() for doc in SERVE_SEEDS[endpoint]]
+
+
+# ---- the serving budget's stored state (iapo_gym.llm.budget: what a store shared with others may hold) -------------
+
+BUDGET_CLOCK = 1.0e9
+
+
+def _budget(store: Any) -> Any:
+    from iapo_gym.llm.budget import Budget, parse_rate
+
+    rates = [parse_rate(r) for r in ("tokens/minute=500", "cost/day=2", "requests/total=100", "requests/hour=50")]
+    return Budget(rates, store, clock=lambda: BUDGET_CLOCK)
+
+
+def budget_state_seeds() -> list[bytes]:
+    """States a budget leaves: empty, a settled spend with a reservation in flight, and a reservation expired."""
+    from iapo_gym.llm.budget import MemoryStore, Spend
+
+    store = MemoryStore()
+    budget = _budget(store)
+    seeds = [store.transact(lambda s: json.dumps(s)).encode()]
+    budget.settle(budget.admit(Spend(1, 2, 60, 0.2), 30), Spend(1, 1, 40, 0.1))
+    budget.admit(Spend(1, 2, 60, 0.2), 30)
+    seeds.append(store.transact(lambda s: json.dumps(s)).encode())
+    budget.admit(Spend(1, 1, 10, 0.01), -1.0)  # expired at once: charged whole at the next transaction
+    seeds.append(store.transact(lambda s: json.dumps(s)).encode())
+    return seeds
+
+
+def parse_budget_state(path: Path, out: Path) -> object:
+    """The bytes as a deployment's state in an SQLite budget store (beside the input, named after it), then a
+    report, an admission and a settlement on it, as a server's next request would do."""
+    import sqlite3
+
+    from iapo_gym.llm.budget import RateLimited, Spend, SQLiteStore
+
+    db = path.parent / (path.name + ".sqlite")
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE budget (name TEXT PRIMARY KEY, state TEXT NOT NULL)")
+    con.execute("INSERT INTO budget VALUES (?, ?)", ("fuzz", sqlite3.Binary(path.read_bytes())))
+    con.commit()
+    con.close()
+    budget = _budget(SQLiteStore(db, "fuzz"))
+    budget.report(True)
+    with contextlib.suppress(RateLimited):
+        budget.settle(budget.admit(Spend(1, 1, 10, 0.01), 30), Spend(1, 1, 5, 0.005))
+    return budget.report(True)
 
 
 # ---- the registry ------------------------------------------------------------------------------------
@@ -1112,9 +1184,16 @@ def _register_all() -> None:
     register(Target("policy_json", ".json", (PolicyError,), policy_seeds, parse_policy, (json_mutator,)))
     register(Target("policy_file", ".json", (PolicyFileError,), policy_file_seeds, parse_policy_file,
                     (policy_file_mutator,)))
+    register(Target("budget_state", ".json", (ValueError,), budget_state_seeds, parse_budget_state, (json_mutator,)))
     for name, endpoint in (("serve_chat", "/v1/chat/completions"), ("serve_completions", "/v1/completions")):
         register(Target(name, ".json", (ServeRefused,), functools.partial(serve_seeds, endpoint), parse_serve(endpoint),
                         (serve_mutator, serve_mutator, json_mutator), byte_level=0.15))
+    # chat front-ends: system messages and history under append / keep, a temperature range (and, through the
+    # seeds of serve_chat above, the same bodies refused by the default server)
+    register(Target("serve_chat_modes", ".json", (ServeRefused,),
+                    lambda: serve_seeds("chat_modes") + serve_seeds("/v1/chat/completions"),
+                    parse_serve("/v1/chat/completions", modes=True), (serve_mutator, serve_mutator, json_mutator),
+                    byte_level=0.15))
 
 
 _register_all()

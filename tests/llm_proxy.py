@@ -7,7 +7,9 @@ the connection without an answer, ``slow`` waits ``--slow`` seconds before forwa
 client's timeout), ``400``/``401`` a client error. ``GET /__stats`` returns the counters as JSON (``choices``: completions
 forwarded back, ``prompt_tokens``/``completion_tokens``: the upstream's reported usage); ``GET /__headers`` the
 headers of every POST received, in order (names lower-cased), so tests can see which ``Authorization`` reached
-this host; ``GET /__bodies`` the JSON bodies of every POST received, in order.
+this host; ``GET /__bodies`` the JSON bodies of every POST received, in order. A streamed answer
+(``text/event-stream``) is relayed line by line as the upstream sends it (``stream_deltas`` counts its
+chunks with text; its usage chunk counts as a response's usage).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def main() -> None:
     schedule = [a for a in opts.schedule.split(",") if a]
     lock = threading.Lock()
     stats = {"posts": 0, "forwarded": 0, "injected": 0, "completion_tokens": 0, "prompt_tokens": 0, "choices": 0,
-             "in_flight": 0, "max_in_flight": 0}
+             "in_flight": 0, "max_in_flight": 0, "stream_deltas": 0}
     seen_headers: list[dict[str, str]] = []
     seen_bodies: list[object] = []
 
@@ -109,6 +111,9 @@ def main() -> None:
                                              method=method, headers={"Content-Type": "application/json"})
                 try:
                     with urllib.request.urlopen(req, timeout=60) as resp:
+                        if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                            self._relay(resp)
+                            return
                         status, data = resp.status, resp.read()
                 except urllib.error.HTTPError as exc:
                     status, data = exc.code, exc.read()
@@ -127,6 +132,32 @@ def main() -> None:
                     stats["prompt_tokens"] += int(usage.get("prompt_tokens", 0))
                     stats["choices"] += len(answer.get("choices") or ())
             self._send(status, data)
+
+        def _relay(self, resp: object) -> None:
+            """Send a streamed answer on as it comes, one line at a time, counting its text chunks and usage."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+            indices: set[int] = set()
+            for line in resp:  # type: ignore[attr-defined]
+                self.wfile.write(line)
+                self.wfile.flush()
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or {}
+                with lock:
+                    stats["completion_tokens"] += int(usage.get("completion_tokens", 0))
+                    stats["prompt_tokens"] += int(usage.get("prompt_tokens", 0))
+                    for c in chunk.get("choices") or ():
+                        indices.add(int(c.get("index", 0)))
+                        if (c.get("delta") or {}).get("content") or c.get("text"):
+                            stats["stream_deltas"] += 1
+            with lock:
+                stats["forwarded"] += 1
+                stats["choices"] += len(indices)
 
     server = ThreadingHTTPServer(("127.0.0.1", opts.port), Handler)
     server.daemon_threads = True

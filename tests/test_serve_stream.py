@@ -1,20 +1,26 @@
 """``iapo-gym serve`` streams in the OpenAI chunk format and honours or refuses each caller parameter.
 
-llama.cpp with the tiny model behind the counting proxy, serve as a process, the official ``openai``
-client and its streaming iterator.
+llama.cpp with the tiny model behind the counting proxy (which relays a stream line by line), serve as a
+process, the official ``openai`` client and its streaming iterator; for timing, cancellation and early
+votes, the echo upstream (tests/echo_upstream.py) whose streams send one character every ``stream_delay``.
 """
 
 from __future__ import annotations
 
 import re
+import socket
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.deploy_helpers import FIRST_CHAR, mv_policy, start_serve
+from tests.deploy_helpers import FIRST_CHAR, bon_policy, mv_policy, start_serve
+from tests.echo_upstream import EchoUpstream
 from tests.llm_server import (
     free_port,
     llama_server,  # noqa: F401 (fixture)
+    proxy_bodies,
     proxy_stats,
     start_proxy,
     stop,
@@ -65,6 +71,7 @@ def test_streaming_with_the_official_iterator(stack: tuple[Any, int], chat: bool
                                                stream_options={"include_usage": True})
         chunks = list(stream)
         after = proxy_stats(proxy_port)
+        assert proxy_bodies(proxy_port)[-1].get("stream", False) is (n == 1)  # N = 1: streamed from the upstream
         iapo = [c.model_extra["iapo"] for c in chunks if c.model_extra and "iapo" in c.model_extra]
         assert len(iapo) == 1 and iapo[0]["n"] == n and iapo[0]["context"] == context
         # exactly the completions drawn went upstream, as many as without streaming (the same seeded completions)
@@ -74,8 +81,16 @@ def test_streaming_with_the_official_iterator(stack: tuple[Any, int], chat: bool
         finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
         assert "".join(pieces) == text  # the same answer as without streaming (seeded completions and ties)
         assert finishes[-1] == whole.choices[0].finish_reason and all(f is None for f in finishes[:-1])
-        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
-            after["completion_tokens"] - before["completion_tokens"]
+        texts = [p for p in pieces if p]
+        if n == 1:  # true streaming: one chunk per piece the upstream sent, as many as it sent
+            assert len(texts) == after["stream_deltas"] - before["stream_deltas"] > 1
+            # llama-cpp-python's server reports no usage in a stream: the completion counts its worst case
+            assert after["completion_tokens"] == before["completion_tokens"]
+            assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8 + 3
+        else:  # the answer once the vote is decided, in one chunk
+            assert len(texts) <= 1 and after["stream_deltas"] == before["stream_deltas"]
+            assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+                after["completion_tokens"] - before["completion_tokens"]
         assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens
         assert all(c.model == f"iapo/{context}" for c in chunks)
         # without include_usage: no usage chunk
@@ -122,7 +137,7 @@ def test_parameters_are_honoured_within_the_policy_or_refused(stack: tuple[Any, 
         "messages[0].content[1]": dict(messages=[{"role": "user", "content": [
             {"type": "text", "text": "what is this?"},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]),
-        "messages": dict(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]),
+        "messages[0]": dict(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]),
         "messages[0].role": dict(messages=[{"role": "assistant", "content": "hi"}]),
     }
     for param, kwargs in chat_refused.items():
@@ -136,10 +151,121 @@ def test_parameters_are_honoured_within_the_policy_or_refused(stack: tuple[Any, 
     whole = client.chat.completions.create(model="iapo/high", messages=[{"role": "user", "content": "1 + 1 ="}])
     assert parts.choices[0].message.content == whole.choices[0].message.content
     text = whole.choices[0].message.content
-    cut_at = next((ch for ch in text[1:] if ch.strip()), None)
-    if cut_at is not None:
-        stopped = client.chat.completions.create(model="iapo/high", stop=[cut_at],
+    cut_at = next(ch for ch in text[1:] if ch.strip())
+    for stream in (False, True):
+        # N = 1: the stop sequence goes upstream too (the upstream stops there), and cuts the returned text
+        before = proxy_stats(proxy_port)["posts"]
+        stopped = client.chat.completions.create(model="iapo/high", stop=[cut_at], stream=stream,
                                                  messages=[{"role": "user", "content": "1 + 1 ="}])
-        assert stopped.choices[0].message.content == text[:text.index(cut_at, 0)]
-        assert stopped.choices[0].finish_reason == "stop" and "stop" in stopped.model_extra["iapo"]["parameters"]
-        assert re.match(r"applied to the returned completion", stopped.model_extra["iapo"]["parameters"]["stop"])
+        if stream:
+            chunks = list(stopped)
+            got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish, info = chunks[-1].choices[0].finish_reason, chunks[-1].model_extra["iapo"]
+        else:
+            got, finish, info = stopped.choices[0].message.content, stopped.choices[0].finish_reason, \
+                stopped.model_extra["iapo"]
+        assert got == text[:text.index(cut_at)] and finish == "stop"
+        assert info["parameters"]["stop"] == "sent upstream and applied to the returned completion"
+        assert proxy_bodies(proxy_port)[before]["stop"] == [cut_at]
+    # N = 3: the vote is over whole completions; the stop sequence only cuts the returned text
+    before = proxy_stats(proxy_port)["posts"]
+    voted = client.chat.completions.create(model="iapo/low", stop=["\n"], messages=[{"role": "user", "content": "hi"}])
+    assert all("stop" not in body for body in proxy_bodies(proxy_port)[before:])
+    assert "\n" not in voted.choices[0].message.content
+    assert re.match(r"applied to the returned completion only", voted.model_extra["iapo"]["parameters"]["stop"])
+
+
+def _echo_serve(up: EchoUpstream, folder: Path, extra: list[str] | None = None) -> tuple[Any, Any]:
+    """serve in front of the echo upstream (contexts low/mid/high: N = 3, 2, 1); (process, openai client)."""
+    port = free_port()
+    spec = write_spec(folder, 0, endpoint={"base_url": up.url, "max_retries": 0})
+    proc = start_serve(mv_policy().save(folder / "policy.json"), spec, port, extra=extra)
+    return proc, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_n1_text_arrives_while_the_upstream_is_still_sending(tmp_path: Path, chat: bool) -> None:
+    answer = "0123456789"
+    with EchoUpstream(answer, stream_delay=0.1) as up:  # one character every 0.1 s: the whole answer takes 1 s
+        proc, client = _echo_serve(up, tmp_path)
+        try:
+            if chat:
+                stream = client.chat.completions.create(model="iapo/high", messages=[{"role": "user", "content": "q"}],
+                                                        stream=True, stream_options={"include_usage": True})
+            else:
+                stream = client.completions.create(model="iapo/high", prompt="q", stream=True,
+                                                   stream_options={"include_usage": True})
+            pieces, arrived = [], []
+            for chunk in stream:
+                piece = (chunk.choices[0].delta.content if chat else chunk.choices[0].text) if chunk.choices else None
+                if piece:
+                    pieces.append(piece)
+                    arrived.append(time.monotonic())
+            # each character as its own chunk, the first well before the upstream sent its last
+            assert pieces == list(answer)
+            assert len(up.streams_done) == 1 and arrived[0] < up.streams_done[0] - 0.5
+            assert up.bodies[-1]["stream"] is True and up.bodies[-1]["stream_options"] == {"include_usage": True}
+            # the usage is the upstream's own final usage chunk (the echo counts a token per character, and the
+            # words of the prompt "q ->")
+            assert chunk.usage.completion_tokens == len(answer) and chunk.usage.prompt_tokens == 2
+        finally:
+            stop(proc)
+
+
+def test_best_of_one_streams_then_scores(tmp_path: Path) -> None:
+    with EchoUpstream("12345", stream_delay=0.05) as up:
+        port = free_port()
+        spec = write_spec(tmp_path, 0, aggregator="bon", endpoint={"base_url": up.url, "max_retries": 0})
+        proc = start_serve(bon_policy(n=1).save(tmp_path / "policy.json"), spec, port)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        try:
+            chunks = list(client.completions.create(model="iapo/long", prompt="q", stream=True))
+            assert [c.choices[0].text for c in chunks[:-1]] == list("12345")  # one chunk per upstream chunk
+            info = chunks[-1].model_extra["iapo"]  # scored once the completion is in: 5 characters, all digits
+            assert info["aggregator"] == "bon" and info["objective_scores"] == [{"length": -0.5, "digits": 1.0}]
+            assert up.bodies[-1]["stream"] is True
+        finally:
+            stop(proc)
+
+
+def test_a_decided_vote_streams_before_all_n_are_drawn(tmp_path: Path) -> None:
+    with EchoUpstream("7") as up:  # every completion answers 7: a vote of 3 is decided by the first 2
+        proc, client = _echo_serve(up, tmp_path)
+        try:
+            chunks = list(client.completions.create(model="iapo/low", prompt="q", stream=True))
+            info = chunks[-1].model_extra["iapo"]
+            assert info["n"] == 3 and info["drawn"] == 2 and info["votes"] == [["7", 2]]
+            assert "".join(c.choices[0].text for c in chunks) == "7"
+            assert sum(int(b.get("n") or 1) for b in up.bodies) == 2  # the third completion was never asked for
+            assert not any(b.get("stream") for b in up.bodies)  # N > 1: whole completions, then the vote
+        finally:
+            stop(proc)
+
+
+def test_a_caller_gone_or_the_deadline_cancels_the_upstream_stream(tmp_path: Path) -> None:
+    with EchoUpstream("x" * 40, stream_delay=0.1) as up:  # a 4 s stream
+        proc, client = _echo_serve(up, tmp_path, ["--deadline", "1.5"])
+        port = int(str(client.base_url).rsplit(":", 1)[1].split("/")[0])
+        try:
+            # the caller reads the first event and hangs up: the upstream's stream is broken off at once
+            body = b'{"model": "iapo/high", "prompt": "q", "stream": true}'
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                             b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                assert b"data: " in sock.recv(4096) or b"data: " in sock.recv(4096)
+            deadline = time.monotonic() + 3
+            while up.broken == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert up.broken == 1 and up.streams_done == []
+            # the deadline passes mid-stream: the stream ends with the error event, the upstream call is cancelled
+            start = time.monotonic()
+            with pytest.raises(openai.APIError, match="deadline of 1.5 s"):
+                for _ in client.completions.create(model="iapo/high", prompt="q", stream=True):
+                    pass
+            assert 1.4 < time.monotonic() - start < 3.0
+            deadline = time.monotonic() + 3
+            while up.broken < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert up.broken == 2 and up.streams_done == []
+        finally:
+            stop(proc)

@@ -3,57 +3,138 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import json
 import os
 import sys
 from typing import Any
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Serve until interrupted; exit 1 when the policy, the spec or the key cannot be used."""
-    from iapo_gym.deploy.router import Router
+    """Serve until interrupted; exit 1 when the policy, the spec, the key or an option cannot be used.
+
+    The app is built by ``build_app`` once per process: here (the only process, or a check before the
+    workers start), and with ``--workers K`` in each of the K worker processes from the arguments in
+    ``WORKER_ARGS_ENV`` (no secret is in them: a worker reads the inbound key from ``--api-key-env``).
+    """
     from iapo_gym.llm.spec import SpecError
     from iapo_gym.policyfile import PolicyFileError
 
-    api_key = None
-    if args.api_key_env:
-        api_key = os.environ.get(args.api_key_env)
-        if not api_key:
-            print(f"iapo-gym serve: error: --api-key-env names the variable {args.api_key_env!r}, which is not set "
-                  "or empty", file=sys.stderr)
-            return 1
     try:
         import uvicorn  # noqa: F401
     except ImportError as exc:
         print(f"iapo-gym serve: error: {exc}; install the server with pip install \"iapo-gym[serve]\"", file=sys.stderr)
         return 1
-    from iapo_gym.deploy.limits import RateBudget, ServeLimits, parse_rate
-    from iapo_gym.deploy.server import create_app, serve
+    from iapo_gym.deploy.connections import protocol
+    from iapo_gym.deploy.server import run_server
 
     try:
-        router = Router(args.policy, args.upstream, seed=args.seed, early_stop=not args.no_early_stop)
-        limits = ServeLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
-                             deadline=args.deadline, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
-                             upstream_retries=args.upstream_retries, cors_origins=tuple(args.cors_origin or ()))
-        budget = RateBudget([parse_rate(r) for r in args.rate or ()], router.spec.budget.price_per_1k_tokens)
-        create_app(router, limits=limits, budget=budget)  # checks the budget against the policy's largest request
+        if args.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {args.workers}")
+        _check_exposure(args)
+        app = build_app(args, access_log=args.workers == 1)
+        protocol(app.limits, args.http)  # the parser asked for is installed
     except (PolicyFileError, SpecError, ValueError) as exc:
         print(f"iapo-gym serve: error: {exc}", file=sys.stderr)
         return 1
-
-    stream: Any
-    if args.access_log == "-":
-        stream = sys.stdout
-    elif args.access_log:
-        stream = open(args.access_log, "a", encoding="utf-8")  # noqa: SIM115 (open for the server's lifetime)
-    else:
-        stream = None
+    router = app.router
+    print(f"iapo-gym serve: {len(router.contexts)} contexts of task {router.policy.task!r} on "
+          f"http://{args.host}:{args.port}/v1 ({args.workers} process{'es' if args.workers > 1 else ''}; upstream "
+          f"model{'s' if len(router.spec.endpoints) > 1 else ''} "
+          f"{', '.join(repr(e.model) for e in router.spec.endpoints)})", file=sys.stderr, flush=True)
+    stream = app.access.stream
     try:
-        serve(router, host=args.host, port=args.port, api_key=api_key, access_log=stream,
-              graceful_timeout=args.graceful_timeout, limits=limits, budget=budget)
+        if args.workers == 1:
+            run_server(app, host=args.host, port=args.port, limits=app.limits, graceful_timeout=args.graceful_timeout,
+                       parser=args.http)
+        else:
+            os.environ[WORKER_ARGS_ENV] = json.dumps({k: v for k, v in vars(args).items() if k != "func"}, default=str)
+            run_server(WORKER_APP, host=args.host, port=args.port, limits=app.limits,
+                       graceful_timeout=args.graceful_timeout, workers=args.workers, parser=args.http)
     finally:
         if stream is not None and stream is not sys.stdout:
             stream.close()
     return 0
+
+
+#: The environment variable carrying the parsed arguments (JSON, no secret) to ``--workers`` processes.
+WORKER_ARGS_ENV = "IAPO_GYM_SERVE_ARGS"
+#: uvicorn's import string of the app factory each worker process calls.
+WORKER_APP = "iapo_gym.deploy.cli:worker_app"
+
+
+def worker_app() -> Any:
+    """The app of one ``--workers`` process: ``build_app`` of the arguments in ``WORKER_ARGS_ENV``."""
+    return build_app(argparse.Namespace(**json.loads(os.environ[WORKER_ARGS_ENV])))
+
+
+def build_app(args: argparse.Namespace, *, access_log: bool = True) -> Any:
+    """The ``ServeApp`` of ``serve``'s parsed arguments: the router, the limits, the serving budget, the inbound
+    key (read from the variable ``--api-key-env`` names) and, with ``access_log``, the access log opened for
+    appending. Raises ValueError (or the policy's or spec's own error) naming what cannot be used."""
+    from iapo_gym.deploy.limits import budget_from_args
+    from iapo_gym.deploy.router import Router
+    from iapo_gym.deploy.server import create_app
+
+    api_key = None
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            raise ValueError(f"--api-key-env names the variable {args.api_key_env!r}, which is not set or empty")
+    router = Router(args.policy, args.upstream, seed=args.seed, early_stop=not args.no_early_stop,
+                    rules=caller_rules(args))
+    limits = limits_from_args(args)
+    budget = budget_from_args(args, router)
+    stream: Any = None
+    if access_log and args.access_log == "-":
+        stream = sys.stdout
+    elif access_log and args.access_log:
+        stream = open(args.access_log, "a", encoding="utf-8")  # noqa: SIM115 (open for the server's lifetime)
+    # create_app checks the budget against the policy's largest request
+    return create_app(router, api_key=api_key, access_log=stream, limits=limits, budget=budget, host=args.host)
+
+
+def limits_from_args(args: argparse.Namespace) -> Any:
+    """The ``ServeLimits`` of ``serve``'s parsed arguments (ValueError naming a bad value)."""
+    from iapo_gym.deploy.limits import ServeLimits
+
+    return ServeLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+                       deadline=args.deadline, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+                       upstream_retries=args.upstream_retries, cors_origins=tuple(args.cors_origin or ()),
+                       allowed_hosts=tuple(args.allowed_host or ()), max_header_bytes=args.max_header_bytes,
+                       header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                       keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
+                       stall_after=args.stall_after)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether listening on ``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name other than localhost may resolve anywhere
+        return False
+
+
+def _check_exposure(args: argparse.Namespace) -> None:
+    """Refuse to listen beyond loopback without an inbound key, unless ``--insecure-no-key`` (then warn)."""
+    if is_loopback(args.host) or args.api_key_env:
+        return
+    if not args.insecure_no_key:
+        raise ValueError(f"--host {args.host} listens beyond this machine, and without --api-key-env anyone who "
+                         "reaches it spends the upstream's tokens: set --api-key-env VAR (callers then send "
+                         "'Authorization: Bearer $VAR'), or pass --insecure-no-key to serve without a key")
+    print(f"iapo-gym serve: warning: listening on {args.host} without an inbound key (--insecure-no-key): anyone "
+          "who reaches this address can spend the upstream's tokens", file=sys.stderr, flush=True)
+
+
+def caller_rules(args: argparse.Namespace) -> Any:
+    """The ``CallerRules`` of ``--system-message``, ``--history`` and ``--accept`` (ValueError naming a bad one)."""
+    from iapo_gym.deploy.params import CallerRules, parse_accept
+
+    return CallerRules(system_message=args.system_message, history=args.history,
+                       accept=tuple(parse_accept(a) for a in args.accept or ()))
 
 
 def add_commands(subparsers: Any) -> None:
@@ -72,7 +153,20 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key-env", help="environment variable holding the key callers must send "
-                   "(Authorization: Bearer ...); without it, no key is asked")
+                   "(Authorization: Bearer ...); without it, no key is asked (and --host must be a loopback address, "
+                   "unless --insecure-no-key)")
+    p.add_argument("--insecure-no-key", action="store_true",
+                   help="listen beyond loopback (--host 0.0.0.0 or another address) without --api-key-env: anyone "
+                        "who reaches the address can spend tokens (a warning is printed)")
+    p.add_argument("--allowed-host", action="append", metavar="NAME[:PORT]",
+                   help="a Host header to answer besides the bound address and localhost, 127.0.0.1, [::1] (any "
+                        "port); repeatable; others get 421 (docs/deploy.md, 'Hosts and keys')")
+    p.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
+                   help="the HTTP parser: httptools (faster; the serve extra installs it), h11, or auto (httptools "
+                        "when installed); the connection limits are the same with either (default auto)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes serving the one port (default 1); each has the limits below, and all share the "
+                        "serving budget through --budget-store")
     p.add_argument("--access-log", help="file to append JSON-lines access records to ('-': stdout)")
     p.add_argument("--seed", type=int, default=0, help="root seed of the majority-vote tie breaks (default 0)")
     p.add_argument("--no-early-stop", action="store_true",
@@ -82,9 +176,18 @@ def add_commands(subparsers: Any) -> None:
                    help="seconds to let requests in flight finish after SIGTERM/SIGINT (default 30)")
     d = ServeLimitsDefaults()
     p.add_argument("--rate", action="append", metavar="UNIT/WINDOW=LIMIT",
-                   help="the serving budget, repeatable: requests/minute=600, tokens/day=2e6 (upstream completion "
-                        "tokens), cost/day=5 (with the spec's budget.price_per_1k_tokens); 429 with Retry-After past "
-                        "it (default: none)")
+                   help="the serving budget, repeatable: UNIT requests (callers' and, separately, upstream HTTP "
+                        "attempts), tokens (upstream prompt + completion) or cost (money at the spec's endpoint "
+                        "prices); WINDOW minute, hour, day (sliding) or total; e.g. requests/minute=600, "
+                        "tokens/day=2e6, cost/day=5. Shared by every process on --budget-store and kept across "
+                        "restarts; 429 past it (default: none)")
+    p.add_argument("--budget-store", metavar="URL",
+                   help="where the serving budget's spend is kept: sqlite:///ABSOLUTE/PATH or a file path (processes "
+                        "on one machine), redis://HOST:PORT/DB (processes on several machines); default "
+                        "sqlite:///<the policy file's folder>/budget.sqlite")
+    p.add_argument("--budget-name", metavar="NAME",
+                   help="the deployment's key in the budget store: processes with one name share the budget "
+                        "(default: the policy and spec file names and a digest of their absolute paths)")
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help=f"larger request bodies get 413 (default {d.max_body_bytes})")
     p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
@@ -99,6 +202,34 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--upstream-retries", type=int, default=d.upstream_retries,
                    help=f"retries of one failed or timed-out upstream call, at most the spec's endpoint.max_retries "
                         f"(default {d.upstream_retries})")
+    p.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes,
+                   help=f"a larger request line plus headers gets 431 and the connection is closed "
+                        f"(default {d.max_header_bytes})")
+    p.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                   help=f"seconds from a request's first byte (or a connection's opening) to its last header; 408 and "
+                        f"closed after (default {d.header_timeout:g})")
+    p.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                   help=f"seconds to receive a request's body (within --deadline too); 408 and closed after "
+                        f"(default {d.body_timeout:g})")
+    p.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
+                   help=f"seconds an idle keep-alive connection stays open (default {d.keep_alive_timeout:g})")
+    p.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help=f"open connections per process; past it the oldest idle one is closed, or the new one when "
+                        f"none is idle (default {d.max_connections})")
+    p.add_argument("--stall-after", type=float, default=d.stall_after,
+                   help=f"seconds a request may wait for the upstream with no answer from it meanwhile before "
+                        f"/health says 503 upstream_stalled (default {d.stall_after:g})")
+    p.add_argument("--system-message", choices=("refuse", "append", "as-context"), default="refuse",
+                   help="a chat's system message: refuse (400, the default), append (after the policy's own system "
+                        "text; before the prompt on the completions API) or as-context (before the query inside the "
+                        "policy's template); the policy's prompt stays in force (docs/deploy.md, 'Chat front-ends')")
+    p.add_argument("--history", choices=("refuse", "keep"), default="refuse",
+                   help="a chat's earlier turns: refuse (400, the default) or keep (sent before the policy's "
+                        "templated last user turn; as 'User: ...' / 'Assistant: ...' lines on the completions API)")
+    p.add_argument("--accept", action="append", metavar="NAME=LOW:HIGH",
+                   help="accept a sampling parameter (temperature, top_p, frequency_penalty, presence_penalty) from "
+                        "callers within LOW..HIGH and send it upstream instead of the policy's; repeatable; default: "
+                        "only the value the policy was learned with")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                    help="let browser pages of ORIGIN call the server (repeatable; '*' for any); default: no CORS")
     p.set_defaults(func=cmd_serve)

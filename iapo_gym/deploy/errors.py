@@ -9,16 +9,26 @@ log only, with every secret the server knows masked (``Masker``), also where a p
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
 from iapo_gym.deploy.params import RequestError
 from iapo_gym.llm.retry import EndpointError
 
-__all__ = ["MASK", "Masker", "upstream_error"]
+__all__ = ["ERROR_TYPES", "MASK", "Masker", "error_body", "upstream_error"]
 
 MASK = "***"
 WINDOW = 6  # a run of this many characters of a secret is masked wherever it appears
 MAX_LOGGED = 4000  # characters of one upstream message kept in the log
+ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error", 421: "invalid_request_error",
+               429: "rate_limit_error", 502: "upstream_error", 503: "server_error", 504: "server_error"}
+
+
+def error_body(exc: RequestError) -> bytes:
+    """The OpenAI-shaped error body of ``exc``: ``{"error": {"message", "type", "param", "code", ...}}``."""
+    kind = ERROR_TYPES.get(exc.status, "invalid_request_error" if exc.status < 500 else "server_error")
+    return json.dumps({"error": {"message": exc.message, "type": kind, "param": exc.param, "code": exc.code,
+                                 **exc.extra}}).encode()
 
 
 class Masker:

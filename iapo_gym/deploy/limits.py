@@ -1,25 +1,34 @@
-"""What one ``iapo-gym serve`` process lets its callers cause: request limits and a serving budget that is a rate.
+"""What ``iapo-gym serve`` lets its callers cause: request limits, and the serving budget shared by its processes.
 
 ``ServeLimits`` bounds each request (body size, rendered prompt length, a deadline over all N
-completions, at most one retry of an upstream call) and the server as a whole (requests answered at
-once, requests waiting for a slot). ``RateBudget`` is the serving budget: caller requests, upstream
-completion tokens and, when the spec prices tokens, money per minute and per day, in fixed UTC
-windows; a request is admitted only when its worst case fits every window, and settles with what the
-upstream reported. It is separate from a collection spec's ``[budget]``, which caps one run's lifetime
-spend and does not apply to ``serve``.
+completions, at most one retry of an upstream call), each connection (head size and time, body time,
+idle keep-alive: ``iapo_gym.deploy.connections``), the hosts answered (``allowed_hosts``, ``host_name``)
+and the server as a whole (requests answered at once, requests waiting for a slot, connections per
+process, when requests waiting for the upstream are a stall). The serving budget is an ``iapo_gym.llm.budget.Budget`` of
+``--rate`` limits (requests, tokens and money per sliding minute, hour, day or in total) kept in a
+store every process of the deployment shares and that outlives them (``budget_from_args``: SQLite
+next to the policy file by default, or Redis). It is separate from a collection spec's ``[budget]``,
+which caps one collection's lifetime spend and does not apply to ``serve``.
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import math
-import time
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-__all__ = ["Rate", "RateBudget", "RateLimited", "Reservation", "ServeLimits", "parse_rate"]
+from iapo_gym.llm.budget import Budget, Rate, RateLimited, open_store, parse_rate
 
-WINDOWS = {"minute": 60, "day": 86400}
-UNITS = ("requests", "tokens", "cost")
+__all__ = ["BUDGET_FILE", "Rate", "RateLimited", "ServeLimits", "budget_from_args", "check_priced", "default_budget_name",
+           "default_budget_store", "host_name", "parse_rate"]
+
+#: The default budget store: this SQLite file in the policy file's folder.
+BUDGET_FILE = "budget.sqlite"
 
 
 @dataclass(frozen=True)
@@ -33,167 +42,79 @@ class ServeLimits:
     max_queue: int = 64  # requests waiting for a slot; past this 503 with Retry-After
     upstream_retries: int = 1  # retries of one upstream call (the spec's endpoint.max_retries, at most this)
     cors_origins: tuple[str, ...] = ()  # origins allowed by CORS ("*" for any); none: no CORS headers
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered besides the bound address and localhost's: 421 else
+    max_header_bytes: int = 16_384  # request line plus headers past this: 431, connection closed
+    header_timeout: float = 10.0  # seconds from a connection's (or a request's) first byte to its last header: 408
+    body_timeout: float = 30.0  # seconds to receive a request body (also within the deadline): 408
+    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
+    max_connections: int = 1024  # open connections per process; past it the oldest idle one is closed
+    stall_after: float = 10.0  # a request in flight this long with no upstream answer meanwhile: /health 503
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_prompt_chars", "max_concurrency"):
+        for name in ("max_body_bytes", "max_prompt_chars", "max_concurrency", "max_header_bytes", "max_connections"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
         if self.max_queue < 0 or self.upstream_retries < 0:
             raise ValueError(f"max_queue and upstream_retries must be >= 0, got {self.max_queue}, "
                              f"{self.upstream_retries}")
-        if not (math.isfinite(self.deadline) and self.deadline > 0):
-            raise ValueError(f"deadline must be a positive number of seconds, got {self.deadline!r}")
+        for name in ("deadline", "header_timeout", "body_timeout", "keep_alive_timeout", "stall_after"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        for host in self.allowed_hosts:
+            host_name(host)  # raises naming the bad entry
 
 
-@dataclass(frozen=True)
-class Rate:
-    """One limit of the serving budget: at most ``limit`` of ``unit`` per ``window`` ("minute" or "day")."""
+def host_name(text: str) -> tuple[str, int | None]:
+    """A Host header's (or an ``--allowed-host`` entry's) name, lower-cased, and its port (None when absent).
 
-    unit: str  # "requests" (caller requests admitted), "tokens" (upstream completion tokens), "cost"
-    window: str
-    limit: float
-
-    def __post_init__(self) -> None:
-        if self.unit not in UNITS:
-            raise ValueError(f"a rate's unit is one of {list(UNITS)}, got {self.unit!r}")
-        if self.window not in WINDOWS:
-            raise ValueError(f"a rate's window is one of {list(WINDOWS)}, got {self.window!r}")
-        if not (math.isfinite(self.limit) and self.limit > 0):
-            raise ValueError(f"the {self.unit} per {self.window} limit must be a positive number, got {self.limit!r}")
-
-
-def parse_rate(text: str) -> Rate:
-    """``UNIT/WINDOW=LIMIT`` (``requests/minute=600``, ``tokens/day=2e6``, ``cost/day=5``) as a ``Rate``."""
-    head, sep, value = text.partition("=")
-    unit, slash, window = head.strip().partition("/")
-    if not sep or not slash:
-        raise ValueError(f"a rate is UNIT/WINDOW=LIMIT (e.g. requests/minute=600), got {text!r}")
-    try:
-        limit = float(value)
-    except ValueError:
-        raise ValueError(f"the limit of {text!r} is not a number") from None
-    return Rate(unit.strip(), window.strip(), limit)
-
-
-class RateLimited(RuntimeError):
-    """A request does not fit the serving budget now; ``retry_after``: seconds until it may."""
-
-    def __init__(self, message: str, retry_after: float) -> None:
-        """``message`` names the limit reached."""
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class _Window:
-    """The spend of one window length (minute or day): settled and reserved, reset when a new window starts."""
-
-    __slots__ = ("reserved", "requests", "seconds", "start", "tokens")
-
-    def __init__(self, seconds: int) -> None:
-        self.seconds = seconds
-        self.start = -1.0
-        self.requests = 0
-        self.tokens = 0
-        self.reserved = 0
-
-    def roll(self, now: float) -> None:
-        start = now - now % self.seconds
-        if start != self.start:
-            self.start, self.requests, self.tokens, self.reserved = start, 0, 0, 0
-
-    def left(self, now: float) -> float:
-        return self.start + self.seconds - now
-
-
-@dataclass
-class Reservation:
-    """A request's worst case held in the budget until it settles."""
-
-    tokens: int
-    starts: tuple[float, ...]  # the windows it was reserved in (a rolled window has forgotten it)
-    settled: bool = False
-
-
-class RateBudget:
-    """Caller requests, completion tokens and money per minute and per day (module docstring).
-
-    ``admit(tokens)`` reserves one request of at most ``tokens`` completion tokens or raises
-    ``RateLimited``; ``settle`` replaces the reservation by the tokens used. Settled plus reserved
-    never passes a limit within a window. Single event loop; no locking needed.
+    ``example.com``, ``example.com:8000``, ``127.0.0.1``, ``[::1]:8000`` (an IPv6 address in brackets);
+    raises ``ValueError`` naming ``text`` for anything else (a scheme, a path, spaces, a bad port).
     """
+    value = text.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        name, rest = value[:end + 1], value[end + 1:]
+        ok = end > 1 and all(c in "0123456789abcdef:." for c in name[1:-1])
+    else:
+        name, colon, port_text = value.partition(":")
+        rest = colon + port_text
+        ok = bool(name) and all(c.isalnum() or c in "-._" for c in name) and name.isascii()
+    if ok and rest and not (rest[0] == ":" and rest[1:].isdigit() and 0 < int(rest[1:]) < 65536):
+        ok = False
+    if not ok:
+        raise ValueError(f"a host is NAME or NAME:PORT (e.g. api.example.com, 10.0.0.5:8000, [::1]), got {text!r}")
+    return name.rstrip("."), (int(rest[1:]) if rest else None)
 
-    def __init__(self, rates: Sequence[Rate] = (), price_per_1k_tokens: float = 0.0,
-                 clock: Callable[[], float] = time.time) -> None:
-        """``price_per_1k_tokens``: the spec's price of 1,000 completion tokens (needed by a cost rate)."""
-        self.rates = tuple(rates)
-        self.price = float(price_per_1k_tokens)
-        if any(r.unit == "cost" for r in self.rates) and not self.price > 0:
-            raise ValueError("a cost rate needs the upstream spec's budget.price_per_1k_tokens (it is 0)")
-        seen = set()
-        for r in self.rates:
-            if (r.unit, r.window) in seen:
-                raise ValueError(f"{r.unit}/{r.window} is given twice")
-            seen.add((r.unit, r.window))
-        self.clock = clock
-        self._windows = {w: _Window(WINDOWS[w]) for w in sorted({r.window for r in self.rates})}
 
-    def __bool__(self) -> bool:
-        return bool(self.rates)
+def default_budget_store(policy: str | os.PathLike[str]) -> str:
+    """``serve``'s budget store without ``--budget-store``: ``budget.sqlite`` in the policy file's folder."""
+    return "sqlite:///" + str(Path(policy).resolve().parent / BUDGET_FILE)
 
-    def _token_limit(self, rate: Rate) -> float:
-        return rate.limit if rate.unit == "tokens" else rate.limit * 1000.0 / self.price
 
-    def largest(self) -> float:
-        """The most tokens one request may reserve and still fit an empty window."""
-        limits = [self._token_limit(r) for r in self.rates if r.unit != "requests"]
-        return min(limits) if limits else math.inf
+def default_budget_name(policy: str | os.PathLike[str], spec: str | os.PathLike[str]) -> str:
+    """``serve``'s budget name without ``--budget-name``: the policy's and the spec's file names and a digest of
+    their absolute paths, so the processes serving one policy file with one spec share a budget, and others don't."""
+    a, b = Path(policy).resolve(), Path(spec).resolve()
+    digest = hashlib.sha256(f"{a}\0{b}".encode()).hexdigest()[:12]
+    return f"{a.name}+{b.name}@{digest}"
 
-    def admit(self, tokens: int) -> Reservation:
-        """Reserve one request of at most ``tokens`` completion tokens, or raise ``RateLimited``."""
-        now = self.clock()
-        for w in self._windows.values():
-            w.roll(now)
-        for r in self.rates:
-            w = self._windows[r.window]
-            if r.unit == "requests":
-                if w.requests + 1 > r.limit:
-                    raise RateLimited(f"the serving budget of {r.limit:g} requests per {r.window} is reached",
-                                      w.left(now))
-                continue
-            limit = self._token_limit(r)
-            if w.tokens + w.reserved + tokens > limit:
-                # settled spend alone leaves no room: wait for the next window; else in-flight requests will settle
-                wait = w.left(now) if w.tokens + tokens > limit else min(1.0, w.left(now))
-                what = f"{r.limit:g} tokens" if r.unit == "tokens" else f"a cost of {r.limit:g}"
-                raise RateLimited(f"the serving budget of {what} per {r.window} is reached", wait)
-        for w in self._windows.values():
-            w.requests += 1
-            w.reserved += tokens
-        return Reservation(tokens, tuple(w.start for w in self._windows.values()))
 
-    def settle(self, reservation: Reservation, used: int) -> None:
-        """Replace ``reservation`` by the ``used`` completion tokens (counted in the current windows)."""
-        if reservation.settled:
-            return
-        reservation.settled = True
-        now = self.clock()
-        for w, start in zip(self._windows.values(), reservation.starts, strict=True):
-            if w.start == start:
-                w.reserved -= reservation.tokens
-            w.roll(now)
-            w.tokens += used
+def check_priced(rates: Sequence[Rate], spec: Any) -> None:
+    """Raise ValueError when a cost rate is given for a spec without prices (money could not be counted)."""
+    if any(r.unit == "cost" for r in rates) and not spec.priced:
+        raise ValueError("a cost rate counts money at the upstream spec's prices, but its endpoints give no "
+                         "input_price_per_million and output_price_per_million (docs/collect.md, \"Cost in money\")")
 
-    def report(self, spend: bool) -> dict[str, object]:
-        """The budget for ``/health``: the limits, and with ``spend`` what each window has used."""
-        now = self.clock()
-        out: dict[str, object] = {}
-        for r in self.rates:
-            w = self._windows[r.window]
-            w.roll(now)
-            entry: dict[str, object] = {"limit": r.limit}
-            if spend:
-                used = w.requests if r.unit == "requests" else w.tokens if r.unit == "tokens" else \
-                    round(w.tokens * self.price / 1000.0, 6)
-                entry.update(used=used, resets_in=round(w.left(now), 3))
-            out[f"{r.unit}/{r.window}"] = entry
-        return out
+
+def budget_from_args(args: argparse.Namespace, router: Any) -> Budget:
+    """The serving budget of ``iapo-gym serve``'s parsed arguments (``--rate``, ``--budget-store``, ``--budget-name``)
+    for ``router``'s policy and spec; no ``--rate``: no budget (no store opened). Raises ValueError on a bad rate,
+    a cost rate for a spec without prices, or a store that cannot be opened."""
+    rates = [parse_rate(r) for r in getattr(args, "rate", None) or ()]
+    if not rates:
+        return Budget()
+    check_priced(rates, router.spec)
+    url = getattr(args, "budget_store", None) or default_budget_store(args.policy)
+    name = getattr(args, "budget_name", None) or default_budget_name(args.policy, args.upstream)
+    return Budget(rates, open_store(url, name))

@@ -16,6 +16,10 @@ decided, so N is its cap) and returns the aggregated completion:
   same request gives the same answer. The returned completion is the first one in the winning bucket;
 * Best-of-N: each completion's objective scores from the policy's scorer, rounded to the scorer's
   grid as in the tables, weighted by the context's objective weights; the first best one is returned.
+
+``astream`` is ``acomplete`` with the text passed on as the upstream sends it where the context's N
+is 1. ``rules`` (``CallerRules``) say how a chat's system text and earlier turns ride along with the
+policy's prompt (``render``), and a caller's stop sequences go upstream only where N is 1 (``sends_stop``).
 """
 
 from __future__ import annotations
@@ -26,13 +30,14 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
 
 from iapo_gym.deploy.estimates import ArmRatings, choose_arm
+from iapo_gym.deploy.params import CallerRules
 from iapo_gym.llm.client import (
     BudgetExhausted,
     ClientOptions,
@@ -41,6 +46,7 @@ from iapo_gym.llm.client import (
     LLMClient,
     RequestOptions,
     SpendingCap,
+    upstream_stop,
 )
 from iapo_gym.llm.loop import LoopThread, gather_all
 from iapo_gym.llm.scoring import RewardScorer, make_extractor, make_scorer
@@ -52,6 +58,8 @@ from iapo_gym.utility import votes_to_decide
 TIE_KEY = "iapo_gym.deploy.tie"
 RATED_CACHE = 1024  # weights whose best arm is remembered (a Best-of-N rating scores every block)
 ContextRef = str | int | Sequence[float] | None
+#: How an earlier turn of a chat is written into a completions-API prompt (``--history keep``).
+TURN_LABELS = {"user": "User", "assistant": "Assistant"}
 
 __all__ = ["BudgetExhausted", "ContextError", "EndpointError", "RatedContext", "Routed", "Router"]
 
@@ -89,6 +97,7 @@ class Routed:
     tied: list[str | None] = field(default_factory=list)  # mv: the answers tied for the most votes
     scores: list[float] | None = None  # bon: weighted (rounded) scores
     objective_scores: list[dict[str, float]] | None = None  # bon: the scorer's raw scores
+    streamed: bool = False  # the text went to ``astream``'s on_text as the upstream sent it
 
     @property
     def n(self) -> int:
@@ -123,15 +132,17 @@ class Router:
     """A policy file applied to an upstream endpoint: ``acomplete``/``complete`` per request (module docstring)."""
 
     def __init__(self, policy: PolicyFile | str | os.PathLike[str], spec: Spec | str | os.PathLike[str], *,
-                 seed: int = 0, early_stop: bool = True) -> None:
+                 seed: int = 0, early_stop: bool = True, rules: CallerRules | None = None) -> None:
         """``policy``: a ``PolicyFile`` or its path; ``spec``: the upstream's collection spec or its path;
         ``seed``: the root of the tie-breaking generators; ``early_stop``: a majority vote stops drawing
         once decided (N is then a cap; ``_vote_in_waves`` says how the answer relates to the vote of all N);
-        False draws all N."""
+        False draws all N; ``rules``: what callers may send beyond the policy's prompt and sampling (a
+        chat's system text and earlier turns, sampling ranges; ``CallerRules``, default none)."""
         self.policy = policy if isinstance(policy, PolicyFile) else load_policy(policy)
         self.spec = spec if isinstance(spec, Spec) else load_spec(spec)
         self.seed = int(seed)
         self.early_stop = bool(early_stop)
+        self.rules = rules or CallerRules()
         pf, sp = self.policy, self.spec
         unservable = sorted({c.prompt for c in pf.contexts if not pf.prompt(c.prompt).servable})
         if unservable:
@@ -338,38 +349,112 @@ class Router:
 
     # ---- routing ---------------------------------------------------------------------------------------
     async def acomplete(self, query: str, context: PolicyContext | ContextRef = None,
-                        options: RequestOptions | None = None) -> Routed:
+                        options: RequestOptions | None = None, *, system: str | None = None,
+                        history: Sequence[tuple[str, str]] = ()) -> Routed:
         """Route one query: the context's prompt around ``query``, N upstream completions, aggregated.
 
         A majority vote decided early draws fewer (``Routed.n``; the context's N is its cap).
 
         ``context``: a ``PolicyContext`` already resolved, or what ``resolve`` takes; ``options``: a
-        server's per-request ``max_tokens`` bound, seed and spend tally (``RequestOptions``).
+        server's per-request ``max_tokens`` bound, seed, sampling, stop sequences (sent upstream only
+        where the context's N is 1, ``sends_stop``) and spend tally (``RequestOptions``); ``system``,
+        ``history``: a chat's system text and earlier turns, rendered as ``rules`` say (``render``).
         """
+        ctx, rendered, options = await self._prepare(query, context, options, system, history)
+        if self._extract is not None:
+            return await self._vote_in_waves(ctx, query, rendered, options)
+        completions = await self.client_for(ctx).complete(rendered, list(range(ctx.n)), options)
+        return await self._best(ctx, query, completions)
+
+    async def astream(self, query: str, context: PolicyContext | ContextRef, options: RequestOptions | None,
+                      on_text: Callable[[str], Awaitable[None]], *, system: str | None = None,
+                      history: Sequence[tuple[str, str]] = ()) -> Routed:
+        """``acomplete``, with the answer's text passed to ``on_text`` as the upstream sends it where the context's
+        N is 1 (``Routed.streamed``): one completion, nothing to wait for. With N > 1 nothing goes to
+        ``on_text``: the answer is known once the vote is decided (a majority vote stops drawing then) or the
+        completions are scored, and is returned as ``acomplete`` returns it.
+        """
+        ctx = context if isinstance(context, PolicyContext) else self.resolve(context)
+        if ctx.n != 1:
+            return await self.acomplete(query, ctx, options, system=system, history=history)
+        ctx, rendered, options = await self._prepare(query, ctx, options, system, history)
+        completion = await self.client_for(ctx).stream(rendered, 0, options, on_text)
+        routed = self._vote(ctx, query, [completion]) if self._extract is not None else \
+            await self._best(ctx, query, [completion])
+        routed.streamed = True
+        return routed
+
+    async def _prepare(self, query: str, context: PolicyContext | ContextRef, options: RequestOptions | None,
+                       system: str | None, history: Sequence[tuple[str, str]]
+                       ) -> tuple[PolicyContext, str | list[dict[str, str]], RequestOptions | None]:
+        """The resolved context, the rendered prompt and the options as sent (stop sequences only at N = 1)."""
         if not isinstance(query, str):
             raise TypeError(f"query must be a string, got {type(query).__name__}")
         ctx = context if isinstance(context, PolicyContext) else self.resolve(context)
         if self._client is None or self._loop is not asyncio.get_running_loop():
             await self.start()
         assert self._client is not None
-        rendered = self.render(ctx, query)
-        if self._extract is not None:
-            return await self._vote_in_waves(ctx, query, rendered, options)
-        completions = await self.client_for(ctx).complete(rendered, list(range(ctx.n)), options)
-        return await self._best(ctx, query, completions)
+        if options is not None and options.stop and not self.sends_stop(ctx, options.stop):
+            options = dataclasses.replace(options, stop=())
+        return ctx, self.render(ctx, query, system, history), options
 
-    def render(self, ctx: PolicyContext, query: str) -> str | list[dict[str, str]]:
-        """The prompt sent upstream for ``query`` in context ``ctx`` (its template around the query)."""
-        return self._prompts[ctx.prompt].render(query)
+    def sends_stop(self, ctx: PolicyContext, stop: Sequence[str]) -> bool:
+        """Whether a caller's ``stop`` sequences go upstream in context ``ctx``: only where its N is 1 (a vote or
+        scores over cut completions could differ from those the policy was learned with; the returned text is
+        cut either way) and where they fit beside the spec's own (``upstream_stop``)."""
+        return bool(stop) and ctx.n == 1 and upstream_stop(self.spec.sampling.stop, tuple(stop)) is not None
+
+    def render(self, ctx: PolicyContext, query: str, system: str | None = None,
+               history: Sequence[tuple[str, str]] = ()) -> str | list[dict[str, str]]:
+        """The prompt sent upstream for ``query`` in context ``ctx``: its template around the query, and a chat's
+        system text and earlier turns as ``rules`` say (docs/deploy.md, "Chat front-ends"):
+
+        * system ``as-context``: the system text, a blank line, then the query, in the template's ``{query}``;
+        * system ``append``: chat API: after the text of the policy's last leading system message (a blank
+          line between), or as a system message first when the policy has none; completions API: before the
+          rendered prompt, a blank line between;
+        * history ``keep``: chat API: the earlier turns as messages right before the policy's last message (its
+          templated user turn); completions API: one line ``User: ...`` / ``Assistant: ...`` per turn, then a
+          blank line, before the rendered prompt (after an appended system text).
+
+        A system text or history the rules refuse raises ``ValueError``.
+        """
+        mode = self.rules.system_message
+        if system is not None and mode == "refuse":
+            raise ValueError("a system message is refused by this router's rules (system_message = 'refuse')")
+        if history and self.rules.history == "refuse":
+            raise ValueError("earlier turns are refused by this router's rules (history = 'refuse')")
+        if system is not None and mode == "as-context":
+            query = f"{system}\n\n{query}"
+        rendered = self._prompts[ctx.prompt].render(query)
+        appended = system if system is not None and mode == "append" else None
+        if isinstance(rendered, str):
+            head = [] if appended is None else [appended]
+            if history:
+                head.append("\n".join(f"{TURN_LABELS.get(role, role)}: {text}" for role, text in history))
+            return "\n\n".join([*head, rendered])
+        lead = next((i for i, m in enumerate(rendered) if m["role"] != "system"), len(rendered))
+        if appended is not None:
+            if lead:
+                last = rendered[lead - 1]
+                rendered[lead - 1] = {**last, "content": last["content"] + "\n\n" + appended}
+            else:
+                rendered.insert(0, {"role": "system", "content": appended})
+                lead = 1
+        if history:
+            at = max(lead, len(rendered) - 1)
+            rendered[at:at] = [{"role": role, "content": text} for role, text in history]
+        return rendered
 
     def complete(self, query: str, context: PolicyContext | ContextRef = None,
-                 options: RequestOptions | None = None) -> Routed:
+                 options: RequestOptions | None = None, *, system: str | None = None,
+                 history: Sequence[tuple[str, str]] = ()) -> Routed:
         """The blocking twin of ``acomplete`` (its own event loop on a background thread)."""
         if self._runner is None:
             if self._client is not None:
                 raise RuntimeError("this Router is in use by an event loop: await acomplete() there")
             self._runner = LoopThread()
-        return self._runner.run(self.acomplete(query, context, options))
+        return self._runner.run(self.acomplete(query, context, options, system=system, history=history))
 
     def _answer(self, text: str) -> str | None:
         """The bucket of a completion: its extracted answer stripped, None for no answer."""

@@ -11,6 +11,8 @@ request by an HTTP hook.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -18,8 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from iapo_gym.llm.budget import Budget, Rate, RateLimited, Reservation, Spend
 from iapo_gym.llm.cache import ResponseCache, completion_key
 from iapo_gym.llm.loop import gather_all
+from iapo_gym.llm.prices import prompt_token_bound
 from iapo_gym.llm.retry import (
     EndpointError,
     EndpointUnreachable,
@@ -33,7 +37,7 @@ from iapo_gym.llm.spec import Route, Spec, origin
 from iapo_gym.seeding import derive_rng, derive_seed
 
 __all__ = ["BudgetExhausted", "ClientOptions", "Completion", "EndpointError", "EndpointUnreachable", "LLMClient",
-           "RequestOptions", "SpendingCap", "Usage", "require_openai", "route_hook"]
+           "RequestOptions", "SpendingCap", "Usage", "require_openai", "route_hook", "upstream_stop"]
 
 RETRY_KEY = "iapo_gym.llm.retry"
 #: Tokens a server may add past ``max_tokens`` per completion: llama.cpp finishes a multi-byte UTF-8
@@ -74,10 +78,12 @@ class Completion:
 
 @dataclass
 class Usage:
-    """What one caller's request spent upstream: HTTP attempts sent and completion tokens settled."""
+    """What one caller's request spent upstream: HTTP attempts sent, completion tokens settled, and prompt tokens
+    (as reported; an attempt whose usage is unknown counts ``prices.prompt_token_bound`` of its prompt)."""
 
     requests: int = 0
     tokens: int = 0
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,50 +91,95 @@ class RequestOptions:
     """Per-request changes a server makes within what its policy was learned with.
 
     ``max_tokens``: an upper bound below the spec's; ``seed``: the root of the per-completion seeds
-    instead of the spec's; ``usage``: filled with what the request spent.
+    instead of the spec's; ``usage``: filled with what the request spent; ``sampling``: sampling
+    parameters sent instead of the spec's (a range the server's operator accepts); ``stop``: stop
+    sequences sent upstream besides the spec's (``upstream_stop``).
     """
 
     max_tokens: int | None = None
     seed: int | None = None
     usage: Usage | None = None
+    sampling: tuple[tuple[str, float], ...] = ()
+    stop: tuple[str, ...] = ()
+
+    @property
+    def neutral(self) -> bool:
+        """Nothing differs from the spec's request."""
+        return self.max_tokens is None and self.seed is None and self.usage is None and not self.sampling \
+            and not self.stop
+
+
+MAX_STOP = 4  # the OpenAI API's limit on stop sequences in one request
+
+
+def upstream_stop(spec_stop: tuple[str, ...] | list[str], extra: tuple[str, ...]) -> list[str] | None:
+    """The stop sequences a request sends with ``extra`` added to the spec's, None when they are more than the
+    API takes (``MAX_STOP``; then only the spec's go and the caller's cut the text locally)."""
+    merged = list(dict.fromkeys([*spec_stop, *extra]))
+    return merged if len(merged) <= MAX_STOP else None
 
 
 class SpendingCap:
-    """Requests and completion tokens spent, plus those reserved by in-flight requests; never above the cap."""
+    """A collection's lifetime cap: HTTP attempts (``max_requests``) and completion tokens (``max_tokens_total``)
+    spent, plus those reserved by in-flight requests; never above the cap.
+
+    It is an ``iapo_gym.llm.budget.Budget`` whose limits are ``total`` windows (the budget class ``serve``'s
+    rates use, here in this process's memory): each attempt reserves its worst case and settles with the
+    server's count. Reservations do not expire: the client settles or releases every one.
+    """
 
     def __init__(self, max_requests: int | None, max_tokens_total: int | None) -> None:
         """Caps of None are unlimited."""
         self.max_requests, self.max_tokens_total = max_requests, max_tokens_total
-        self.requests = 0  # sent (each HTTP attempt counts)
-        self.tokens = 0  # completion tokens settled
-        self.reserved_tokens = 0  # worst case of in-flight requests
+        rates = ([] if max_requests is None else [Rate("requests", "total", max_requests)]) + \
+            ([] if max_tokens_total is None else [Rate("tokens", "total", max_tokens_total)])
+        self.budget = Budget(rates)
+        self._held: dict[int, list[Reservation]] = {}  # by worst case: reservations of one size are interchangeable
+
+    def _spent(self) -> tuple[int, int, int]:
+        spent = self.budget.spent()
+        total, reserved = spent["total"], spent["reserved"]
+        return int(total["requests"] + reserved["requests"]), int(total["tokens"]), int(reserved["tokens"])
+
+    @property
+    def requests(self) -> int:
+        """Requests sent (each HTTP attempt counts), in flight included."""
+        return self._spent()[0]
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens settled."""
+        return self._spent()[1]
+
+    @property
+    def reserved_tokens(self) -> int:
+        """The worst case of the requests in flight."""
+        return self._spent()[2]
 
     def reserve(self, tokens: int) -> None:
         """Reserve one request of at most ``tokens`` completion tokens, or raise ``BudgetExhausted``."""
-        if self.max_requests is not None and self.requests + 1 > self.max_requests:
-            raise BudgetExhausted(f"the spending cap max_requests = {self.max_requests} is reached")
-        if self.max_tokens_total is not None and self.tokens + self.reserved_tokens + tokens > self.max_tokens_total:
+        try:
+            reservation = self.budget.admit(Spend(requests=1, upstream=1, tokens=tokens), math.inf)
+        except RateLimited:
+            requests, spent, reserved = self._spent()
+            if self.max_requests is not None and requests + 1 > self.max_requests:
+                raise BudgetExhausted(f"the spending cap max_requests = {self.max_requests} is reached") from None
             raise BudgetExhausted(f"the spending cap max_tokens_total = {self.max_tokens_total} would be exceeded "
-                                  f"({self.tokens} spent, {self.reserved_tokens} reserved in flight, "
-                                  f"{tokens} more for the next request)")
-        self.requests += 1
-        self.reserved_tokens += tokens
+                                  f"({spent} spent, {reserved} reserved in flight, {tokens} more for the next "
+                                  "request)") from None
+        self._held.setdefault(tokens, []).append(reservation)
 
     def fits(self, tokens: int) -> bool:
         """Whether one more request of at most ``tokens`` completion tokens would fit under the cap now."""
-        if self.max_requests is not None and self.requests + 1 > self.max_requests:
-            return False
-        return self.max_tokens_total is None or self.tokens + self.reserved_tokens + tokens <= self.max_tokens_total
+        return self.budget.fits(Spend(requests=1, upstream=1, tokens=tokens))
 
     def settle(self, reserved: int, used: int) -> None:
-        """Replace a reservation by what the server reported."""
-        self.reserved_tokens -= reserved
-        self.tokens += used
+        """Replace a reservation of ``reserved`` tokens by the ``used`` ones the server reported."""
+        self.budget.settle(self._held[reserved].pop(), Spend(requests=1, upstream=1, tokens=used))
 
     def release(self, reserved: int) -> None:
         """Give a reservation back whole: the request never reached a server (connection refused)."""
-        self.reserved_tokens -= reserved
-        self.requests -= 1
+        self.budget.settle(self._held[reserved].pop(), Spend())
 
 
 @dataclass(frozen=True)
@@ -284,7 +335,7 @@ class LLMClient:
 
         ``options``: a server's per-request bound on ``max_tokens``, seed, and where to count the spend.
         """
-        if options is not None and options.max_tokens is None and options.seed is None and options.usage is None:
+        if options is not None and options.neutral:
             options = None
         found: dict[int, Completion] = {}
         max_tokens = options.max_tokens if options is not None else None
@@ -327,19 +378,20 @@ class LLMClient:
         params = dict(self.sampling)
         params.pop("seed", None)
         usage_out = options.usage if options is not None else None
-        if options is not None and options.max_tokens is not None:
-            params["max_tokens"] = options.max_tokens
+        self._apply(params, options)
         seed = self._seed(prompt, indices[0], options)
         extra: dict[str, Any] = {} if seed is None else {"seed": seed}
         if n > 1:
             extra["n"] = n
         worst = n * (params["max_tokens"] + OVERSHOOT_TOKENS)
+        prompt_worst = prompt_token_bound(prompt)
         openai = require_openai()
         client, cap = self._client, self.cap
 
         async def attempt() -> list[Completion]:
             cap.reserve(worst)
             used: int | None = worst  # a request whose usage is unknown (timeout, dropped, 5xx) counts its worst case
+            prompt_used = prompt_worst
             self.in_flight += n
             try:
                 if self.direct:
@@ -357,17 +409,13 @@ class LLMClient:
                     prompt_total = int(usage.prompt_tokens or 0) if usage is not None else 0
                 total = worst if completion_tokens is None else completion_tokens
                 used = total
+                prompt_used = prompt_worst if completion_tokens is None else prompt_total
                 return _split_usage(choices, total, prompt_total)
             except (openai.APIStatusError, StatusError) as exc:
-                status = exc.status_code
-                if not retryable_status(status):
-                    used = 0  # refused before any work: no completion tokens were produced
-                    raise EndpointError(f"the endpoint {self.base_url} refused the request with HTTP "
-                                        f"{status}{_hint(status)}: {_message(exc)}", status) from None
-                if status == 429:
-                    used = 0  # rate limited: turned away before any work
-                raise Retry(exc, server_asks=retry_after(getattr(getattr(exc, "response", None), "headers", None))) \
-                    from None
+                failure, turned_away = self._status_failure(exc)
+                if turned_away:
+                    used = prompt_used = 0  # refused or rate limited before any work: no tokens were produced
+                raise failure from None
             except self._transport_errors as exc:
                 if _not_reached(exc):
                     used = None  # nothing reached a server: no request, no tokens
@@ -375,15 +423,138 @@ class LLMClient:
                 raise Retry(exc, connection=True) from None
             finally:
                 self.in_flight -= n
-                if used is None:
-                    cap.release(worst)
-                else:
-                    cap.settle(worst, used)
-                    if usage_out is not None:
-                        usage_out.requests += 1
-                        usage_out.tokens += used
+                self._account(worst, used, usage_out, prompt_used)
         return await self._retrier.call(attempt)
 
+    def _apply(self, params: dict[str, Any], options: RequestOptions | None) -> None:
+        """Put a request's ``options`` (max_tokens bound, sampling, stop sequences) into its parameters."""
+        if options is None:
+            return
+        if options.max_tokens is not None:
+            params["max_tokens"] = options.max_tokens
+        params.update(options.sampling)
+        if options.stop:
+            stop = upstream_stop(self.spec.sampling.stop, options.stop)
+            if stop is not None:
+                params["stop"] = stop
+
+    def _status_failure(self, exc: Any) -> tuple[BaseException, bool]:
+        """What an HTTP error answer becomes: ``EndpointError`` for a refusal, ``Retry`` otherwise; and whether
+        the request was turned away before any work (a refusal, or 429: no completion tokens produced)."""
+        status = exc.status_code
+        if not retryable_status(status):
+            return EndpointError(f"the endpoint {self.base_url} refused the request with HTTP "
+                                 f"{status}{_hint(status)}: {_message(exc)}", status), True
+        return (Retry(exc, server_asks=retry_after(getattr(getattr(exc, "response", None), "headers", None))),
+                status == 429)
+
+    async def stream(self, prompt: Any, index: int, options: RequestOptions | None,
+                     on_text: Callable[[str], Awaitable[None]]) -> Completion:
+        """Completion ``index`` of ``prompt`` in one streaming request: each piece of text goes to ``on_text`` as
+        the upstream sends it, and the whole completion is returned.
+
+        The request ``complete(prompt, [index], options)`` sends (same parameters and seed, so the same
+        completion from a seeded upstream) with ``stream: true``, through the spending cap, the retries and
+        the key's route alike. Its usage is the upstream's final usage chunk (``stream_options.include_usage``);
+        without one it counts its worst case, as a response without usage does. An attempt that fails before
+        its first text is retried; one that fails after text went to ``on_text`` raises ``EndpointError``
+        (the caller has part of the text: a retry would repeat it).
+        """
+        assert self._http is not None and self._retrier is not None, "use LLMClient inside 'async with'"
+        ep = self.spec.endpoint
+        chat = ep.api == "chat"
+        params = dict(self.sampling)
+        params.pop("seed", None)
+        self._apply(params, options)
+        seed = self._seed(prompt, index, options)
+        body: dict[str, Any] = {"model": ep.model, "messages" if chat else "prompt": prompt, **params,
+                                **({} if seed is None else {"seed": seed}), "stream": True,
+                                "stream_options": {"include_usage": True}}
+        usage_out = options.usage if options is not None else None
+        worst = params["max_tokens"] + OVERSHOOT_TOKENS
+        prompt_worst = prompt_token_bound(prompt)
+
+        async def attempt() -> Completion:
+            self.cap.reserve(worst)
+            used: int | None = worst  # a stream whose usage is unknown counts its worst case
+            prompt_used = prompt_worst
+            passed_on = False
+            self.in_flight += 1
+            try:
+                async with self._http.stream("POST", self._url, json=body, headers=self._headers,
+                                             timeout=ep.timeout) as resp:
+                    if not 200 <= resp.status_code < 300:
+                        await resp.aread()
+                        raise StatusError(resp)
+                    parts: list[str] = []
+                    finish: str | None = None
+                    completion_tokens: int | None = None
+                    prompt_tokens = 0
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue  # blank separators, comments, event names
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            break
+                        try:
+                            chunk = json.loads(data)
+                            if "error" in chunk:
+                                error = chunk["error"]
+                                said = error.get("message", error) if isinstance(error, dict) else error
+                                raise EndpointError(f"the endpoint {self.base_url} ended a streamed completion with "
+                                                    f"an error: {said}")
+                            usage = chunk.get("usage")
+                            if usage and usage.get("completion_tokens") is not None:
+                                completion_tokens = int(usage["completion_tokens"])
+                                prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                            pieces = [((c.get("delta") or {}).get("content") if chat else c.get("text"),
+                                       c.get("finish_reason")) for c in chunk.get("choices") or ()]
+                        except (ValueError, TypeError, AttributeError) as exc:
+                            raise EndpointError(f"the endpoint {self.base_url} streamed a chunk that is not a "
+                                                f"{'chat ' if chat else ''}completion chunk ({type(exc).__name__}: "
+                                                f"{exc})") from None
+                        for piece, reason in pieces:
+                            if reason:
+                                finish = str(reason)
+                            if piece:
+                                parts.append(str(piece))
+                                passed_on = True
+                                await on_text(str(piece))
+                total = worst if completion_tokens is None else completion_tokens
+                used = total
+                prompt_used = prompt_worst if completion_tokens is None else prompt_tokens
+                # without the upstream's usage, the tokens reported are the worst case charged to the budgets
+                return Completion("".join(parts), total, finish, prompt_tokens=prompt_used)
+            except StatusError as exc:
+                failure, turned_away = self._status_failure(exc)
+                if turned_away:
+                    used = prompt_used = 0
+                raise failure from None
+            except self._transport_errors as exc:
+                if passed_on:
+                    raise EndpointError(f"the endpoint {self.base_url} broke off a streamed completion "
+                                        f"({type(exc).__name__}: {exc})") from None
+                if _not_reached(exc):
+                    used = None
+                    self.refused += 1
+                raise Retry(exc, connection=True) from None
+            finally:
+                self.in_flight -= 1
+                self._account(worst, used, usage_out, prompt_used)
+        return await self._retrier.call(attempt)
+
+    def _account(self, worst: int, used: int | None, usage_out: Usage | None, prompt_used: int = 0) -> None:
+        """Settle one HTTP attempt's reservation of ``worst`` with ``used`` tokens (None: it never reached a
+        server, the reservation goes back whole) and add it, with its ``prompt_used`` tokens, to the request's
+        ``usage_out``."""
+        if used is None:
+            self.cap.release(worst)
+            return
+        self.cap.settle(worst, used)
+        if usage_out is not None:
+            usage_out.requests += 1
+            usage_out.tokens += used
+            usage_out.prompt_tokens += prompt_used
 
     async def _post(self, prompt: Any, params: dict[str, Any],
                     extra: dict[str, Any]) -> tuple[list[tuple[str, str | None]], int | None, int]:

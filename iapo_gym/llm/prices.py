@@ -11,7 +11,7 @@ applies it to a spec's ``[[contexts]]``).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,19 @@ import numpy as np
 
 from iapo_gym.llm.spec import Spec, SpecError, cost_weight, load_spec
 
-__all__ = ["cost_weight", "live_costs", "log_costs", "prompt_bytes", "spend_per_request", "spend_report"]
+__all__ = ["CHAT_TOKENS_PER_MESSAGE", "CHAT_TOKENS_PER_REQUEST", "PROMPT_EXTRA_TOKENS", "cost_weight", "live_costs",
+           "log_costs", "prompt_bytes", "prompt_token_bound", "rendered_bytes", "spend_per_request", "spend_report"]
+
+#: Prompt tokens an upstream may count beyond one per UTF-8 byte of the prompt and two per space: a
+#: begin-of-sequence token, and the space SentencePiece puts in front, written as U+2581 (3 bytes in UTF-8).
+PROMPT_EXTRA_TOKENS = 4
+#: Tokens a chat template may add around each message (role header, separators, end of turn): ChatML and Llama 3
+#: about 5 with their special tokens; Llama 2's ``[INST] ... [/INST]`` markers are text, about 20 tokens where a
+#: vocabulary spells them byte by byte (llama.cpp's default template; the tiny test model does).
+CHAT_TOKENS_PER_MESSAGE = 32
+#: Tokens a chat template may add once per request: the reply's header and a template's own preamble (Llama 3.1's
+#: dated system preamble is about 25).
+CHAT_TOKENS_PER_REQUEST = 64
 
 
 def log_costs(spec: Spec, records: Sequence[dict[str, Any]], prompt_ids: Sequence[str],
@@ -40,9 +52,11 @@ def log_costs(spec: Spec, records: Sequence[dict[str, Any]], prompt_ids: Sequenc
             raise SpecError(f"{where}: the line of {rec.get('key')!r} has no prompt_tokens (it was logged without "
                             "them), so its price cannot be computed; collect into a new --out folder")
         index[i], prompt_tokens[i], completion_tokens[i] = arm[rec["prompt"]], rec["prompt_tokens"], rec["tokens"]
-    input_price = np.array([spec.endpoint_of(p).input_price_per_million for p in spec.prompts], dtype=np.float64)
-    output_price = np.array([spec.endpoint_of(p).output_price_per_million for p in spec.prompts], dtype=np.float64)
-    price = (prompt_tokens * input_price[index] + completion_tokens * output_price[index]) / 1e6
+    endpoint = np.array([p.endpoint for p in spec.prompts], dtype=np.int64)[index]
+    price = np.zeros(len(records), dtype=np.float64)
+    for j, e in enumerate(spec.endpoints):  # Endpoint.price: the one formula of money from tokens
+        mine = endpoint == j
+        price[mine] = e.price(prompt_tokens[mine], completion_tokens[mine])
     counts = np.bincount(index, minlength=len(arm))
     missing = [p.id for p, n in zip(spec.prompts, counts, strict=True) if n == 0 and p.id in prompt_ids]
     if missing:
@@ -51,16 +65,34 @@ def log_costs(spec: Spec, records: Sequence[dict[str, Any]], prompt_ids: Sequenc
     return mean[[arm[p] for p in prompt_ids]]
 
 
+def rendered_bytes(rendered: str | Sequence[Mapping[str, str]]) -> int:
+    """UTF-8 bytes of a rendered prompt (chat: the messages' contents)."""
+    if isinstance(rendered, str):
+        return len(rendered.encode("utf-8"))
+    return sum(len(m["content"].encode("utf-8")) for m in rendered)
+
+
+def prompt_token_bound(rendered: str | Sequence[Mapping[str, str]]) -> int:
+    """At least the prompt tokens an upstream counts for ``rendered``, known before the call.
+
+    A token covers at least one UTF-8 byte of the text the tokenizer sees; SentencePiece tokenizers see
+    each space as U+2581 (3 bytes), which a vocabulary without it spells byte by byte (byte fallback), so
+    a space counts 3; plus ``PROMPT_EXTRA_TOKENS`` (begin of sequence, a prefix space) and, for chat
+    messages, the chat template's allowance (``CHAT_TOKENS_PER_MESSAGE`` per message and
+    ``CHAT_TOKENS_PER_REQUEST`` once).
+    """
+    texts = [rendered] if isinstance(rendered, str) else [m["content"] for m in rendered]
+    bound = sum(len(t.encode("utf-8")) + 2 * t.count(" ") for t in texts) + PROMPT_EXTRA_TOKENS
+    if not isinstance(rendered, str):
+        bound += CHAT_TOKENS_PER_MESSAGE * len(rendered) + CHAT_TOKENS_PER_REQUEST
+    return bound
+
+
 def prompt_bytes(spec: Spec) -> np.ndarray:
     """Mean UTF-8 bytes of each arm's rendered prompt over the spec's queries (chat: the messages' contents)."""
     out = np.empty(len(spec.prompts), dtype=np.float64)
     for i, p in enumerate(spec.prompts):
-        sizes = []
-        for q in spec.queries:
-            rendered = p.render(q.text)
-            text = rendered if isinstance(rendered, str) else "".join(m["content"] for m in rendered)
-            sizes.append(len(text.encode("utf-8")))
-        out[i] = float(np.mean(sizes))
+        out[i] = float(np.mean([rendered_bytes(p.render(q.text)) for q in spec.queries]))
     return out
 
 
