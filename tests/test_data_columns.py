@@ -167,7 +167,7 @@ def test_bad_rows_are_named(tmp_path: Path) -> None:
     with pytest.raises(LogFormatError, match=r"no column 'reward' \(score\); the columns are \['prompt'"):
         build_columns_table(tmp_path / "b2.parquet", "bon", mapping=ColumnMap(scores=("reward",)))
     dup = {k: v + v[:1] for k, v in base.items()}  # one sample twice
-    with pytest.raises(LogFormatError, match=r"the 5 sample indices of prompt .* are not 0..4 once each"):
+    with pytest.raises(LogFormatError, match=r"row 25: sample 2 of prompt 'prompt-0' on query 'q2' appears twice"):
         build_columns_table(write(dup, tmp_path / "b3.parquet"), "mv", batch_rows=5)
     gold = dict(base, gold=list(base["gold"]))
     i = base["query"].index("q1", 10)
@@ -189,7 +189,8 @@ def test_memory_guards_refuse_counts_and_tables_past_the_limit(tmp_path: Path) -
     path = write(sample_rows(seed=5), tmp_path / "s.parquet")
     acc = SampleAccumulator("bon", binning=None, max_bytes=4000)
     with pytest.raises(LogFormatError, match=r"s.parquet: row \d+: the distinct \(prompt, query, outcome\) counts so "
-                                             r"far take \d+ bytes, more than the limit of 4000; use a coarser --grid"):
+                                             r"far take \d+ bytes, more than the limit of 4000 \(counted: the keys \d+, "
+                                             r"the answers' digests 0, the sample-index cells \d+\); use a coarser --grid"):
         for batch, names in column_batches(path, "bon", mapping, batch_rows=50):
             acc.add(batch, names)
     # one pair with 60 distinct atoms pads every pair to 60: few distinct counts, a large dense table

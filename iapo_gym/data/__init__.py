@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from iapo_gym.data.download import ChecksumError, DownloadError
 
 __all__ = [
-    "ChecksumError", "DownloadError", "MissingTableError", "RegistryError", "check_table_file",
+    "ChecksumError", "DownloadError", "MissingTableError", "RegistryError", "build_table", "check_table_file",
     "data_folders", "ensure_table", "load_synthetic", "load_task_table", "local_status", "rebuild_hint",
     "resolve_table", "synthetic_cache_path",
 ]
@@ -47,6 +47,50 @@ def __getattr__(name: str) -> Any:
 
         return getattr(download, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def build_table(source: Any, aggregator: str, *, columns: Any = None, contexts: Any = None,
+                batch_rows: int | None = None, fmt: str = "auto", **options: Any) -> OutcomeTable:
+    """An outcome table from samples, without the command line (``docs/data.md``).
+
+    ``source``: a completion log (``.jsonl``), a columnar sample set (``.parquet``, ``.arrow``, ``.csv``, ...),
+    a folder or glob of Parquet shards, an lm-eval output folder, or a table in memory: a ``pyarrow.Table``,
+    a Hugging Face ``datasets.Dataset`` or anything with ``to_arrow()``. ``columns`` an
+    ``iapo_gym.data.columns.ColumnMap`` (sample sets), ``contexts`` a contexts file's path, its parsed
+    ``{"contexts": [...]}`` or a ``ContextSet`` (default: the paper's), ``options`` the fields of
+    ``iapo_gym.data.build.BuildOptions`` (``task``, ``n_max``, ``top_k``, ``grid``, ``quantile_bins``, ...).
+    """
+    from iapo_gym.data.build import (
+        DEFAULT_BATCH_ROWS,
+        BuildOptions,
+        ContextSet,
+        build_log_table,
+        load_contexts,
+        parse_contexts,
+    )
+
+    if aggregator not in ("mv", "bon"):
+        raise ValueError(f"aggregator must be 'mv' or 'bon', got {aggregator!r}")
+    if isinstance(contexts, (str, os.PathLike)):
+        contexts = load_contexts(contexts)
+    elif isinstance(contexts, dict):
+        contexts = parse_contexts(contexts, "contexts")
+    elif contexts is not None and not isinstance(contexts, ContextSet):
+        raise TypeError(f"contexts must be a path, a dict or a ContextSet, got {type(contexts).__name__}")
+    opts = BuildOptions(contexts=contexts, **options)
+    rows = DEFAULT_BATCH_ROWS if batch_rows is None else batch_rows
+    from iapo_gym.data.columns import build_columns_table, source_format
+
+    kind = source_format(source, fmt) if isinstance(source, (str, os.PathLike)) else "columns"
+    if kind == "log":
+        return build_log_table(source, aggregator, opts, batch_rows=rows)
+    if kind == "lm-eval":
+        from iapo_gym.data.lmeval import build_lm_eval_table
+
+        if aggregator != "mv":
+            raise ValueError("an lm-eval run gives answers and gold answers: build it with aggregator 'mv'")
+        return build_lm_eval_table(source, opts, batch_rows=rows)
+    return build_columns_table(source, aggregator, opts, columns, batch_rows=rows)
 
 
 def rebuild_hint(path: Path, entry: ReleaseEntry | None) -> str:

@@ -72,8 +72,9 @@ def jsonl_objects(lines: Iterable[str], name: str | os.PathLike[str],
 # ---- one batch of samples, as every reader hands it over ------------------------------------------------
 
 
-Codes = tuple[Sequence[str], np.ndarray]
-"""Batch-local categorical values: the distinct values and each row's index into them (-1: none)."""
+Codes = tuple[Sequence[str] | np.ndarray, np.ndarray]
+"""Batch-local categorical values: the distinct values (answers: texts or their digests, ``answer_digests``) and each
+row's index into them (-1: none)."""
 
 
 @dataclass
@@ -94,6 +95,7 @@ class SampleBatch:
     splits: Codes | None = None  # values "train" / "test"
     samples: np.ndarray | None = None  # (n,) int64 sample index within its (prompt, query), |index| < 2**20
     unit: str = "line"  # what ``rows`` count: "line" (text files) or "row" (columnar files)
+    items: np.ndarray | None = None  # (n,) int64 place in its row's list (list-shaped sample sets)
 
     def __len__(self) -> int:
         """Number of completions."""
@@ -103,7 +105,8 @@ class SampleBatch:
         """``origin:line`` (or ``origin: row N``) of entry ``i``."""
         if self.unit == "line":
             return f"{self.origin}:{int(self.rows[i])}"
-        return f"{self.origin}: {self.unit} {int(self.rows[i])}"
+        item = "" if self.items is None else f", list item {int(self.items[i])}"
+        return f"{self.origin}: {self.unit} {int(self.rows[i])}{item}"
 
 
 def codes_of(values: Sequence[Any]) -> Codes:
@@ -147,6 +150,91 @@ class _Interner:
     def __len__(self) -> int:
         """Number of distinct values."""
         return len(self.index)
+
+
+#: Bytes of the digest that stands for an answer: 128 bits of BLAKE2b of its UTF-8 text.
+ANSWER_DIGEST_BYTES = 16
+
+
+def answer_digests(values: Iterable[str | bytes | memoryview]) -> np.ndarray:
+    """The 128-bit BLAKE2b digests of answers (texts, or their UTF-8 bytes), as a numpy ``S16`` array."""
+    import hashlib
+
+    out = [hashlib.blake2b(v.encode("utf-8", "surrogatepass") if isinstance(v, str) else v,
+                           digest_size=ANSWER_DIGEST_BYTES).digest() for v in values]
+    return np.array(out, dtype=f"S{ANSWER_DIGEST_BYTES}")
+
+
+class _AnswerDigests:
+    """Global codes of answers in order of first appearance, keyed by a 128-bit BLAKE2b digest of each answer's
+    text, not by the text: 32 bytes per distinct answer (digest, code, first row), whatever the answers' length.
+
+    Two distinct answers share a digest with probability below n^2 / 2^129 for n distinct answers (under
+    3e-27 for a million); majority vote needs only answer equality, so that is the only approximation.
+    The texts of gold answers are kept (one per query) for error messages.
+    """
+
+    def __init__(self) -> None:
+        self.keys = np.empty(0, dtype=f"S{ANSWER_DIGEST_BYTES}")  # sorted digests
+        self.codes = np.empty(0, dtype=np.int64)  # the code of each sorted digest
+        self.first = np.empty(0, dtype=np.int64)  # by code: global row of first appearance as an answer, -1 none
+        self.texts: dict[int, str] = {}
+
+    def map(self, codes: Codes, row0: int | None = None, keep_text: bool = False) -> np.ndarray:
+        """Global codes of a batch's entries; ``row0`` (the batch's first global row) records first appearances.
+
+        The batch's distinct values are answer texts or already their digests (``answer_digests``: a
+        columnar reader digests the text in its Arrow buffers, without making Python strings).
+        """
+        values, idx = codes
+        if not len(values):
+            return np.full(idx.shape, -1, dtype=np.int64)
+        digest = values if isinstance(values, np.ndarray) and values.dtype.kind == "S" else answer_digests(values)
+        pos = np.searchsorted(self.keys, digest)
+        found = (pos < self.keys.size) & (self.keys[np.minimum(pos, max(self.keys.size - 1, 0))] == digest) \
+            if self.keys.size else np.zeros(digest.size, dtype=bool)
+        local = np.empty(digest.size, dtype=np.int64)
+        local[found] = self.codes[pos[found]]
+        new = np.flatnonzero(~found)
+        if new.size:  # distinct values of one batch have distinct digests (barring a collision: then one answer)
+            fresh, first_of = np.unique(digest[new], return_index=True)
+            order = np.argsort(new[first_of], kind="stable")  # codes in order of first appearance in the batch
+            code_of = np.empty(fresh.size, dtype=np.int64)
+            code_of[order] = np.arange(self.first.size, self.first.size + fresh.size)
+            local[new] = code_of[np.searchsorted(fresh, digest[new])]
+            at = np.searchsorted(self.keys, fresh)
+            self.keys = np.insert(self.keys, at, fresh)
+            self.codes = np.insert(self.codes, at, code_of)
+            self.first = np.concatenate([self.first, np.full(fresh.size, -1, dtype=np.int64)])
+        if keep_text:
+            for j, v in enumerate(values):
+                self.texts.setdefault(int(local[j]), v)
+        glob = np.where(idx >= 0, local[np.maximum(idx, 0)], -1)
+        if row0 is not None:
+            seen = np.flatnonzero(idx >= 0)
+            firsts, at_row = np.unique(idx[seen], return_index=True)
+            code = local[firsts]
+            unset = self.first[code] < 0
+            self.first[code[unset]] = row0 + seen[at_row][unset]
+        return glob
+
+    def text(self, code: int) -> str:
+        """A gold answer's text."""
+        return self.texts.get(code, f"<answer {code}>")
+
+    @property
+    def first_row(self) -> np.ndarray:
+        """By code: the global row where each answer first appeared as an answer (-1: only as a gold answer)."""
+        return self.first
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the digests, codes and first rows (the gold texts are one per query)."""
+        return int(self.keys.nbytes + self.codes.nbytes + self.first.nbytes)
+
+    def __len__(self) -> int:
+        """Number of distinct answers."""
+        return int(self.first.size)
 
 
 class _KeyedCounts:
@@ -235,7 +323,8 @@ class SampleAccumulator:
         self.aggregator = aggregator
         self.binning = binning or Binning()
         self.max_bytes = max_bytes
-        self.prompts, self.queries, self.answers = _Interner(), _Interner(), _Interner()
+        self.prompts, self.queries = _Interner(), _Interner()
+        self.answers = _AnswerDigests()
         self.objective_names: tuple[str, ...] = ()
         self.rows = 0
         self.token_sum = np.zeros(0)
@@ -247,7 +336,8 @@ class SampleAccumulator:
         self.split_where: dict[int, str] = {}
         self.any_split = False
         self.sample_low: int | None = None  # the lowest sample index seen (0 or 1 in a well-formed set)
-        self.sample_stats = _KeyedCounts(2, 3)  # (p, q) -> count, sum, sum of squares of the sample indices
+        self.sample_seen: dict[int, np.ndarray] = {}  # per prompt: (queries, indices) bool cells of the indices seen
+        self.sample_where: dict[int, np.ndarray] = {}  # per prompt: the same cells' batch row (for messages)
         self.outcomes: _KeyedCounts | None = None
 
     # ---- adding a batch -------------------------------------------------------------------------------
@@ -267,7 +357,7 @@ class SampleAccumulator:
             if batch.answers is None or batch.golds is None:
                 raise LogFormatError(f"{batch.origin}: majority vote needs each completion's answer and gold answer")
             a = self.answers.map(batch.answers, row0=self.rows)
-            g = self.answers.map(batch.golds)
+            g = self.answers.map(batch.golds, keep_text=True)
             self._gold(batch, q, g, n_q)
             keys = np.column_stack([p, q, a])
         else:
@@ -283,10 +373,12 @@ class SampleAccumulator:
             self.outcomes = _KeyedCounts(keys.shape[1], 1)
         self.outcomes.add(keys, np.ones((n, 1), dtype=np.int64))
         self.rows += n
-        held = self.outcomes.nbytes + self.sample_stats.nbytes
+        held = self.outcomes.nbytes + self.sample_bytes + self.answers.nbytes
         if held > self.max_bytes:
             raise LogFormatError(f"{batch.where(n - 1)}: the distinct (prompt, query, outcome) counts so far take "
-                                 f"{held} bytes, more than the limit of {self.max_bytes}; "
+                                 f"{held} bytes, more than the limit of {self.max_bytes} (counted: the keys "
+                                 f"{self.outcomes.nbytes}, the answers' digests {self.answers.nbytes}, the sample-index "
+                                 f"cells {self.sample_bytes}); "
                                  + ("use a coarser --grid or --quantile-bins" if self.aggregator == "bon"
                                     else "fewer distinct answers (normalize them) or fewer queries"))
 
@@ -346,18 +438,56 @@ class SampleAccumulator:
     def _gold(self, batch: SampleBatch, q: np.ndarray, g: np.ndarray, n_q: int) -> None:
         if np.any(g < 0):
             raise LogFormatError(f"{batch.where(int(np.flatnonzero(g < 0)[0]))}: the gold answer is missing")
-        values = self.answers.values
-        self._consistent(batch, q, g, self.gold, self.gold_where, lambda a: repr(values[a]), "gold answer")
+        self._consistent(batch, q, g, self.gold, self.gold_where, lambda a: repr(self.answers.text(a)), "gold answer")
+
+    @property
+    def sample_bytes(self) -> int:
+        """Bytes of the sample-index cells: one byte per (prompt, query, index) up to the largest index and query."""
+        return int(sum(m.nbytes for m in self.sample_seen.values()))
 
     def _samples(self, batch: SampleBatch, p: np.ndarray, q: np.ndarray) -> None:
+        """Mark each entry's (prompt, query, sample index) cell; a cell marked twice is a repeated sample."""
         assert batch.samples is not None
         s = batch.samples
-        if np.any(np.abs(s) >= 2**20):
-            i = int(np.flatnonzero(np.abs(s) >= 2**20)[0])
-            raise LogFormatError(f"{batch.where(i)}: sample index {int(s[i])} is out of range (|index| < 2**20)")
+        bad = np.flatnonzero((s < 0) | (s >= 2**20))
+        if bad.size:
+            i = int(bad[0])
+            raise LogFormatError(f"{batch.where(i)}: sample index {int(s[i])} is out of range (0 <= index < 2**20)")
         lowest = int(s.min())
         self.sample_low = lowest if self.sample_low is None else min(self.sample_low, lowest)
-        self.sample_stats.add(np.column_stack([p, q]), np.column_stack([np.ones_like(s), s, s * s]))
+        n_q = len(self.queries)
+        order = np.argsort(p, kind="stable")
+        bounds = np.flatnonzero(np.diff(p[order])) + 1
+        for group in np.split(order, bounds):  # one group per prompt of the batch (prompts are few)
+            prompt = int(p[group[0]])
+            qs, ss = q[group], s[group]
+            seen = self.sample_seen.get(prompt, np.zeros((0, 0), dtype=bool))
+            rows, cols = max(n_q, seen.shape[0]), max(int(ss.max()) + 1, seen.shape[1])
+            if rows > seen.shape[0] or cols > seen.shape[1]:
+                rows = rows if rows <= seen.shape[0] else max(rows, 2 * seen.shape[0])
+                cols = cols if cols <= seen.shape[1] else max(cols, 2 * seen.shape[1])
+                grow = rows * cols - seen.size
+                if self.sample_bytes + grow > self.max_bytes:
+                    i = int(group[np.argmax(ss)])
+                    raise LogFormatError(f"{batch.where(i)}: sample index {int(s[i])} would need {rows * cols} bytes "
+                                         f"of sample-index cells for prompt {self.prompts.values[prompt]!r} alone, more "
+                                         f"than the limit of {self.max_bytes}; the sample column numbers the samples "
+                                         "of each (prompt, query) from 0 or 1 (--sample-col '' ignores it)")
+                grown = np.zeros((rows, cols), dtype=bool)
+                grown[:seen.shape[0], :seen.shape[1]] = seen
+                seen = self.sample_seen[prompt] = grown
+            cell = qs * seen.shape[1] + ss
+            flat = seen.reshape(-1)
+            uniq, first, count = np.unique(cell, return_index=True, return_counts=True)
+            twice = np.flatnonzero((count > 1) | flat[uniq])
+            if twice.size:
+                j = int(twice[0])
+                at = np.flatnonzero(cell == uniq[j])
+                i = int(group[at[-1]] if count[j] > 1 else group[at[0]])
+                raise LogFormatError(f"{batch.where(i)}: sample {int(s[i])} of prompt {self.prompts.values[prompt]!r} "
+                                     f"on query {self.queries.values[int(q[i])]!r} appears twice "
+                                     f"(also at {batch.where(int(group[at[0]])) if count[j] > 1 else 'an earlier row'})")
+            flat[uniq] = True
 
     def _atom_keys(self, scores: np.ndarray, batch: SampleBatch) -> np.ndarray:
         b = self.binning
@@ -386,12 +516,11 @@ class SampleAccumulator:
     # ---- the table ------------------------------------------------------------------------------------
     def finish(self, task: str, *, n_max: int = 32, top_k: int = 4, cost_scale: float = DEFAULT_COST_SCALE,
                test_fraction: float = 0.2, seed: int = 0, attrs: dict[str, Any] | None = None,
-               origin: str = "samples") -> OutcomeTable:
+               origin: str = "samples", contexts: ContextSet | None = None) -> OutcomeTable:
         """The outcome table of everything added (``top_k`` for mv); every (prompt, query) pair needs a completion."""
         if self.outcomes is None or self.rows == 0:
             raise LogFormatError(f"{origin}: no completions")
         self.outcomes.merge()
-        self.sample_stats.merge()
         keys, counts = self.outcomes.keys, self.outcomes.vals[:, 0]
         n_p, n_q = len(self.prompts), len(self.queries)
         pair = keys[:, 0] * n_q + keys[:, 1]
@@ -401,7 +530,7 @@ class SampleAccumulator:
             raise LogFormatError(f"{origin}: no completion of prompt {self.prompts.values[p]!r} on query "
                                  f"{self.queries.values[q]!r}; every (prompt, query) pair needs at least one "
                                  f"({int((pair_count == 0).sum())} pairs are missing)")
-        self._check_samples(origin)
+        self._check_samples(origin, pair_count)
         common: dict[str, Any] = {
             "task": task, "cost": self._cost(cost_scale, origin), "n_max": n_max,
             "prompts": self.prompts.values, "queries": self.queries.values,
@@ -414,6 +543,8 @@ class SampleAccumulator:
             probs, gold = self._mv(keys, counts, pair_count, top_k)
             weights, names, cprobs = mv_cost_contexts()
             common["attrs"]["contexts_source"] = f"{describe_contexts(weights, cprobs)}: the paper's low/mid/high"
+            if contexts is not None:
+                weights, names, cprobs = self._chosen(contexts, ("correct",), common["attrs"])
             return OutcomeTable(aggregator="mv", probs=probs, gold=gold, context_weights=weights, context_names=names,
                                 context_probs=cprobs, objective_names=("correct",), **common)
         probs, atoms = self._bon(keys, counts, pair_count)
@@ -421,8 +552,20 @@ class SampleAccumulator:
         weights, names, cprobs = bon_contexts(k)
         common["attrs"]["contexts_source"] = f"{describe_contexts(weights, cprobs)}: " + (
             "the paper's 27 Best-of-N weightings" if k == 2 else f"equal weights 1/{k} at each of the paper's cost weights")
+        if contexts is not None:
+            weights, names, cprobs = self._chosen(contexts, self.objective_names, common["attrs"])
         return OutcomeTable(aggregator="bon", probs=probs, atoms=atoms, context_weights=weights, context_names=names,
                             context_probs=cprobs, objective_names=self.objective_names, **common)
+
+    @staticmethod
+    def _chosen(contexts: ContextSet, objectives: Sequence[str],
+                attrs: dict[str, Any]) -> tuple[np.ndarray, tuple[str, ...], np.ndarray]:
+        """The user's contexts, checked against the table's objectives; ``attrs`` records where they came from."""
+        if contexts.n_objectives != len(objectives):
+            raise LogFormatError(f"{contexts.source}: its contexts weigh {contexts.n_objectives} objective(s), the "
+                                 f"table has {len(objectives)}: {list(objectives)}")
+        attrs["contexts_source"] = f"{describe_contexts(contexts.weights, contexts.probs)}: {contexts.source}"
+        return contexts.weights, contexts.names, contexts.probs
 
     def _guard(self, n_p: int, n_q: int, n_m: int, per_atom: int) -> None:
         """Refuse a table whose dense arrays (P x Q x M x values per atom, 8 bytes each) pass ``max_bytes``."""
@@ -485,20 +628,32 @@ class SampleAccumulator:
         probs[pair, slot] = counts / pair_count.reshape(-1)[pair]
         return probs.reshape(n_p, n_q, n_m), atoms.reshape(n_p, n_q, n_m, k)
 
-    def _check_samples(self, origin: str) -> None:
-        """Each pair's sample indices must be b, b + 1, ..., b + n - 1 once each, b the lowest index seen (0 or 1):
-        checked by their count, sum and sum of squares (a repeated, missing or doubled sample changes one)."""
+    def _check_samples(self, origin: str, pair_count: np.ndarray) -> None:
+        """Each pair's sample indices must be exactly the set b, b + 1, ..., b + n - 1 (b the lowest index seen,
+        0 or 1): no index is repeated (refused when added), so the set is right exactly when every marked cell
+        lies in b..b + n - 1, n the pair's number of completions."""
         if self.sample_low is None:
             return
         b = self.sample_low
-        keys, vals = self.sample_stats.keys, self.sample_stats.vals
-        n, total, squares = vals[:, 0], vals[:, 1] - vals[:, 0] * b, vals[:, 2] - 2 * b * vals[:, 1] + vals[:, 0] * b * b
-        bad = np.flatnonzero((total != n * (n - 1) // 2) | (squares != (n - 1) * n * (2 * n - 1) // 6))
-        if bad.size:
-            i = int(bad[0])
-            raise LogFormatError(f"{origin}: the {int(n[i])} sample indices of prompt {self.prompts.values[keys[i, 0]]!r} "
-                                 f"on query {self.queries.values[keys[i, 1]]!r} are not {b}..{b + int(n[i]) - 1} once "
-                                 f"each (a repeated or missing sample; {bad.size} pairs are affected)")
+        n_q = pair_count.shape[1]
+        for prompt in sorted(self.sample_seen):
+            seen = self.sample_seen[prompt][:n_q]
+            n = pair_count[prompt, :seen.shape[0]]
+            idx = np.arange(seen.shape[1])
+            expected = (idx[None, :] >= b) & (idx[None, :] < b + n[:, None])
+            wrong = np.flatnonzero(np.any(seen != expected, axis=1) | (seen.sum(axis=1) != n))
+            if wrong.size:
+                q = int(wrong[0])
+                got = np.flatnonzero(seen[q])
+                shown = ", ".join(str(x) for x in got[:8]) + (", ..." if got.size > 8 else "")
+                raise LogFormatError(f"{origin}: the {int(n[q])} sample indices of prompt {self.prompts.values[prompt]!r} "
+                                     f"on query {self.queries.values[q]!r} are not {b}..{b + int(n[q]) - 1} once each "
+                                     f"(they are {{{shown}}}; a missing or misnumbered sample; {wrong.size} queries of "
+                                     "this prompt are affected)")
+        missing = [p for p in range(pair_count.shape[0]) if p not in self.sample_seen]
+        if missing:
+            raise LogFormatError(f"{origin}: prompt {self.prompts.values[missing[0]]!r} has no sample indices while "
+                                 "others do; give them for every completion or none")
 
     def _cost(self, cost_scale: float, origin: str) -> np.ndarray:
         if not (math.isfinite(cost_scale) and cost_scale >= 0):
@@ -541,6 +696,96 @@ def bon_contexts(n_objectives: int) -> tuple[np.ndarray, tuple[str, ...], np.nda
     weights = np.array([[1.0 / n_objectives] * n_objectives + [-wc] for wc in COST_WEIGHTS_BON])
     names = tuple(f"equal,cost={wc:.1f}" for wc in COST_WEIGHTS_BON)
     return weights, names, np.full(len(names), 1.0 / len(names))
+
+
+@dataclass(frozen=True)
+class ContextSet:
+    """User contexts for a built table: weights (C, K + 1) with the cost weight last (<= 0), names, probabilities,
+    and where they came from (said in the table's ``contexts_source``)."""
+
+    weights: np.ndarray
+    names: tuple[str, ...]
+    probs: np.ndarray
+    source: str
+
+    @property
+    def n_objectives(self) -> int:
+        """K: the objective weights per context."""
+        return int(self.weights.shape[1] - 1)
+
+
+#: Fields of one context in a contexts file, as the policy file names them.
+CONTEXT_FIELDS = ("name", "objective_weights", "cost_weight", "probability")
+
+
+def parse_contexts(doc: Any, where: str) -> ContextSet:
+    """The contexts of ``{"contexts": [{"name", "objective_weights", "cost_weight", "probability"}, ...]}``.
+
+    Names distinct and non-empty, the same number (>= 1) of finite objective weights for every context,
+    a finite cost weight <= 0, probabilities >= 0 summing to 1 (to within 1e-9). ``LogFormatError`` names the
+    field and the value otherwise.
+    """
+    if not isinstance(doc, dict) or set(doc) != {"contexts"} or not isinstance(doc["contexts"], list):
+        got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+        raise LogFormatError(f"{where}: expected one key 'contexts' holding a list of contexts, got {got}")
+    items = doc["contexts"]
+    if not items:
+        raise LogFormatError(f"{where}: 'contexts' is empty; give at least one context")
+    weights: list[list[float]] = []
+    names: list[str] = []
+    probs: list[float] = []
+    for i, item in enumerate(items):
+        at = f"{where}: contexts[{i}]"
+        if not isinstance(item, dict):
+            raise LogFormatError(f"{at} must be an object with fields {list(CONTEXT_FIELDS)}, got {item!r}")
+        if set(item) != set(CONTEXT_FIELDS):
+            missing, extra = sorted(set(CONTEXT_FIELDS) - set(item)), sorted(set(item) - set(CONTEXT_FIELDS))
+            raise LogFormatError(f"{at}: expected exactly the fields {list(CONTEXT_FIELDS)}"
+                                 + (f"; missing {missing}" if missing else "") + (f"; unknown {extra}" if extra else ""))
+        name, ow, wc, prob = (item[k] for k in CONTEXT_FIELDS)
+        if not isinstance(name, str) or not name.strip():
+            raise LogFormatError(f"{at}.name must be a non-empty string, got {name!r}")
+        if name in names:
+            raise LogFormatError(f"{at}.name repeats context name {name!r}")
+        if not isinstance(ow, list) or not ow or not all(_finite_number(w) for w in ow):
+            raise LogFormatError(f"{at}.objective_weights must be a non-empty list of finite numbers, got {ow!r}")
+        if weights and len(ow) != len(weights[0]) - 1:
+            raise LogFormatError(f"{at}.objective_weights has {len(ow)} weights, contexts[0] has "
+                                 f"{len(weights[0]) - 1}: every context weighs the same objectives")
+        if not _finite_number(wc) or wc > 0:
+            raise LogFormatError(f"{at}.cost_weight must be a finite number <= 0 (cost counts against utility), "
+                                 f"got {wc!r}")
+        if not _finite_number(prob) or prob < 0:
+            raise LogFormatError(f"{at}.probability must be a finite number >= 0, got {prob!r}")
+        weights.append([float(w) + 0.0 for w in ow] + [float(wc) + 0.0])
+        names.append(name)
+        probs.append(float(prob))
+    total = math.fsum(probs)
+    if abs(total - 1.0) > 1e-9:
+        raise LogFormatError(f"{where}: the context probabilities sum to {total!r}, expected 1")
+    return ContextSet(np.array(weights, dtype=np.float64), tuple(names), np.array(probs, dtype=np.float64),
+                      f"the contexts file {where}")
+
+
+def load_contexts(path: str | os.PathLike[str]) -> ContextSet:
+    """A contexts file (JSON, or TOML for a ``.toml`` suffix) as ``parse_contexts`` reads it."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise LogFormatError(f"cannot read contexts file {path}: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+        if path.suffix.lower() == ".toml":
+            import tomllib
+
+            doc: Any = tomllib.loads(text)
+        else:
+            doc = json.loads(text, parse_constant=lambda c: float("nan"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        kind = "TOML" if path.suffix.lower() == ".toml" else "JSON"
+        raise LogFormatError(f"{path}: not a valid {kind} contexts file ({str(exc)[:200]})") from None
+    return parse_contexts(doc, path.name)
 
 
 def describe_contexts(weights: np.ndarray, probs: np.ndarray) -> str:
@@ -726,24 +971,68 @@ class BuildOptions:
     top_k: int = 4  # mv
     grid: float | None = 0.5  # bon; None = exact vectors
     quantile_bins: int | None = None  # bon; overrides grid
+    contexts: ContextSet | None = None  # None: the paper's (see ``bon_contexts``, ``mv_cost_contexts``)
+    progress: bool | None = None  # a progress bar past PROGRESS_AFTER seconds; None: on a terminal only
     extra_attrs: dict[str, Any] = field(default_factory=dict)
+
+
+#: Seconds a build runs before it shows progress (on a terminal: a tqdm bar; elsewhere a line every 5 s).
+PROGRESS_AFTER = 2.0
+
+
+def _with_progress(batches: Iterator[tuple[SampleBatch, Sequence[str]]], total: int | None, passes: int, done: int,
+                   state: dict[str, Any], bar: bool | None) -> Iterator[tuple[SampleBatch, Sequence[str]]]:
+    """``batches``, reporting the samples counted once the build has run ``PROGRESS_AFTER`` seconds (total known)."""
+    import time
+
+    from iapo_gym.progress import Progress
+
+    for item in batches:
+        yield item
+        state["done"] = state.get("done", done) + len(item[0])
+        if total is None or bar is False:
+            continue
+        if state.get("progress") is None and time.monotonic() - state["start"] >= PROGRESS_AFTER:
+            state["progress"] = Progress(total * passes, bar=bar, unit="samples", initial=0)
+            state["progress"].update(state["done"], "reading")
+        elif state.get("progress") is not None:
+            state["progress"].update(len(item[0]), f"pass {done // max(total, 1) + 1} of {passes}")
 
 
 def build_from_batches(make_batches: Callable[[], Iterator[tuple[SampleBatch, Sequence[str]]]], aggregator: str,
                        options: BuildOptions, *, default_task: str, source: str, how: str,
-                       max_bytes: int = MAX_TABLE_BYTES) -> OutcomeTable:
-    """The table of a stream of sample batches (``make_batches`` is called once, or three times for quantile bins)."""
+                       max_bytes: int = MAX_TABLE_BYTES, cost_from: str = "token counts",
+                       total_samples: int | None = None) -> OutcomeTable:
+    """The table of a stream of sample batches (``make_batches`` is called once, or three times for quantile bins).
+
+    ``cost_from`` says what the cost signal is (recorded as the table's ``cost_source``); ``total_samples``,
+    when known, lets a long build show its progress.
+    """
+    import time
+
+    passes = 3 if aggregator == "bon" and options.quantile_bins is not None else 1
+    state: dict[str, Any] = {"start": time.monotonic(), "calls": 0}
+
+    def tracked() -> Iterator[tuple[SampleBatch, Sequence[str]]]:
+        done = state["calls"] * (total_samples or 0)
+        state["calls"] += 1
+        return _with_progress(make_batches(), total_samples, passes, done, state, options.progress)
+
     binning = None
-    if aggregator == "bon":
-        if options.quantile_bins is not None:
-            binning = quantile_binning(make_batches, options.quantile_bins)
-        else:
-            if options.grid is not None and not (math.isfinite(options.grid) and options.grid > 0):
-                raise ValueError(f"grid must be a number > 0 or None (no binning), got {options.grid!r}")
-            binning = Binning(grid=options.grid)
-    acc = SampleAccumulator(aggregator, binning=binning, max_bytes=max_bytes)
-    for batch, names in make_batches():
-        acc.add(batch, names)
+    try:
+        if aggregator == "bon":
+            if options.quantile_bins is not None:
+                binning = quantile_binning(tracked, options.quantile_bins)
+            else:
+                if options.grid is not None and not (math.isfinite(options.grid) and options.grid > 0):
+                    raise ValueError(f"grid must be a number > 0 or None (no binning), got {options.grid!r}")
+                binning = Binning(grid=options.grid)
+        acc = SampleAccumulator(aggregator, binning=binning, max_bytes=max_bytes)
+        for batch, names in tracked():
+            acc.add(batch, names)
+    finally:
+        if state.get("progress") is not None:
+            state["progress"].close()
     if aggregator == "mv":
         how = f"{how}; mv, top {options.top_k} answers + other"
     else:
@@ -752,11 +1041,14 @@ def build_from_batches(make_batches: Callable[[], Iterator[tuple[SampleBatch, Se
     attrs = {"source": source, "license": "as the samples' owner decides",
              "build": f"iapo_gym.data.build ({how}, cost scale {options.cost_scale}"
                       f"{'' if acc.has_tokens else ', no token counts: equal costs'})",
+             "cost_source": (f"{cost_from}: mean per completion of each prompt, scaled so the largest is "
+                             f"{options.cost_scale:g}") if acc.has_tokens else
+             f"none given: every prompt costs {options.cost_scale:g}",
              **options.extra_attrs}
     try:
         return acc.finish(options.task or default_task, n_max=options.n_max, top_k=options.top_k,
                           cost_scale=options.cost_scale, test_fraction=options.test_fraction, seed=options.seed,
-                          attrs=attrs, origin=source)
+                          attrs=attrs, origin=source, contexts=options.contexts)
     except TableError as exc:  # e.g. token counts so large that the costs overflow
         raise LogFormatError(f"{source}: the table built from these samples is invalid: {exc}") from None
 
@@ -768,7 +1060,8 @@ def build_log_table(path: str | os.PathLike[str], aggregator: str, options: Buil
         raise ValueError(f"aggregator must be 'mv' or 'bon', got {aggregator!r}")
     path = Path(path)
     return build_from_batches(lambda: _log_batches(path, aggregator, batch_rows), aggregator, options,
-                              default_task=path.stem, source=f"completion log {path.name}", how="completion log")
+                              default_task=path.stem, source=f"completion log {path.name}", how="completion log",
+                              cost_from="field 'tokens'")
 
 
 def build_mv_table(path: str | os.PathLike[str], task: str | None = None, top_k: int = 4, n_max: int = 32,

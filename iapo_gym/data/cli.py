@@ -146,24 +146,28 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _source_format(args: argparse.Namespace) -> str:
-    """``log``, ``columns`` or ``lm-eval``: as given, else by the source (a folder or results JSON: lm-eval)."""
-    from iapo_gym.data.columns import FORMATS
+    """``log``, ``columns`` or ``lm-eval``: as given, else by the source (``iapo_gym.data.columns.source_format``)."""
+    from iapo_gym.data.columns import source_format
 
-    if args.format != "auto":
-        return str(args.format)
-    source = Path(args.source)
-    if source.is_dir() or (source.name.startswith("results_") and source.suffix == ".json"):
-        return "lm-eval"
-    if source.suffix.lower() in (".jsonl", ".json", ".ndjson"):
-        return "log"
-    if source.suffix.lower() in FORMATS:
-        return "columns"
-    raise ValueError(f"{source}: cannot tell its format from its name; give --format log, columns or lm-eval")
+    return source_format(args.source, args.format)
+
+
+def build_report(table: Any, out: Path) -> list[str]:
+    """What a build used, for its stderr: the objectives, the cost, what was counted, the contexts."""
+    attrs = table.attrs
+    lines = [f"{out}: objectives: {', '.join(table.objective_names)}"
+             + (" (majority vote: correct = the most-voted answer is the gold one)" if table.aggregator == "mv" else "")]
+    if "columns" in attrs:
+        lines.append(f"{out}: columns: {attrs['columns']}")
+    lines.append(f"{out}: cost: {attrs.get('cost_source', 'not recorded')}")
+    lines.append(f"{out}: counted: {table.n_prompts} prompts, {table.n_queries} queries, {attrs['completions']} samples")
+    lines.append(f"{out}: contexts: {attrs['contexts_source']}")
+    return lines
 
 
 def cmd_build(args: argparse.Namespace) -> int:
     """Build a table from samples (a completion log, a columnar sample set or an lm-eval run) and write it as HDF5."""
-    from iapo_gym.data.build import BuildOptions, build_log_table
+    from iapo_gym.data.build import BuildOptions, build_log_table, load_contexts
     from iapo_gym.tables import write_table
 
     fmt = _source_format(args)
@@ -176,7 +180,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     top_k = args.top_k if args.top_k is not None else (1 if args.correct_col else 4)
     options = BuildOptions(task=args.task, n_max=args.n_max, cost_scale=args.cost_scale,
                            test_fraction=args.test_fraction, seed=args.seed, top_k=top_k,
-                           grid=None if args.no_grid else args.grid, quantile_bins=args.quantile_bins)
+                           grid=None if args.no_grid else args.grid, quantile_bins=args.quantile_bins,
+                           contexts=load_contexts(args.contexts) if args.contexts else None)
     if fmt == "lm-eval":
         from iapo_gym.data.lmeval import build_lm_eval_table
 
@@ -187,7 +192,8 @@ def cmd_build(args: argparse.Namespace) -> int:
 
         mapping = ColumnMap(prompt=args.prompt_col, query=args.query_col, sample=args.sample_col,
                             answer=args.answer_col, gold=args.gold_col, correct=args.correct_col,
-                            scores=tuple(args.score_col or ()), tokens=args.tokens_col, split=args.split_col)
+                            scores=tuple(args.score_col or ()), tokens=args.tokens_col, split=args.split_col,
+                            objectives=tuple(args.objective or ()))
         table = build_columns_table(args.source, aggregator, options, mapping, batch_rows=args.batch_rows)
     else:
         table = build_log_table(args.source, aggregator, options, batch_rows=args.batch_rows)
@@ -195,7 +201,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     write_table(table, out)
     print(f"{out}: {table.n_prompts} prompts x {table.n_queries} queries x {table.n_atoms} atoms ({table.aggregator}), "
           f"{table.attrs['completions']} completions")
-    print(f"{out}: contexts: {table.attrs['contexts_source']}", file=sys.stderr)
+    for line in build_report(table, out):
+        print(line, file=sys.stderr)
     return 0
 
 
@@ -262,11 +269,12 @@ def add_commands(subparsers: Any) -> None:
     p = sub.add_parser("build", help="build a table from samples: a completion log, a columnar sample set "
                                      "(Parquet, Arrow, CSV, JSON lines) or an lm-eval --log_samples run",
                        description="Build a table from samples (docs/log-format.md, docs/data.md).")
-    p.add_argument("source", help="completion log (.jsonl), sample set (.parquet, .arrow, .csv, ...), or lm-eval "
-                                  "output folder / results_<date>.json")
+    p.add_argument("source", help="completion log (.jsonl), sample set (.parquet, .arrow, .csv, ...), a folder or "
+                                  "quoted glob of Parquet shards, or lm-eval output folder / results_<date>.json")
     p.add_argument("--format", choices=("auto", "log", "columns", "lm-eval"), default="auto",
-                   help="how to read SOURCE (default auto: a folder or results_*.json is lm-eval, .jsonl/.json a "
-                        "completion log, .parquet/.arrow/.feather/.csv/.tsv a sample set)")
+                   help="how to read SOURCE (default auto: a folder with results_*.json, or results_*.json, is "
+                        "lm-eval; a folder of .parquet files or a glob: Parquet shards; .jsonl/.json a completion "
+                        "log; .parquet/.arrow/.feather/.csv/.tsv a sample set)")
     p.add_argument("--aggregator", choices=("mv", "bon"), help="majority vote or Best-of-N (lm-eval: mv)")
     p.add_argument("--task", help="table name (default: the source's file stem)")
     p.add_argument("--out", help="output .h5 path (default: ./<task>.h5)")
@@ -281,15 +289,25 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--test-fraction", type=float, default=0.2,
                    help="share of queries in the stored test split when the samples give none (default 0.2; 0: no split)")
     p.add_argument("--seed", type=int, default=0, help="seed of that split (default 0)")
-    p.add_argument("--batch-rows", type=int, default=65536, help="rows read per batch (default 65536)")
+    p.add_argument("--batch-rows", type=int, default=65536,
+                   help="samples counted per batch (default 65536; one row per sample: rows)")
+    p.add_argument("--contexts", metavar="FILE",
+                   help="the table's contexts from a JSON or TOML file {\"contexts\": [{\"name\", "
+                        "\"objective_weights\", \"cost_weight\", \"probability\"}, ...]} (default: the paper's)")
     cols = p.add_argument_group("sample-set columns (--format columns)")
     for role, default in (("prompt", "prompt"), ("query", "query"), ("sample", "sample"), ("answer", "answer"),
                           ("gold", "gold"), ("tokens", "tokens"), ("split", "split")):
-        cols.add_argument(f"--{role}-col", default=default, metavar="NAME", help=f"column of the {role} (default {default!r})")
+        optional = " ('' for none)" if role in ("sample", "tokens", "split") else ""
+        cols.add_argument(f"--{role}-col", default=default, metavar="NAME",
+                          help=f"column of the {role} (default {default!r}{optional})")
     cols.add_argument("--correct-col", metavar="NAME", help="mv: a true/false column of per-sample correctness, "
                                                             "instead of answer and gold")
     cols.add_argument("--score-col", action="append", metavar="NAME",
-                      help="bon: a score column, one objective each (repeat; default: every other numeric column)")
+                      help="bon: a score column, one objective each (repeat; default: the columns named "
+                           "score_<objective>; none is taken by its type)")
+    cols.add_argument("--objective", action="append", metavar="NAME",
+                      help="bon: the objectives' names, in order, of one --score-col holding a list of score lists "
+                           "per row (repeat; default COLUMN[0], COLUMN[1], ...)")
     lm = p.add_argument_group("lm-eval runs (--format lm-eval)")
     lm.add_argument("--lm-eval-answers", choices=("filtered", "raw"), default="filtered",
                     help="each completion's answer: the task filter's per-sample answer (default) or the raw response")

@@ -218,4 +218,5 @@ def build_lm_eval_table(source: str | os.PathLike[str], options: BuildOptions | 
     return build_from_batches(lambda: lm_eval_batches(run, filters, answers, batch_rows), "mv", options,
                               default_task=run.results_path.parent.name or "lm_eval",
                               source=f"lm-eval run {run.results_path.name}",
-                              how=f"lm-eval --log_samples, {answers} answers, cost = response characters")
+                              how=f"lm-eval --log_samples, {answers} answers, cost = response characters",
+                              cost_from="response length in characters")

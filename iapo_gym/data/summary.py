@@ -71,7 +71,7 @@ def format_summary(table: OutcomeTable, oracle: dict[str, Any]) -> str:
     shown = s["contexts"] if len(s["contexts"]) <= 9 else s["contexts"][:4] + [None] + s["contexts"][-4:]
     for c in shown:
         lines.append("  ..." if c is None else f"  {c['name']:<28} weights {c['weights']}  p={c['prob']:.4g}")
-    for key in ("source", "license", "build", "verified"):
+    for key in ("source", "license", "build", "columns", "cost_source", "verified"):
         if key in s:
             lines.append(f"{key:<11} {s[key]}")
     lines.append("exact oracle (ACR = E_c Q(c, pi(c))):")
