@@ -298,3 +298,25 @@ def test_missing_openai_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setitem(sys.modules, "openai", None)  # what an install without the [llm] extra sees
     with pytest.raises(ImportError, match=r'pip install "iapo-gym\[llm\]"'):
         require_openai()
+
+
+def test_collect_takes_a_contexts_file(tmp_path: Path, llama_server: int) -> None:  # noqa: F811
+    """``collect --contexts FILE`` gives the table the file's contexts, and ``contexts_source`` says so; without it
+    the spec's ``[[contexts]]`` are named as the source; a file weighing the wrong number of objectives is refused."""
+    spec_path = write_spec(tmp_path, llama_server, aggregator="mv")
+    out = tmp_path / "out"
+    (tmp_path / "users.json").write_text(json.dumps({"contexts": [
+        {"name": "free", "objective_weights": [1.0], "cost_weight": 0.0, "probability": 0.25},
+        {"name": "thrifty", "objective_weights": [1.0], "cost_weight": -0.5, "probability": 0.75}]}))
+    assert cli_main(["collect", str(spec_path), "--out", str(out), "--quiet",
+                     "--contexts", str(tmp_path / "users.json")]) == 0
+    table = IAPOEnv(path=str(out / f"{load_spec(spec_path).task}.h5")).table
+    assert table.context_names == ("free", "thrifty")
+    assert np.array_equal(table.context_weights, [[1.0, 0.0], [1.0, -0.5]])
+    assert np.array_equal(table.context_probs, [0.25, 0.75])
+    assert table.attrs["contexts_source"] == ("2 contexts over 1 objective, cost weights 0, 0.5, not uniform: "
+                                              "the contexts file users.json")
+    (tmp_path / "two.json").write_text(json.dumps({"contexts": [
+        {"name": "a", "objective_weights": [0.5, 0.5], "cost_weight": 0.0, "probability": 1.0}]}))
+    assert cli_main(["collect", str(spec_path), "--out", str(out), "--quiet",
+                     "--contexts", str(tmp_path / "two.json")]) == 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -777,7 +778,10 @@ def load_contexts(path: str | os.PathLike[str]) -> ContextSet:
     try:
         text = raw.decode("utf-8")
         if path.suffix.lower() == ".toml":
-            import tomllib
+            if sys.version_info >= (3, 11):
+                import tomllib
+            else:  # Python 3.10: the same parser, published as tomli
+                import tomli as tomllib
 
             doc: Any = tomllib.loads(text)
         else:
@@ -792,7 +796,7 @@ def describe_contexts(weights: np.ndarray, probs: np.ndarray) -> str:
     """``C contexts, K objectives, cost weights {...}, uniform|not uniform``: a one-line account of a context set."""
     k = weights.shape[1] - 1
     uniform = "uniform" if np.allclose(probs, probs[0], rtol=0, atol=1e-12) else "not uniform"
-    costs = ", ".join(f"{-c:g}" for c in sorted(set(weights[:, -1].tolist()), reverse=True))
+    costs = ", ".join(f"{0.0 - c:g}" for c in sorted(set(weights[:, -1].tolist()), reverse=True))
     return f"{weights.shape[0]} contexts over {k} objective{'s' if k != 1 else ''}, cost weights {costs}, {uniform}"
 
 

@@ -45,7 +45,12 @@ def cmd_collect(args: argparse.Namespace) -> int:
         if args.dry_run:
             dry_run(spec, out)
             return 0
-        result = collect(spec, out, progress=not args.quiet)
+        contexts = None
+        if args.contexts:
+            from iapo_gym.data.build import load_contexts
+
+            contexts = load_contexts(args.contexts)
+        result = collect(spec, out, progress=not args.quiet, contexts=contexts)
     except (SpecError, EndpointError, LogFormatError, ImportError, ValueError) as exc:
         print(f"iapo-gym collect: error: {exc}", file=sys.stderr)
         return 1
@@ -87,6 +92,9 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("spec", help="collection spec, .toml or .json (docs/collect.md)")
     p.add_argument("--out", help="output folder for the log, the table and the response cache (default: ./TASK)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--contexts", metavar="FILE",
+                   help="the table's contexts, a JSON or TOML file as data build --contexts takes (docs/data.md); "
+                        "default: the spec's [[contexts]], else the paper's")
     p.add_argument("--dry-run", action="store_true",
                    help="send nothing: print every host that would be contacted and the NAME of the key variable "
                         "it would get (never the value), and how many completions are left")

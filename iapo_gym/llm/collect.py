@@ -21,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from iapo_gym.atomic import atomic_write_text
 from iapo_gym.llm.cache import ResponseCache
@@ -34,6 +34,9 @@ from iapo_gym.llm.scoring import make_extractor, make_scorer
 from iapo_gym.llm.spec import Query, Spec, SpecError
 from iapo_gym.progress import Progress
 from iapo_gym.tables import OutcomeTable, write_table
+
+if TYPE_CHECKING:
+    from iapo_gym.data.build import ContextSet
 
 #: Seconds between fsyncs of the log (every line is flushed to the OS at once, which a killed process
 #: cannot undo; a power failure can lose the last FSYNC_EVERY seconds, which the rerun requests again).
@@ -165,9 +168,13 @@ class _Progress:
 class Collector:
     """Collect the spec's completions into ``out`` (resuming what is there), then build the table."""
 
-    def __init__(self, spec: Spec, out: str | os.PathLike[str], *, progress: bool = True) -> None:
-        """``out`` holds the log, the table, the response cache (unless the spec names one) and a manifest."""
+    def __init__(self, spec: Spec, out: str | os.PathLike[str], *, progress: bool = True,
+                 contexts: ContextSet | None = None) -> None:
+        """``out`` holds the log, the table, the response cache (unless the spec names one) and a manifest;
+        ``contexts``: the table's contexts (``collect --contexts FILE``), else the spec's ``[[contexts]]``, else the
+        paper's."""
         self.spec = spec
+        self.contexts = contexts
         self.out = Path(out)
         self.log = self.out / f"{spec.task}.jsonl"
         self.table_path = self.out / f"{spec.task}.h5"
@@ -353,7 +360,7 @@ class Collector:
         With prices in the spec, an arm's cost is its mean price per completion (prompt and
         completion tokens as used, at its endpoint's prices) and the table's cost unit is the currency.
         """
-        from iapo_gym.data.build import build_table
+        from iapo_gym.data.build import ContextSet, build_table, describe_contexts
 
         spec, b = self.spec, self.spec.build
         options: dict[str, Any] = {"task": spec.task, "n_max": spec.n_max, "cost_scale": b.cost_scale,
@@ -374,14 +381,19 @@ class Collector:
         attrs = {**table.attrs, "collected": f"iapo-gym collect, model{'s' if len(spec.endpoints) > 1 else ''} "
                                              f"{models} ({spec.endpoint.api} API), sampling "
                                              f"{json.dumps(spec.sampling.as_dict())}"}
-        contexts = spec.context_arrays()
+        contexts = self.contexts
+        if contexts is None and spec.contexts is not None:
+            arrays = spec.context_arrays()
+            assert arrays is not None
+            contexts = ContextSet(*arrays, source=f"the spec's [[contexts]] ({Path(spec.path).name})")
         if contexts is not None:
-            weights, names, probs = contexts
-            if weights.shape[1] != table.n_objectives + 1:
-                raise SpecError(f"{spec.path}: field 'contexts' weighs {weights.shape[1] - 1} objective(s), the table "
+            if contexts.n_objectives != table.n_objectives:
+                where = f"{spec.path}: field 'contexts'" if self.contexts is None else contexts.source
+                raise SpecError(f"{where} weighs {contexts.n_objectives} objective(s), the table "
                                 f"has {table.n_objectives} {list(table.objective_names)}")
-            table = dataclasses.replace(table, context_weights=weights, context_names=names, context_probs=probs)
-            attrs["contexts"] = "the spec's [[contexts]]"
+            table = dataclasses.replace(table, context_weights=contexts.weights, context_names=contexts.names,
+                                        context_probs=contexts.probs)
+            attrs["contexts_source"] = f"{describe_contexts(contexts.weights, contexts.probs)}: {contexts.source}"
         if not spec.priced:
             return dataclasses.replace(table, attrs=attrs)
         cost = log_costs(spec, [rec for _, rec in lines], table.prompts, self.log)
@@ -392,6 +404,8 @@ class Collector:
         return dataclasses.replace(table, cost=cost, cost_unit=spec.currency, attrs=attrs)
 
 
-def collect(spec: Spec, out: str | os.PathLike[str], *, progress: bool = True) -> CollectResult:
-    """Collect ``spec`` into ``out`` (resuming), and build the table when complete."""
-    return Collector(spec, out, progress=progress).run()
+def collect(spec: Spec, out: str | os.PathLike[str], *, progress: bool = True,
+            contexts: ContextSet | None = None) -> CollectResult:
+    """Collect ``spec`` into ``out`` (resuming), and build the table when complete, with ``contexts`` if given
+    (``iapo_gym.data.build.load_contexts``), else the spec's ``[[contexts]]``, else the paper's."""
+    return Collector(spec, out, progress=progress, contexts=contexts).run()
