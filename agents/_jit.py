@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
 
-import numba
 import numpy as np
+
+from iapo_gym.compiled import njit
 
 SOFTMAX, EPSILON_GREEDY, UCB = 0, 1, 2  # the kinds of choice rule (``_Sequential.jit_rule``)
 
@@ -28,11 +28,7 @@ def enabled() -> bool:
     return os.environ.get("IAPO_GYM_JIT", "1").strip() != "0"
 
 
-def _njit(fn: Any) -> Any:
-    """``fn`` compiled by numba, cached on disk. error_model="numpy": x / 0 gives inf or nan as in numpy instead of
-    raising (and loops vectorize); no fastmath, so every sum runs in the order written, whatever the machine's
-    thread count (no kernel is parallel)."""
-    return numba.njit(cache=True, error_model="numpy")(fn)
+_njit = njit  # every kernel of the package compiles through iapo_gym.compiled.njit
 
 
 # ---- the choice rules (baselines.py: _Sequential._argmax, Softmax/EpsilonGreedy/UCB.choose) ----

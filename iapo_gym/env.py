@@ -10,8 +10,9 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from iapo_gym.oracle import exact_acr, monte_carlo_acr, optimal_policy, q_table
+from iapo_gym.oracle import exact_acr, expected_drawn, monte_carlo_acr, optimal_policy, q_table
 from iapo_gym.policy import Policy, PolicyLike
+from iapo_gym.rules import Rule, default_rules
 from iapo_gym.sampling import AliasSampler
 from iapo_gym.source import CompletionSource, TableSource
 from iapo_gym.tables import TEST, TRAIN, OutcomeTable, TableSchema, read_table
@@ -359,9 +360,21 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
             raise NotImplementedError(self.source.no_exact or f"{type(self.source).__name__} has no exact oracle")
         return self.table
 
-    def q_table(self, split: str = "test") -> np.ndarray:
-        """Exact expected utilities (C, P, N_max) on ``split``; entry [c, p, N-1] (refused without an exact oracle)."""
-        return q_table(self._known_table(), self.queries(split))
+    def q_table(self, split: str = "test", rules: bool = False) -> np.ndarray:
+        """Exact expected utilities (C, P, N_max) on ``split``; entry [c, p, N-1] (refused without an exact oracle).
+
+        With ``rules``, (C, P, N_max, R) over the stopping rules ``self.rules``; entry [c, p, N-1, r].
+        """
+        return q_table(self._known_table(), self.queries(split), rules=rules)
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """The stopping rules of the env's aggregator (``iapo_gym.rules``); index 0 is fixed N."""
+        return default_rules(self.table.aggregator)
+
+    def expected_drawn(self, split: str = "test") -> np.ndarray:
+        """Exact expected completions drawn (C, P, N_max, R) under each stopping rule on ``split``."""
+        return expected_drawn(self._known_table(), self.queries(split))
 
     def optimal_policy(self, split: str = "test") -> Policy:
         """The exact optimal policy on ``split`` (refused without an exact oracle)."""

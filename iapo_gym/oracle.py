@@ -11,17 +11,21 @@ import numpy as np
 
 from iapo_gym.exact import stored
 from iapo_gym.policy import Policy, PolicyLike
+from iapo_gym.rules import rule_expectations
 from iapo_gym.tables import OutcomeTable, TableSchema
 from iapo_gym.utility import block_utilities, expected_arm_reward, mean_task_reward
 
 
-def q_table(table: OutcomeTable, queries: np.ndarray | None = None) -> np.ndarray:
-    """Exact Q (C, P, N_max) averaged over ``queries`` (default: every query); index N-1."""
-    if queries is None:
-        queries = np.arange(table.n_queries)
-    queries = np.asarray(queries, dtype=np.int64)
-    if queries.size == 0:
-        raise ValueError("q_table needs at least one query")
+def q_table(table: OutcomeTable, queries: np.ndarray | None = None, *, rules: bool = False) -> np.ndarray:
+    """Exact Q (C, P, N_max) averaged over ``queries`` (default: every query); index N-1.
+
+    With ``rules`` the Q of every stopping rule of the table's family (``iapo_gym.rules.default_rules``),
+    (C, P, N_max, R), entry [c, p, N-1, r]: expected task reward plus the cost weight times the expected cost of
+    the completions the rule draws; [..., 0] (fixed N) is the Q-table without rules.
+    """
+    queries = _checked_queries(table, queries, "q_table")
+    if rules:
+        return _rules_q_table(table, queries)
     reward, rows = mean_task_reward(table, queries)  # (C', P, N)
     if table.aggregator == "bon":
         q = reward[rows]  # one row per context
@@ -37,6 +41,48 @@ def q_table(table: OutcomeTable, queries: np.ndarray | None = None) -> np.ndarra
 
 
 _ROWS_CELLS = 1 << 18  # (prompt, N) cells of the cost term added at a time
+
+
+def _checked_queries(table: OutcomeTable, queries: np.ndarray | None, what: str) -> np.ndarray:
+    """``queries`` as int64 indices (default: every query of ``table``); at least one."""
+    if queries is None:
+        queries = np.arange(table.n_queries)
+    queries = np.asarray(queries, dtype=np.int64)
+    if queries.size == 0:
+        raise ValueError(f"{what} needs at least one query")
+    return queries
+
+
+def expected_drawn(table: OutcomeTable, queries: np.ndarray | None = None) -> np.ndarray:
+    """Exact expected completions drawn (C, P, N_max, R) by every (prompt, cap N, stopping rule), mean over
+    ``queries``; [..., 0] (fixed N) is N."""
+    queries = _checked_queries(table, queries, "expected_drawn")
+    found = rule_expectations(table)
+    drawn = found.drawn[:, :, queries].mean(axis=2)  # (C', P, N_max, R)
+    return drawn[found.rows(table.n_contexts)]
+
+
+def expected_cost(table: OutcomeTable, queries: np.ndarray | None = None) -> np.ndarray:
+    """Exact expected cost (C, P, N_max, R) of every (prompt, cap N, stopping rule): the mean over ``queries`` of
+    the query's cost per completion times the completions the rule is expected to draw (what Q's cost term weighs)."""
+    queries = _checked_queries(table, queries, "expected_cost")
+    found = rule_expectations(table)
+    cost = table.cost_matrix()[:, queries]  # (P, Q')
+    spend = np.einsum("cpqnr,pq->cpnr", found.drawn[:, :, queries], cost) / queries.size
+    return spend[found.rows(table.n_contexts)]
+
+
+def _rules_q_table(table: OutcomeTable, queries: np.ndarray) -> np.ndarray:
+    """``q_table(..., rules=True)``: rule 0 is ``q_table`` itself (bit for bit), the others from
+    ``iapo_gym.rules.rule_expectations`` plus the cost weight times ``expected_cost``."""
+    found = rule_expectations(table)
+    reward = found.reward[:, :, queries, :, 1:].mean(axis=2)[found.rows(table.n_contexts)]  # (C, P, N_max, R - 1)
+    if table.aggregator == "mv":
+        reward = table.context_weights[:, 0, None, None, None] * reward
+    q = np.empty(reward.shape[:3] + (len(found.rules),))
+    q[..., 0] = q_table(table, queries)
+    q[..., 1:] = reward + table.context_weights[:, -1, None, None, None] * expected_cost(table, queries)[..., 1:]
+    return q
 
 
 def greedy_policy(q: np.ndarray) -> Policy:
