@@ -12,7 +12,7 @@ from gymnasium import spaces
 
 from iapo_gym.oracle import exact_acr, expected_drawn, monte_carlo_acr, optimal_policy, q_table
 from iapo_gym.policy import Policy, PolicyLike
-from iapo_gym.rules import Rule, default_rules
+from iapo_gym.rules import Rule, default_rules, sampled_stop
 from iapo_gym.sampling import AliasSampler
 from iapo_gym.source import CompletionSource, TableSource
 from iapo_gym.tables import TEST, TRAIN, OutcomeTable, TableSchema, read_table
@@ -72,10 +72,11 @@ def _as_index(value: Any, name: str, low: int, high: int) -> int:
 
 
 class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
-    """One-step contextual bandit over arms (prompt p, number of completions N).
+    """One-step contextual bandit over arms (prompt p, number of completions N) and, optionally, stopping rules.
 
     ``reset`` draws a context (its weight vector is the observation); ``step((p, N))`` draws
-    a query of the current split and N completions, and returns their aggregated utility.
+    a query of the current split and N completions, and returns their aggregated utility;
+    ``step((p, N, r))`` draws them one at a time under stopping rule ``rules[r]`` with cap N (r = 0: fixed N).
     ``pull``/``utilities`` are the vectorized path for agents; ``q_table`` the exact oracle.
     The completions come from ``source``: a table's sampler, or a live endpoint (``LiveEnv``).
     """
@@ -195,11 +196,32 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         n = _as_index(action[1], "N", 1, self.n_max)
         return p, n
 
-    def step(self, action: tuple[int, int]) -> tuple[np.ndarray, SupportsFloat, bool, bool, dict[str, Any]]:
-        """Pull arm (p, N) once in the current context; one-step episodes end at once."""
-        p, n = self.validate_action(action)
-        pulls = self.pull(np.array([p]), np.array([n]))
-        query = int(pulls.queries[0])
+    def validate_rule_action(self, action: Any) -> tuple[int, int, int]:
+        """(p, N, r) as ints from (p, N) (r = 0, fixed N) or (p, N, r), or a ValueError naming the bad value and
+        the allowed range (r in [0, len(rules) - 1])."""
+        if isinstance(action, np.ndarray):
+            if action.shape not in ((2,), (3,)):
+                raise ValueError(f"action must be (p, N) or (p, N, r), got an array of shape {action.shape}")
+            action = tuple(action.tolist())
+        if not isinstance(action, (tuple, list)) or len(action) not in (2, 3):
+            raise ValueError(f"action must be a pair (p, N) or a triple (p, N, r), got {action!r}"[:300])
+        p, n = self.validate_action(tuple(action[:2]))
+        r = _as_index(action[2], "rule r", 0, len(self.rules) - 1) if len(action) == 3 else 0
+        return p, n, r
+
+    @property
+    def rule_action_space(self) -> spaces.Tuple:
+        """``Tuple(Discrete(P), Discrete(N_max, start=1), Discrete(R))``: the actions (p, N, r) ``step`` also takes
+        (``action_space`` stays the pair (p, N), rule 0, so wrappers and RL libraries see today's space)."""
+        return spaces.Tuple((*self.action_space.spaces, spaces.Discrete(len(self.rules))))
+
+    def step(self, action: tuple[int, int] | tuple[int, int, int]) -> tuple[np.ndarray, SupportsFloat, bool, bool,
+                                                                             dict[str, Any]]:
+        """Pull arm (p, N) once in the current context, or (p, N, r) under stopping rule ``rules[r]`` with cap N;
+        one-step episodes end at once. ``info["drawn"]`` is the completions drawn (N for fixed N)."""
+        p, n, r = self.validate_rule_action(action)
+        pulls = self.pull(np.array([p]), np.array([n])) if r == 0 else self._rule_pull(p, n, r)
+        query, n = int(pulls.queries[0]), int(pulls.ns[0])
         reward = float(self.utilities(pulls)[self._context, 0])
         atoms = pulls.atoms
         table = self.table
@@ -215,8 +237,28 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
             "outcomes": outcomes,
             "cost": np.full(n, table.cost_matrix()[p, query]),
             "budget_used": self.budget_used,
+            "drawn": n,
+            "rule": r,
         }
         return self._observations[self._context].copy(), reward, True, False, info
+
+    def _rule_pull(self, prompt: int, cap: int, rule: int) -> Pulls:
+        """One pull of ``prompt`` under stopping rule ``rules[rule]`` with cap ``cap`` in the current context.
+
+        The cap's completions come from the env's generator at once (as a fixed-N pull's); the rule, checked after
+        every completion, keeps those up to its stop (``iapo_gym.rules.sampled_stop``), and only those are drawn:
+        they alone count in ``completions_drawn`` and ``budget_used``. Needs a table source.
+        """
+        if not self.draws_from_table or not isinstance(self.table, OutcomeTable):
+            raise NotImplementedError(f"stopping rules (r > 0) are sampled from a table's outcome distributions; "
+                                      f"{type(self.source).__name__} draws fixed N only (use r = 0)")
+        pool = self._split_queries[self.split]
+        rng = self.np_random
+        query = int(pool[rng.integers(pool.size)])
+        atoms = self.source.draw_one(prompt, query, cap, rng)
+        drawn = sampled_stop(self.table, self.rules, rule, self._context, prompt, query, atoms)
+        self.completions_drawn += drawn
+        return Pulls(np.array([prompt]), np.array([drawn]), np.array([query]), atoms[:drawn], np.array([0, drawn]))
 
     # ---- vectorized path --------------------------------------------------------------
     def _get_sampler(self) -> AliasSampler:

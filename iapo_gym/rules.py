@@ -162,6 +162,18 @@ def _posterior_stops(level: float, n_max: int) -> np.ndarray:
     return out
 
 
+def vote_stops(rule: Rule, v1: np.ndarray, v2: np.ndarray, n_max: int) -> np.ndarray:
+    """Whether majority-vote ``rule`` stops at the top two vote counts ``v1 >= v2`` (arrays, v1 + v2 <= ``n_max``).
+
+    The one stopping test of the exact enumeration (``_orbits``) and of the env's sampled steps (``sampled_stops``).
+    """
+    if isinstance(rule, Margin):
+        return np.asarray(v1 - v2 >= rule.m)
+    if isinstance(rule, Posterior):
+        return _posterior_stops(float(rule.level), n_max)[v1, v2]
+    raise ValueError(f"{rule!r} is not a majority-vote stopping rule")
+
+
 @dataclass(frozen=True)
 class _Partitions:
     """The partitions with at most ``n_wrong`` parts and size <= N_max, ascending in size (index 0: the empty one),
@@ -259,12 +271,7 @@ def _orbits(n_wrong: int, n_max: int, rule: Rule) -> np.ndarray:
         states, w = kids[first], np.bincount(inverse.reshape(-1), weights=kid_w, minlength=keys.size)
         top = np.sort(np.concatenate([states[:, :3], np.zeros((states.shape[0], 1), np.int64)], axis=1), axis=1)
         v1, v2 = top[:, -1], top[:, -2]  # the partition is sorted: the top two are among c0 and its first two
-        if isinstance(rule, Margin):
-            stop = v1 - v2 >= rule.m
-        elif isinstance(rule, Posterior):
-            stop = _posterior_stops(float(rule.level), n_max)[v1, v2]
-        else:
-            raise ValueError(f"{rule!r} is not a majority-vote stopping rule")
+        stop = vote_stops(rule, v1, v2, n_max)
         lead = states[:, 0] == v1
         ties = (states == v1[:, None]).sum(axis=1)
         u = parts.lookup(_keys(states[:, 1:], n_max)) if n_wrong else np.zeros(states.shape[0], np.int64)
@@ -486,3 +493,59 @@ def rule_expectations(table: TableArrays, rules: tuple[Rule, ...] | None = None)
     result = RuleExpectations(rules, reward, drawn, index)
     table._cache[_KEY] = result
     return result
+
+
+# ---- sampled steps ------------------------------------------------------------------------------
+_TAUS_KEY = "rule_thresholds"  # the entry of the table's derived-array cache with ``context_thresholds``
+
+
+def context_thresholds(table: TableArrays, rules: tuple[Rule, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Each context's tau (C, len(rules)) and objective weights (C, K), cached on the table.
+
+    tau is ``thresholds`` of the whole table for the context's objective weighting (``objective_rows``), the values
+    ``rule_expectations`` uses; +inf for a rule that is not a ``Threshold`` and for every rule of majority vote.
+    """
+    rules = default_rules(table.aggregator) if rules is None else tuple(rules)
+    found = table._cache.get(_TAUS_KEY)
+    if found is not None and found[0] == rules:
+        return found[1], found[2]
+    weights, index = objective_rows(table)
+    if table.aggregator == "mv":
+        taus = np.full((index.size, len(rules)), np.inf)
+    else:
+        assert table.atoms is not None
+        taus = thresholds(table.atoms, table.probs, weights, rules)[index]
+    per_context = weights[index]
+    taus.setflags(write=False)
+    per_context.setflags(write=False)
+    table._cache[_TAUS_KEY] = (rules, taus, per_context)
+    return taus, per_context
+
+
+def sampled_stop(table: TableArrays, rules: tuple[Rule, ...], rule_index: int, context: int, prompt: int,
+                 query: int, atoms: np.ndarray) -> int:
+    """Completions a pull draws under ``rules[rule_index]`` in ``context`` when its completions come out as ``atoms``
+    (L,) in draw order with cap L: the first k after which the rule stops (checked after every completion), else L.
+
+    The sampled counterpart of the exact expectations, vectorized over the draws: majority vote checks
+    ``vote_stops`` on the running counts' top two; Best-of-N compares each completion's utility w . a (w the
+    context's objective weights) with the context's tau (``context_thresholds``). ``FixedN`` draws all L.
+    """
+    rule = rules[rule_index]
+    atoms = np.asarray(atoms, dtype=np.int64).reshape(-1)
+    length = atoms.size
+    if isinstance(rule, FixedN) or length == 0:
+        return length
+    if table.aggregator == "mv":
+        n_buckets = table.probs.shape[-1]
+        counts = np.zeros((length, max(n_buckets, 2)), dtype=np.int64)
+        counts[np.arange(length), atoms] = 1
+        np.cumsum(counts, axis=0, out=counts)
+        top2 = np.partition(counts, counts.shape[1] - 2, axis=1)[:, -2:]
+        stop = vote_stops(rule, top2[:, 1], top2[:, 0], max(table.n_max, length))
+    else:
+        assert table.atoms is not None
+        taus, weights = context_thresholds(table, rules)
+        scores = table.atoms[prompt, query] @ weights[context]  # as ``thresholds`` scores the table's cells
+        stop = scores[atoms] >= taus[context, rule_index]
+    return int(stop.argmax()) + 1 if stop.any() else length

@@ -143,9 +143,10 @@ class ContextOneHot(gym.ObservationWrapper[np.ndarray, Any, np.ndarray], gym.uti
 
 
 class CompletionBudget(gym.Wrapper[Any, Any, Any, Any], gym.utils.RecordConstructorArgs):
-    """Cap a stream of episodes at ``budget`` completions (the sum of N over executed steps).
+    """Cap a stream of episodes at ``budget`` completions (the completions drawn by executed steps: N, or fewer
+    for a stopping rule's step ``(p, N, r)``, ``info["drawn"]``).
 
-    A step whose N exceeds the remaining budget is **refused**, never clipped: nothing is
+    A step whose N (the cap, for a stopping rule) exceeds the remaining budget is **refused**, never clipped: nothing is
     drawn or spent, the reward is 0.0, ``truncated=True`` and ``info["budget_refused"]`` is
     True (clipping N would credit a reward to an arm that was not pulled). A step that
     brings the spend to exactly ``budget`` also returns ``truncated=True``; from then on every
@@ -183,13 +184,15 @@ class CompletionBudget(gym.Wrapper[Any, Any, Any, Any], gym.utils.RecordConstruc
         return self.spent >= self.budget
 
     def arm_of(self, action: Any) -> tuple[int, int]:
-        """The (p, N) this wrapper's ``action`` pulls, through the action wrappers beneath (validated)."""
+        """The (p, N) this wrapper's ``action`` pulls, through the action wrappers beneath (validated; N is the cap
+        of a stopping rule's action (p, N, r))."""
         env: Any = self.env
         while isinstance(env, gym.Wrapper):
             if isinstance(env, gym.ActionWrapper):
                 action = env.action(action)
             env = env.env
-        return self._base.validate_action(action)
+        p, n, _ = self._base.validate_rule_action(action)
+        return p, n
 
     def _budget_info(self, refused: bool) -> dict[str, Any]:
         return {"budget": self.budget, "budget_spent": self.spent, "budget_remaining": self.remaining,
@@ -212,7 +215,7 @@ class CompletionBudget(gym.Wrapper[Any, Any, Any, Any], gym.utils.RecordConstruc
         if n > self.remaining:
             return self._last_obs, 0.0, False, True, {**self._last_context, **self._budget_info(True)}
         obs, reward, terminated, truncated, info = self.env.step(action)
-        self.spent += n
+        self.spent += int(info.get("drawn", n))
         self._last_obs = obs
         return obs, reward, terminated, bool(truncated) or self.exhausted, {**info, **self._budget_info(False)}
 

@@ -82,7 +82,7 @@ def test_mv_step_outcomes_mark_correct_answers() -> None:
         ((0, 7), r"N must be in \[1, 6\], got 7"),
         ((0, 2.5), r"N must be an integer in \[1, 6\], got 2.5"),
         ((True, 2), "prompt p must be an integer"),
-        ((0, 1, 2), "pair"),
+        ((0, 1, 2, 3), "pair"),
         (np.zeros((2, 2), dtype=int), "shape"),
         ("ab", "pair"),
     ],

@@ -225,7 +225,8 @@ class LiveEnv(IAPOEnv):
         """HTTP requests this env has sent (cache hits send none)."""
         return self.client.cap.requests
 
-    def step(self, action: tuple[int, int]) -> tuple[np.ndarray, SupportsFloat, bool, bool, dict[str, Any]]:
+    def step(self, action: tuple[int, int] | tuple[int, int, int]) -> tuple[np.ndarray, SupportsFloat, bool, bool,
+                                                                             dict[str, Any]]:
         """As ``IAPOEnv.step``; ``info`` adds the completions' ``texts``, real token counts (``tokens``), their
         shares of the prompt tokens (``prompt_tokens``) and, with prices in the spec, the pull's price (``spend``)."""
         obs, reward, terminated, truncated, info = super().step(action)
