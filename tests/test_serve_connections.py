@@ -116,15 +116,12 @@ def test_16mb_of_headers_get_431_after_the_limit(server: tuple[int, int]) -> Non
     _normal(port)
 
 
-def test_a_head_sent_one_byte_a_second_gets_408(server: tuple[int, int]) -> None:
-    port, _ = server
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-    cut = threading.Event()
 
-    def trickle() -> None:
+def _trickle(sock: socket.socket, data: bytes, cut: threading.Event) -> threading.Thread:
+    """A thread sending ``data`` one byte a second on ``sock`` until it is sent, ``cut`` is set or the socket fails."""
+    def send() -> None:
         try:
-            for byte in head:
+            for byte in data:
                 if cut.is_set():
                     return
                 sock.sendall(bytes([byte]))
@@ -132,9 +129,18 @@ def test_a_head_sent_one_byte_a_second_gets_408(server: tuple[int, int]) -> None
         except OSError:
             pass
 
-    started = time.monotonic()
-    thread = threading.Thread(target=trickle)
+    thread = threading.Thread(target=send)
     thread.start()
+    return thread
+
+
+def test_a_head_sent_one_byte_a_second_gets_408(server: tuple[int, int]) -> None:
+    port, _ = server
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    cut = threading.Event()
+    started = time.monotonic()
+    thread = _trickle(sock, head, cut)
     _normal(port)  # answered meanwhile
     status, doc, _ = _answer(sock, HEADER_TIMEOUT + 10)
     elapsed = time.monotonic() - started
@@ -152,20 +158,8 @@ def test_a_body_sent_one_byte_a_second_gets_408(server: tuple[int, int]) -> None
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % len(BODY))
     cut = threading.Event()
-
-    def trickle() -> None:
-        try:
-            for byte in BODY:
-                if cut.is_set():
-                    return
-                sock.sendall(bytes([byte]))
-                time.sleep(1.0)
-        except OSError:
-            pass
-
     started = time.monotonic()
-    thread = threading.Thread(target=trickle)
-    thread.start()
+    thread = _trickle(sock, BODY, cut)
     _normal(port)
     status, doc, head = _answer(sock, BODY_TIMEOUT + 10)
     elapsed = time.monotonic() - started

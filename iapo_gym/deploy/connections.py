@@ -13,7 +13,7 @@ when installed, else h11) with the same bounds added around its parser (``ServeL
   is closed; when none is idle, the new connection is closed unanswered.
 
 The body's time (``body_timeout``, 408) is bounded in the app, where the request's deadline is
-(``ServeApp._timed``). Refusals have the OpenAI error shape with the project's codes.
+(``iapo_gym.deploy.app.BodyTimer``). Refusals have the OpenAI error shape with the project's codes.
 """
 
 from __future__ import annotations

@@ -1,10 +1,15 @@
-"""``iapo-gym serve``: a ``Router`` behind an OpenAI-compatible HTTP API (a plain ASGI app on uvicorn).
+"""``iapo-gym serve``: a ``Router`` behind an OpenAI-compatible HTTP API (a Starlette app on uvicorn).
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON bodies only; ``stream`` in
-the OpenAI chunk format), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``. A request
+the OpenAI chunk format), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` (HEAD too). A request
 names its context by ``iapo_context`` in the body (the official client's ``extra_body``) or by the
 model ``iapo/<context>``; a context is a name or a JSON list of weights. Caller parameters are
 honoured within what the policy was learned with or refused (``iapo_gym.deploy.params``).
+
+This module is the request logic (``ServeApp``); the HTTP layer (the Host allow-list, single headers,
+CORS, the body's time, errors of the routing, the access log's thread) is ``iapo_gym.deploy.app``, the
+connection's bounds ``iapo_gym.deploy.connections``, a streamed answer's events ``iapo_gym.deploy.stream``,
+what ``/health`` knows of the upstream ``iapo_gym.deploy.health``.
 
 Each request is bounded (``ServeLimits``: body size, prompt length, a deadline over all N completions,
 one retry of an upstream call, a slot among ``max_concurrency`` with a bounded queue) and charged to
@@ -13,7 +18,7 @@ deployment's processes through its store). Errors have the
 OpenAI shape ``{"error": {"message", "type", "param", "code"}}`` with the project's own codes; the
 upstream's messages go only to the server's log (stderr), secrets masked (``iapo_gym.deploy.errors``).
 Each request adds one JSON line to the access log (time, path, status, latency, context, N, completions
-drawn, tokens, error code); keys and bodies are never logged.
+drawn, tokens, error code) before its answer is complete; keys and bodies are never logged.
 """
 
 from __future__ import annotations
@@ -27,52 +32,36 @@ import json
 import math
 import os
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, TextIO
 
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from iapo_gym.deploy.app import JSON, AccessLog, error_response, starlette_app
 from iapo_gym.deploy.errors import Masker, error_body, upstream_error
+from iapo_gym.deploy.health import PROBE_EVERY, PROBE_TIMEOUT, UpstreamWatch
 from iapo_gym.deploy.limits import ServeLimits, check_priced, host_name
 from iapo_gym.deploy.params import MODEL_PREFIX, Plan, RequestError, read_request, stop_note
 from iapo_gym.deploy.router import ContextError, EndpointError, Routed, Router
+from iapo_gym.deploy.stream import EventStream, cut
 from iapo_gym.llm.budget import EXPIRY_MARGIN, Budget, RateLimited, Reservation, Spend
 from iapo_gym.llm.client import OVERSHOOT_TOKENS, ClientOptions, RequestOptions, SpendingCap, Usage
 from iapo_gym.llm.prices import prompt_token_bound
 from iapo_gym.llm.retry import RetryPolicy
 from iapo_gym.llm.spec import Endpoint
 
-__all__ = ["AccessLog", "MODEL_PREFIX", "ServeApp", "create_app", "run_server", "serve"]
+# PROBE_EVERY and PROBE_TIMEOUT: /health's probe of the upstream (iapo_gym.deploy.health), named here too
+__all__ = ["AccessLog", "MODEL_PREFIX", "PROBE_EVERY", "PROBE_TIMEOUT", "ServeApp", "create_app", "run_server",
+           "serve"]
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-
-JSON_TYPE = b"application/json"
-PROBE_TIMEOUT = 3.0  # seconds a /health probe of the upstream may take
-PROBE_EVERY = 2.0  # at most one probe per this many seconds
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # Host names always answered (any port)
 DRAIN_FACTOR = 8  # a body up to this many times the limit is read and dropped before the 413
 COMPLETION_PATHS = {"/v1/chat/completions": True, "/v1/completions": False}
-
-
-class AccessLog:
-    """One JSON object per line, flushed per request; thread-safe."""
-
-    def __init__(self, stream: TextIO | None) -> None:
-        """``stream``: where lines go (None: nowhere)."""
-        self.stream = stream
-        self._lock = threading.Lock()
-
-    def write(self, record: dict[str, Any]) -> None:
-        """Append one record."""
-        if self.stream is None:
-            return
-        line = json.dumps(record, separators=(",", ":")) + "\n"
-        with self._lock:
-            self.stream.write(line)
-            self.stream.flush()
+SSE = "text/event-stream; charset=utf-8"
 
 
 def _bracketed(host: str) -> str:
@@ -80,160 +69,8 @@ def _bracketed(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _cut(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
-    """``text`` up to the first of ``stops``, and whether it was cut."""
-    at = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    return (text[:at], True) if at >= 0 else (text, False)
-
-
-class _Upstream:
-    """The upstream's state as the server has seen it: last success, last failure (time and code), and the
-    requests in flight (since when), so that a hang shows before any timeout: a request waiting longer than
-    ``stall_after`` s while nothing came back from the upstream meanwhile is a stall."""
-
-    def __init__(self, stall_after: float) -> None:
-        """``stall_after``: seconds (``ServeLimits.stall_after``)."""
-        self.stall_after = stall_after
-        self.last_success: float | None = None
-        self.last_failure: float | None = None
-        self.last_error: str | None = None
-        self.last_probe = -math.inf
-        self.answered = -math.inf  # monotonic time of the last answer from the upstream (a request or a probe)
-        self.probe_lock = asyncio.Lock()
-        self.in_flight: dict[int, float] = {}  # request token -> monotonic start
-        self._tokens = 0
-
-    def ok(self) -> None:
-        self.last_success, self.answered = time.time(), time.monotonic()
-
-    def failed(self, code: str) -> None:
-        self.last_failure, self.last_error = time.time(), code
-
-    def begin(self) -> int:
-        """A request starts waiting for the upstream; returns its token for ``end``."""
-        self._tokens += 1
-        self.in_flight[self._tokens] = time.monotonic()
-        return self._tokens
-
-    def end(self, token: int) -> None:
-        self.in_flight.pop(token, None)
-
-    def stalled(self) -> int:
-        """Requests waiting for the upstream longer than ``stall_after`` s, when nothing came back from it in the
-        last ``stall_after`` s either (0: no stall)."""
-        now = time.monotonic()
-        if now - self.answered <= self.stall_after:
-            return 0
-        return sum(1 for started in self.in_flight.values() if now - started > self.stall_after)
-
-    @property
-    def down(self) -> bool:
-        """The latest news is a failure to reach it, or a refusal of the server's key."""
-        return self.last_failure is not None and self.last_error in ("upstream_unavailable", "upstream_auth") and \
-            (self.last_success is None or self.last_failure > self.last_success)
-
-    def report(self) -> dict[str, Any]:
-        def stamp(t: float | None) -> str | None:
-            return None if t is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
-        stalled = self.stalled()
-        state = "down" if self.down else "stalled" if stalled else "up" if self.last_success is not None else \
-            "unknown"
-        return {"state": state, "last_success": stamp(self.last_success), "last_failure": stamp(self.last_failure),
-                "last_error": self.last_error, "stalled_requests": stalled}
-
-
-class _Stream:
-    """One streamed answer: server-sent events in the OpenAI chunk format, sent as the text comes.
-
-    The response starts with the first event, so a refusal or failure before any text is still a plain
-    error status. ``text`` takes each piece the upstream sends (N = 1) and sends it as one chunk, cut
-    at the caller's stop sequences (the last characters that could begin one are held back until the
-    next piece); ``finish`` sends the answer when nothing was streamed (N > 1: once decided), the rest
-    held back, the final chunk with ``finish_reason`` and the ``iapo`` object, usage if asked, and
-    ``[DONE]``; ``error`` ends a started stream with an ``error`` event, as the OpenAI API does.
-    """
-
-    def __init__(self, send: Send, cors: list[tuple[bytes, bytes]], chat: bool, upstream: _Upstream) -> None:
-        self.send, self.cors, self.chat, self.upstream = send, cors, chat, upstream
-        self.head: dict[str, Any] = {}
-        self.stops: tuple[str, ...] = ()
-        self.keep = 0  # characters held back: one less than the longest stop sequence
-        self.held = ""
-        self.cut = False  # a stop sequence was found: nothing more of the text goes out
-        self.started = False
-        self.role_sent = False
-        self.first: float | None = None  # perf_counter() when the first text went out
-
-    def open(self, model: str, stops: tuple[str, ...]) -> None:
-        """Name the model and the stop sequences (once the request's context is known)."""
-        self.head = {"id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex,
-                     "object": "chat.completion.chunk" if self.chat else "text_completion",
-                     "created": int(time.time()), "model": model}
-        self.stops, self.keep = stops, max((len(s) for s in stops), default=1) - 1
-
-    async def _write(self, data: bytes, more: bool = True) -> None:
-        if not self.started:
-            self.started = True
-            await self.send({"type": "http.response.start", "status": 200, "headers": [
-                *self.cors, (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]})
-        try:
-            await self.send({"type": "http.response.body", "body": data, "more_body": more})
-        except OSError:  # the caller went away (uvicorn's ClientDisconnected): cancel the upstream call
-            raise asyncio.CancelledError from None
-
-    async def _event(self, doc: dict[str, Any]) -> None:
-        await self._write(b"data: " + json.dumps(doc).encode() + b"\n\n")
-
-    async def _chunk(self, text: str) -> None:
-        if self.chat:
-            delta = {"content": text} if self.role_sent else {"role": "assistant", "content": text}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": None, "logprobs": None}
-        self.role_sent = True
-        if self.first is None:
-            self.first = time.perf_counter()
-        await self._event({**self.head, "choices": [choice]})
-
-    async def text(self, piece: str) -> None:
-        """One piece of the answer as the upstream sent it (``Router.astream``'s ``on_text``)."""
-        self.upstream.answered = time.monotonic()  # the upstream is answering: not a stall
-        if self.cut:
-            return
-        buffer = self.held + piece
-        if self.stops:
-            cut, found = _cut(buffer, self.stops)
-            if found:
-                self.cut, self.held = True, ""
-                out = cut
-            else:
-                split = max(0, len(buffer) - self.keep)
-                out, self.held = buffer[:split], buffer[split:]
-        else:
-            out = buffer
-        if out:
-            await self._chunk(out)
-
-    async def finish(self, routed: Routed, text: str, finish: str, info: dict[str, Any],
-                     usage: dict[str, int] | None) -> None:
-        """The rest of the answer (``text``: the returned text, cut), the final chunk, usage, ``[DONE]``."""
-        rest = ("" if self.cut else self.held) if routed.streamed else text
-        if rest or not self.role_sent:
-            await self._chunk(rest)
-        delta: dict[str, Any] = {"delta": {}} if self.chat else {"text": ""}
-        await self._event({**self.head, "choices": [{"index": 0, **delta, "finish_reason": finish, "logprobs": None}],
-                           "iapo": info})
-        if usage is not None:
-            await self._event({**self.head, "choices": [], "usage": usage})
-        await self._write(b"data: [DONE]\n\n", more=False)
-
-    async def error(self, body: bytes) -> None:
-        """End a started stream with the error (the OpenAI error object as one event)."""
-        await self._write(b"data: " + body + b"\n\n", more=False)
-
-
 class ServeApp:
-    """The ASGI app serving a ``Router`` (module docstring)."""
+    """The ASGI app serving a ``Router`` (module docstring): the request logic behind Starlette's routes."""
 
     def __init__(self, router: Router, *, api_key: str | None = None, access_log: TextIO | None = None,
                  limits: ServeLimits | None = None, budget: Budget | None = None,
@@ -262,17 +99,25 @@ class ServeApp:
                                   f"the worst case of the smallest request in context {c.name!r}: N x (max_tokens + "
                                   f"{OVERSHOOT_TOKENS}) completion tokens plus N x the template's prompt tokens, "
                                   f"x {1 + self.retries} attempts")
-        self.upstream = _Upstream(self.limits.stall_after)
+        self.upstream = UpstreamWatch(self.limits.stall_after)
         self.hosts = {host_name(h) for h in (*LOCAL_HOSTS, _bracketed(host), *self.limits.allowed_hosts)}
         self.slots = asyncio.Semaphore(self.limits.max_concurrency)
         self.active = 0
         self.waiting = 0
         self.served = 0
-        self.cors = self.limits.cors_origins
         self.models = [{"id": MODEL_PREFIX + c.name, "object": "model", "created": 0, "owned_by": "iapo-gym",
                         "iapo": {"prompt": c.prompt, "n": c.n, "objective_weights": list(c.objective_weights),
                                  "cost_weight": c.cost_weight}} for c in router.contexts]
         self._models_body = json.dumps({"object": "list", "data": self.models}).encode()
+        self.asgi = starlette_app([
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
+            Route("/health", self.health_route, methods=["GET"]),
+        ], lifespan=self.lifespan, host_refused=self._host_refused, cors_origins=self.limits.cors_origins,
+            preflight=lambda path: path in COMPLETION_PATHS or path.startswith("/v1/models"),
+            body_limit=min(self.limits.body_timeout, self.limits.deadline))
 
     def client_options(self) -> ClientOptions:
         """The upstream clients of a server: no lifetime cap (the budget is a rate), at most ``upstream_retries``
@@ -338,73 +183,23 @@ class ServeApp:
             print(f"iapo-gym serve: budget_unavailable: {type(exc).__name__}: {self.mask(str(exc))}", file=self.log,
                   flush=True)
 
-    # ---- ASGI ----------------------------------------------------------------------------------------
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The ASGI entry point: HTTP requests and the lifespan (the upstream client opens and closes there)."""
-        if scope["type"] == "http":
-            await self.http(scope, receive, send)
-        elif scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    try:
-                        await self.router.start(self.client_options())
-                    except Exception as exc:  # noqa: BLE001 (reported to the server, which stops)
-                        await send({"type": "lifespan.startup.failed", "message": self.mask(str(exc))})
-                        return
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await self.router.aclose()
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+    # ---- the app -------------------------------------------------------------------------------------
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """The ASGI entry point (the Starlette app of ``iapo_gym.deploy.app.starlette_app``)."""
+        await self.asgi(scope, receive, send)
 
-    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Route one HTTP request: first its Host (421 unless allowed: DNS rebinding), on every path."""
-        path, method = scope["path"], scope["method"]
-        headers = dict(scope["headers"])
-        refused = self._host_refused(headers, sum(1 for name, _ in scope["headers"] if name == b"host"))
-        if refused is not None:
-            await self._send(send, refused.status, error_body(refused), [], refused.headers)
-            return
-        receive = self._timed(receive)
-        cors = self._cors(headers)
-        chat = COMPLETION_PATHS.get(path)
-        if method == "OPTIONS" and self.cors and (chat is not None or path.startswith("/v1/models")):
-            await self._send(send, 204 if cors else 403, b"", cors + [
-                (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
-                (b"access-control-allow-headers", b"authorization, content-type"),
-                (b"access-control-max-age", b"600")], content_type=None)
-            return
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _: object) -> AsyncIterator[None]:
+        """The upstream client opens at startup and closes at shutdown; the access log's queue is written out."""
         try:
-            if chat is not None:
-                if method != "POST":
-                    raise RequestError(405, f"{path} takes POST, got {method}", "method_not_allowed")
-                await self.completion(scope, headers, receive, send, chat, cors)
-                return
-            known = path in ("/health", "/v1/models") or path.startswith("/v1/models/")
-            if method != "GET" and known:
-                raise RequestError(405, f"{path} takes GET, got {method}", "method_not_allowed")
-            if path == "/health":
-                status, body = await self.health(headers)
-                await self._send(send, status, body, cors)
-                return
-            if path == "/v1/models" or path.startswith("/v1/models/"):
-                if not self._authorized(headers):
-                    raise self._unauthorized()
-                if path == "/v1/models":
-                    await self._send(send, 200, self._models_body, cors)
-                    return
-                model = path[len("/v1/models/"):]
-                found = [m for m in self.models if m["id"] == model]
-                if not found:
-                    raise RequestError(404, f"the model {model!r} does not exist here; GET /v1/models lists them",
-                                       "model_not_found", "model")
-                await self._send(send, 200, json.dumps(found[0]).encode(), cors)
-                return
-            raise RequestError(404, f"{path} is not served: the endpoints are /v1/chat/completions, "
-                                    "/v1/completions, /v1/models and /health", "not_found")
-        except RequestError as exc:
-            await self._send(send, exc.status, error_body(exc), cors, exc.headers)
+            await self.router.start(self.client_options())
+        except Exception as exc:  # reported to the server, which stops: the message only, secrets masked
+            raise RuntimeError(self.mask(str(exc))) from None
+        try:
+            yield
+        finally:
+            await self.router.aclose()
+            self.access.close()
 
     def _host_refused(self, headers: dict[bytes, bytes], count: int) -> RequestError | None:
         """None when the one Host header names an allowed host (any port, or the port it was allowed with);
@@ -424,64 +219,40 @@ class ServeApp:
                                  "can allow it with --allowed-host", "host_not_allowed",
                             headers={"Connection": "close"})
 
-    def _timed(self, receive: Receive) -> Receive:
-        """``receive`` with the request body bounded in time: the whole body must arrive within
-        ``body_timeout`` (and the deadline) from now, else 408 and the connection is closed; after the
-        body, ``receive`` only tells of a disconnect and is not bounded."""
-        limit = min(self.limits.body_timeout, self.limits.deadline)
-        loop = asyncio.get_running_loop()
-        ends = loop.time() + limit
-        done = False
-
-        async def timed() -> MutableMapping[str, Any]:
-            nonlocal done
-            if done:
-                return await receive()
-            try:
-                message = await asyncio.wait_for(receive(), ends - loop.time())
-            except asyncio.TimeoutError:
-                raise RequestError(408, f"the request body did not arrive within this server's limit of {limit:g} s",
-                                   "request_timeout", headers={"Connection": "close"}) from None
-            if message["type"] != "http.request" or not message.get("more_body", False):
-                done = True
-            return message
-
-        return timed
-
-    def _cors(self, headers: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
-        if not self.cors:
-            return []
-        origin = headers.get(b"origin")
-        if origin is None:
-            return []
-        if "*" in self.cors:
-            return [(b"access-control-allow-origin", b"*")]
-        if origin.decode("latin-1") in self.cors:
-            return [(b"access-control-allow-origin", origin), (b"vary", b"origin")]
-        return []
-
-    async def _send(self, send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]],
-                    headers: dict[str, str] | None = None, content_type: bytes | None = JSON_TYPE) -> None:
-        out = [(b"content-length", str(len(body)).encode()), *extra]
-        if content_type is not None:
-            out.append((b"content-type", content_type))
-        for k, v in (headers or {}).items():
-            out.append((k.lower().encode(), v.encode()))
-        await send({"type": "http.response.start", "status": status, "headers": out})
-        await send({"type": "http.response.body", "body": body})
-
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+    def _authorized(self, headers: Mapping[str, str]) -> bool:
         if self.expected is None:
             return True
-        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), self.expected)
 
     @staticmethod
     def _unauthorized() -> RequestError:
         return RequestError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key this "
                                  "server was started with (--api-key-env)", "invalid_api_key")
 
-    async def _body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
+    async def list_models(self, request: Request) -> Response:
+        """``GET /v1/models``: the contexts as models (the inbound key needed)."""
+        if not self._authorized(request.headers):
+            raise self._unauthorized()
+        return Response(self._models_body, media_type=JSON)
+
+    async def get_model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}``: one context as a model, or 404 ``model_not_found``."""
+        if not self._authorized(request.headers):
+            raise self._unauthorized()
+        model = request.path_params["model"]
+        found = [m for m in self.models if m["id"] == model]
+        if not found:
+            raise RequestError(404, f"the model {model!r} does not exist here; GET /v1/models lists them",
+                               "model_not_found", "model")
+        return Response(json.dumps(found[0]).encode(), media_type=JSON)
+
+    async def health_route(self, request: Request) -> Response:
+        """``GET /health`` (``health``)."""
+        status, body = await self.health(request.headers)
+        return Response(body, status, media_type=JSON)
+
+    async def _body(self, request: Request) -> bytes:
         """The request body, refused with 413 past ``max_body_bytes``.
 
         A body declared (``Content-Length``) or found larger is read on and dropped, never kept, up to
@@ -491,17 +262,13 @@ class ServeApp:
         limit = self.limits.max_body_bytes
         too_big = RequestError(413, f"the request body is larger than this server's limit of {limit} bytes",
                                "body_too_large")
-        declared = headers.get(b"content-length")
+        declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > DRAIN_FACTOR * limit):
             raise too_big
         over = declared is not None and int(declared) > limit
         chunks: list[bytes] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise asyncio.CancelledError
-            chunk = message.get("body", b"")
+        async for chunk in request.stream():  # ClientDisconnect when the caller goes away
             size += len(chunk)
             if size > limit:
                 over = True
@@ -510,66 +277,112 @@ class ServeApp:
                 chunks.append(chunk)
             if size > DRAIN_FACTOR * limit:
                 raise too_big
-            if not message.get("more_body", False):
-                if over:
-                    raise too_big
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if over:
+            raise too_big
+        return b"".join(chunks)
 
     # ---- completions ---------------------------------------------------------------------------------
-    async def completion(self, scope: Scope, headers: dict[bytes, bytes], receive: Receive, send: Send, chat: bool,
-                         cors: list[tuple[bytes, bytes]]) -> None:
-        """One completion request: checks, a slot, the budget, the routed answer under the deadline."""
+    async def chat_completions(self, request: Request) -> Response:
+        """``POST /v1/chat/completions`` (``completion``)."""
+        return await self.completion(request, True)
+
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions`` (``completion``)."""
+        return await self.completion(request, False)
+
+    async def completion(self, request: Request, chat: bool) -> Response:
+        """One completion request: checks, a slot, the budget, the routed answer under the deadline.
+
+        The work runs as its own task; the answer is a stream (``StreamingResponse``) from the first text it
+        streams, else the whole answer, or an error status when it failed before any text went out. The access
+        record is written (on the log's thread) before the answer's last byte leaves.
+        """
         start = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + self.limits.deadline
         record: dict[str, Any] = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "method": "POST",
-                                  "path": scope["path"]}
-
-        def logged(status: int) -> None:  # the record is written before the answer leaves: it is there once read
-            record["status"] = status
-            record["latency_ms"] = round((time.perf_counter() - start) * 1000.0, 3)
-            self.access.write(record)
-
-        out = _Stream(send, cors, chat, self.upstream)
+                                  "path": request.scope["path"]}
+        out = EventStream(chat, self.upstream)
+        work = asyncio.ensure_future(self._answer(request, chat, deadline, out))
+        work.add_done_callback(out.done)
         try:
-            routed, plan = await self._answer(headers, receive, chat, deadline, record, out)
+            await out.decided  # the first text, or the work's end
+        except BaseException:  # the server cancels the request (shutdown): so is its work
+            work.cancel()
+            raise
+        if not work.done():  # text is going out while the upstream still sends
+            return StreamingResponse(self._relay(work, out, record, start), media_type=SSE,
+                                     headers={"cache-control": "no-cache"})
+        try:
+            routed, plan = work.result()
         except RequestError as exc:
             record["error"] = exc.code
-            if out.started:  # the caller has part of the answer: the error is the stream's last event
-                logged(200)
-                with contextlib.suppress(OSError):
-                    await out.error(error_body(exc))
-                return
-            logged(exc.status)
-            await self._send(send, exc.status, error_body(exc), cors, exc.headers)
-            return
-        except asyncio.CancelledError:  # the caller went away: nothing to answer
+            await self._log(record, exc.status, start)
+            return error_response(exc)
+        except (ClientDisconnect, asyncio.CancelledError):  # the caller went away: nothing to answer
             record["error"] = "client_disconnected"
-            logged(499)
-            return
+            await self._log(record, 499, start)
+            return Response(status_code=499)
+        if plan.stream:  # decided before any text went out (N > 1): the whole stream at once
+            return StreamingResponse(self._relay(work, out, record, start), media_type=SSE,
+                                     headers={"cache-control": "no-cache"})
+        self._served(record, routed)
+        await self._log(record, 200, start)
+        return Response(json.dumps(self._response(routed, plan, chat)).encode(), media_type=JSON)
+
+    async def _log(self, record: dict[str, Any], status: int, start: float) -> None:
+        record["status"] = status
+        record["latency_ms"] = round((time.perf_counter() - start) * 1000.0, 3)
+        await self.access.write(record)
+
+    def _served(self, record: dict[str, Any], routed: Routed) -> None:
         self.served += 1
         record.update(context=routed.context.name, prompt=routed.prompt_id, n=routed.context.n, drawn=routed.n,
                       prompt_tokens=routed.prompt_tokens, completion_tokens=routed.completion_tokens)
-        if plan.stream:
+
+    async def _relay(self, work: asyncio.Future[tuple[Routed, Plan]], out: EventStream, record: dict[str, Any],
+                     start: float) -> AsyncIterator[bytes]:
+        """A streamed answer's events: the text as it comes, then its end (or the error event); a caller gone
+        mid-stream cancels the work (the upstream call with it) and is logged as 499."""
+        logged = False
+        try:
+            async for event in out.events():
+                yield event
+            try:
+                routed, plan = work.result()
+            except RequestError as exc:  # the caller has part of the answer: the error is the stream's last event
+                record["error"], logged = exc.code, True
+                await self._log(record, 200, start)
+                yield out.error(error_body(exc))
+                return
+            except (ClientDisconnect, asyncio.CancelledError):
+                return
+            self._served(record, routed)
             if out.first is not None:
                 record["first_text_ms"] = round((out.first - start) * 1000.0, 3)
-            logged(200)
-            with contextlib.suppress(OSError):  # a caller gone at the end misses only the end
-                await out.finish(routed, *self._answer_text(routed, plan), self._usage(routed) if plan.include_usage
-                                 else None)
-            return
-        logged(200)
-        await self._send(send, 200, json.dumps(self._response(routed, plan, chat)).encode(), cors)
+            logged = True
+            await self._log(record, 200, start)
+            for event in out.finish(routed, *self._answer_text(routed, plan),
+                                    self._usage(routed) if plan.include_usage else None):
+                yield event
+        finally:
+            if not work.done():
+                work.cancel()
+            if not logged:  # the caller went away (no waiting here: the response may be cancelled)
+                record.update(error="client_disconnected", status=499,
+                              latency_ms=round((time.perf_counter() - start) * 1000.0, 3))
+                self.access.submit(record)
 
-    async def _answer(self, headers: dict[bytes, bytes], receive: Receive, chat: bool, deadline: float,
-                      record: dict[str, Any], out: _Stream) -> tuple[Routed, Plan]:
+    async def _answer(self, request: Request, chat: bool, deadline: float,
+                      out: EventStream) -> tuple[Routed, Plan]:
         """The checks, then the routed answer (streamed to ``out`` as it comes when the caller asked for a stream)."""
+        headers = request.headers
         if not self._authorized(headers):
             raise self._unauthorized()
-        content_type = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
-        if content_type != JSON_TYPE:
+        content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if content_type != JSON:
             raise RequestError(415, "the request body must be JSON sent with 'Content-Type: application/json'",
                                "unsupported_media_type")
-        raw = await self._body(headers, receive)
+        raw = await self._body(request)
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:
@@ -600,12 +413,12 @@ class ServeApp:
         reservation = await self._admit(ctx, plan, rendered)
         usage = Usage()
         try:
-            return await self._run(ctx, plan, receive, deadline, usage, out), plan
+            return await self._run(ctx, plan, request.receive, deadline, usage, out), plan
         finally:
             await self._settle(reservation, ctx, usage)
 
-    async def _run(self, ctx: Any, plan: Plan, receive: Receive, deadline: float, usage: Usage,
-                   out: _Stream | None = None) -> Routed:
+    async def _run(self, ctx: Any, plan: Plan, receive: Callable[[], Any], deadline: float, usage: Usage,
+                   out: EventStream | None = None) -> Routed:
         """The routed answer in a slot, before the deadline, cancelled if the caller goes away; with ``plan.stream``
         its text goes to ``out`` as the upstream sends it where the context's N is 1 (``Router.astream``)."""
         loop = asyncio.get_running_loop()
@@ -644,7 +457,7 @@ class ServeApp:
                 with contextlib.suppress(BaseException):
                     await work
                 if watch in done:
-                    raise asyncio.CancelledError
+                    raise ClientDisconnect
                 self.upstream.failed("deadline_exceeded")
                 raise timeout
             try:
@@ -662,8 +475,9 @@ class ServeApp:
             self.upstream.ok()
             return routed
         finally:
-            if not watch.done():
-                watch.cancel()
+            for task in (work, watch):  # the request cancelled: so is its upstream call
+                if not task.done():
+                    task.cancel()
             self.upstream.end(waiting)
             self.active -= 1
             self.slots.release()
@@ -671,8 +485,8 @@ class ServeApp:
     def _answer_text(self, routed: Routed, plan: Plan) -> tuple[str, str, dict[str, Any]]:
         text, finish = routed.text, routed.finish or "stop"
         if plan.stop:
-            text, cut = _cut(text, plan.stop)
-            finish = "stop" if cut else finish
+            text, was_cut = cut(text, plan.stop)
+            finish = "stop" if was_cut else finish
         info = routed.info()
         if plan.changed:
             info["parameters"] = plan.changed
@@ -695,19 +509,18 @@ class ServeApp:
                 "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
 
     # ---- health --------------------------------------------------------------------------------------
-    async def health(self, headers: dict[bytes, bytes]) -> tuple[int, bytes]:
+    async def health(self, headers: Mapping[str, str]) -> tuple[int, bytes]:
         """503 when the upstream is down or stalled, else 200.
 
-        Each call asks the upstream (``GET /models``, at most every ``PROBE_EVERY`` s, within
+        Each call asks the upstream (``UpstreamWatch.probe``: at most every ``PROBE_EVERY`` s, within
         ``PROBE_TIMEOUT`` s): no answer in time while no request waits for it is down, so a hung upstream
         (stopped, deadlocked) shows within the probe timeout, not after the endpoint's; while requests wait,
         a request waiting past ``stall_after`` with no answer from the upstream meanwhile is a stall. The
         spend, the counters and the worker's pid only to a caller with the inbound key.
         """
-        up = self.upstream
-        await self._probe()
+        await self.upstream.probe(self.router)
         spend = self._authorized(headers)
-        report = up.report()
+        report = self.upstream.report()
         status = {"down": "upstream_down", "stalled": "upstream_stalled"}.get(report["state"], "ok")
         body: dict[str, Any] = {"status": status, "contexts": len(self.router.contexts),
                                 "upstream": report, "in_flight": self.active, "queued": self.waiting,
@@ -725,29 +538,6 @@ class ServeApp:
                   flush=True)
             return {**self.budget.report(False), "store": "unavailable"}
         return report
-
-    async def _probe(self) -> None:
-        up = self.upstream
-        async with up.probe_lock:
-            now = time.monotonic()
-            if now - up.last_probe < PROBE_EVERY:
-                return
-            up.last_probe = now
-            try:  # the whole probe within the timeout (waiting for a pooled connection too)
-                status = await asyncio.wait_for(self.router.probe(PROBE_TIMEOUT), PROBE_TIMEOUT)
-            except asyncio.TimeoutError:
-                status = None
-        if status is None and (up.answered >= now or up.in_flight):
-            # no answer to the probe, but requests were answered meanwhile (busy, not hung), or requests are
-            # waiting, ahead of which an upstream may put the probe (llama.cpp's server answers /models between
-            # completions): whether those stall decides (``stall_after``)
-            return
-        if status is None or status >= 500:
-            up.failed("upstream_unavailable")
-        elif status in (401, 403):
-            up.failed("upstream_auth")
-        else:  # it answered (a 404 from an upstream without /models is an answer)
-            up.ok()
 
 
 def create_app(router: Router, *, api_key: str | None = None, access_log: TextIO | None = None,
