@@ -27,26 +27,6 @@ from iapo_gym import IAPOEnv
 from iapo_gym.oracle import greedy_policy, q_table
 
 
-class _Recorded(AnytimePlugIn):
-    """``auto`` (the class with its defaults, as registered) that keeps the live prompts of its tail's first
-    pull (after the tail's re-admission) and the trajectory it ends on."""
-
-    tail_live: np.ndarray | None = None
-    in_tail = False
-
-    def _pull(self, run: Any, b: int) -> None:
-        if self.in_tail and self.tail_live is None:
-            self.tail_live = run.alive.copy()
-        super()._pull(run, b)
-
-    def _finish(self, run: Any, budget: int) -> Any:
-        self.in_tail, self.final_run = True, run
-        policy = super()._finish(run, budget)
-        if self.tail_live is None:  # the tail pulled nothing: its live prompts are the final ones
-            self.tail_live = run.alive.copy()
-        return policy
-
-
 def trim_readings(kind: str, level: int, seed: int, budget: int, context: int,
                   at_n: tuple[int, ...] = (1, 5, 10, 20)) -> list[dict[str, Any]]:
     """For the train-optimal and the chosen prompt of ``context`` (one record each, the optimal first):
@@ -58,9 +38,10 @@ def trim_readings(kind: str, level: int, seed: int, budget: int, context: int,
         raise SystemExit(f"--context must be in [0, {table.n_contexts}), got {context}")
     env = IAPOEnv(table=table)
     env.reset(seed=env_seed)
-    agent = _Recorded(seed=agent_seed)
+    agent = AnytimePlugIn(seed=agent_seed)
     policy = agent.train(env, budget)
-    est = agent.final_run.est
+    assert agent.last_tail is not None
+    est = agent.last_tail.estimator
     q_train = q_table(table, table.split_indices("train"))
     optimal = int(greedy_policy(q_train).arms[context][0])
     chosen = int(policy.arms[context][0])
@@ -71,10 +52,9 @@ def trim_readings(kind: str, level: int, seed: int, budget: int, context: int,
         seen = np.flatnonzero(draws > 0)
         estimate = est.estimate(np.array([prompt]))[context, 0]
         on_seen = q_table(table, seen)[context, prompt]
-        assert agent.tail_live is not None
         records.append({
             "prompt": prompt, "role": "optimal" if prompt == optimal else "chosen",
-            "live_at_tail": bool(agent.tail_live[context, prompt]), "completions": int(draws.sum()),
+            "live_at_tail": bool(agent.last_tail.live[context, prompt]), "completions": int(draws.sum()),
             "queries_seen": int(seen.size),
             "rows": [(n, float(estimate[n - 1]), float(on_seen[n - 1]), float(q_train[context, prompt, n - 1]),
                       int((draws[seen] >= n).sum())) for n in columns],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,16 @@ STEPS_SHARE = 0.5
 #: Best-of-N's kappa in place of ``kappa`` (majority vote's): a maximum of N reads the top of a query's
 #: distribution, which its own completions show only as they grow, so n grows faster there.
 BON_KAPPA = 1.0
+
+
+@dataclass(frozen=True)
+class Tail:
+    """What the last ``train`` (or budget of ``train_budgets``) ended with, for diagnostics
+    (research/trim_readings.py): the live prompts when its tail began, after the re-admission (C, P), and the
+    trajectory's estimator at the read-out (its public ``draws`` and ``estimate``). Reading it changes nothing."""
+
+    live: np.ndarray
+    estimator: PlugInEstimator
 
 
 class _Run:
@@ -90,6 +101,7 @@ class AnytimePlugIn(Agent):
         self.prior: dict[str, Any] = dict(zip(("alpha", "curve", "pretest", "bon_prior"), check_nonnegative(
             alpha=alpha, curve=curve, pretest=pretest, bon_prior=bon_prior), strict=True))
         (self.restore,) = check_nonnegative(restore=restore)
+        self.last_tail: Tail | None = None
         warm_up()
 
     def params(self) -> dict[str, Any]:
@@ -173,6 +185,7 @@ class AnytimePlugIn(Agent):
         """The budget's tail: successive halving of each context's live prompts on what is left, then
         the read-out. Stops early if a round cannot give one completion to every live prompt."""
         run.alive |= run.trimmed_with < self.restore * budget / run.alive.shape[1]
+        live = run.alive.copy()
         rounds = max(1, rounds_to_one(int(run.alive.sum(axis=1).max())))
         for r in range(rounds):
             b = (budget - run.spent) // (rounds - r)
@@ -180,5 +193,6 @@ class AnytimePlugIn(Agent):
                 break
             self._pull(run, b)
             keep_top(run.alive, run.est, np.maximum(1, run.alive.sum(axis=1) // 2), run.stream.rng)
+        self.last_tail = Tail(live, run.est)
         n_max = run.est.n_max
         return run.est.best_arms(run.stream.rng, np.repeat(run.alive[:, :, None], n_max, axis=2))
