@@ -61,6 +61,8 @@ def register_envs() -> None:
             gym.register(id=spec.env_id, entry_point="iapo_gym.env:IAPOEnv", kwargs={"task": spec.name})
     if "IAPO-Generated-v0" not in gym.registry:  # a level of a generated family (docs/tasks.md)
         gym.register(id="IAPO-Generated-v0", entry_point="iapo_gym.env:generated_env")
+    if "IAPO-Online-v0" not in gym.registry:  # the online protocol (docs/online.md)
+        gym.register(id="IAPO-Online-v0", entry_point="iapo_gym.online.env:OnlineEnv")
     if "IAPO-Live-v0" not in gym.registry:  # a live endpoint (docs/collect.md); needs the [llm] extra when stepped
         gym.register(id="IAPO-Live-v0", entry_point="iapo_gym.llm.live:LiveEnv")
 

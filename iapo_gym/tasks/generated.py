@@ -328,13 +328,19 @@ def _skew_grid_pmf(grid: np.ndarray, mean: np.ndarray, sd: np.ndarray, skew: np.
     return pmf / pmf.sum(axis=-1, keepdims=True)
 
 
-def _bon_build(rng: np.random.Generator, kind: str, ranges: BoNRanges) -> tuple[dict[str, Any], dict[str, Any]]:
+def _bon_build(rng: np.random.Generator, kind: str, ranges: BoNRanges,
+               pin: tuple[int, int, _Sizes] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """A Best-of-N level: per (prompt, objective) a mean and sd with a mean-spread trade-off; per query a
     common shift (``shift``), a spread factor and skew (``shape``) or nothing (``flat``); objectives independent,
-    each a skew-normal on a grid in [0, 1]."""
+    each a skew-normal on a grid in [0, 1].
+
+    ``pin`` (objectives, grid values, sizes) fixes those draws (``redraw_table``: another draw of the model on a
+    level's shapes); the generator is consumed as without it until the sizes."""
     params: dict[str, Any] = {"kind": kind}
     n_obj = int(rng.integers(1, 4))
     n_values = int(rng.integers(BON_GRID[n_obj][0], BON_GRID[n_obj][1] + 1))
+    if pin is not None:
+        n_obj, n_values = pin[0], pin[1]
     n_atoms = n_values ** n_obj
     weights, names, cprobs = _bon_contexts(rng, n_obj, params)
     n_rows = int(np.unique(weights[:, :-1], axis=0).shape[0])
@@ -344,7 +350,7 @@ def _bon_build(rng: np.random.Generator, kind: str, ranges: BoNRanges) -> tuple[
         return (cells * n_atoms <= BON_WORK_LIMIT and cells <= BON_TENSOR_LIMIT
                 and s.n_prompts * s.n_queries * n_atoms * n_obj <= BON_ATOMS_LIMIT)
 
-    sizes = _draw_sizes(rng, fits)
+    sizes = _draw_sizes(rng, fits) if pin is None else pin[2]
     n_p, n_q = sizes.n_prompts, sizes.n_queries
     draw = {name: _uniform(rng, getattr(ranges, name)) for name in ("sd_low", "sd_high", "mean", "tradeoff", "mean_sd")}
     params.update(n_prompts=n_p, n_train=sizes.n_train, n_test=sizes.n_test, n_max=sizes.n_max,
@@ -469,6 +475,46 @@ def level_table(family: str, level: int) -> OutcomeTable:
                "generator_version": GENERATOR_VERSION, "license": "MIT",
                "params": json.dumps(params, sort_keys=True), "build": "iapo_gym.tasks.generated.level_table"},
     )
+
+
+def redraw_table(family: str, level: int, *keys: int | str) -> OutcomeTable:
+    """Level ``level``'s table with every outcome distribution drawn again from the family's model.
+
+    The family's builder runs on its own generator (``derive_rng(GENERATED_ROOT_SEED, "redraw", family, level,
+    *keys)``) with the level's sizes (prompts, train and test queries, N_max, answers; objectives and grid values
+    for Best-of-N) pinned; everything but ``probs`` (contexts, costs, atoms, gold, split) is the level's. A
+    majority-vote redraw's answer buckets are relabelled so that each query's gold bucket is the level's. The
+    online ``drift`` schedule (docs/online.md) moves prompts toward this table.
+    """
+    from dataclasses import replace
+
+    base = level_table(family, level)
+    spec = get_family(family)
+    rng = derive_rng(GENERATED_ROOT_SEED, "redraw", spec.name, level, *keys)
+    assert base.split is not None
+    n_train = int((base.split == TRAIN).sum())
+    sizes = _Sizes(base.n_prompts, n_train, base.n_queries - n_train, base.n_max)
+    if spec.aggregator == "mv":
+        assert base.gold is not None
+        ranges = MATH_LIKE if spec.name == "math_like" else _MV
+        pinned = replace(ranges, answers=(base.n_atoms, base.n_atoms), prompts=(sizes.n_prompts,) * 2,
+                         train_queries=(n_train,) * 2, n_max=(sizes.n_max,) * 2)
+        _, kwargs = _mv_build(rng, pinned, binary=spec.name == "mv_binary")
+        probs = np.array(kwargs["probs"])
+        rows = np.arange(base.n_queries)
+        gold, other = base.gold, np.asarray(kwargs["gold"])
+        swapped = probs[:, rows, other].copy()
+        probs[:, rows, other] = probs[:, rows, gold]
+        probs[:, rows, gold] = swapped
+    else:
+        n_obj = base.n_objectives
+        n_values = round(base.n_atoms ** (1.0 / n_obj))
+        _, kwargs = _bon_build(rng, spec.name.split("_", 1)[1], _BON, pin=(n_obj, n_values, sizes))
+        probs = kwargs["probs"]
+    if probs.shape != base.probs.shape:  # unreachable: the sizes are pinned
+        raise RuntimeError(f"redraw of {base.task} has shape {probs.shape}, the level {base.probs.shape}")
+    return replace(base, probs=probs, task=f"{base.task}:redraw:{':'.join(str(k) for k in keys)}",
+                   attrs={**base.attrs, "redraw": json.dumps(list(keys))})
 
 
 def level_params(family: str, level: int) -> dict[str, Any]:

@@ -1,0 +1,148 @@
+"""Benchmark of the online protocol (docs/online.md): cumulative exact regret of the online agents, and the
+driver's requests per second.
+
+Results mode (default): held-out levels of the chosen families under each schedule, a few runs each, every
+agent through ``run_online``; prints the mean cumulative regret at T/10, T/2 and T (and its spread over the
+level x run pairs). ``--speed``: requests per second at T = 100K on a 27-context table, of the driver with a
+trivial agent (one fixed arm) through ``env.step``, through ``run_online`` one request at a time and in
+batches, and of the UCB agent.
+``--tune c`` / ``--tune discount`` / ``--tune sigma``: UCB's exploration weight and discount, Thompson sampling's
+sigma, on tuning levels (never held-out).
+
+Run: ``.venv/bin/python benchmarks/bench_online.py`` (about two minutes on two cores),
+``.venv/bin/python benchmarks/bench_online.py --speed``, ``.venv/bin/python benchmarks/bench_online.py --tune c``.
+This is the first, small slice of issue 53's benchmark, not the full one (20 levels x 4 runs at 10K, 100K).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+
+from agents.online import make_online
+from iapo_gym.online import OnlineAgentBase, OnlineEnv, Requests, run_online
+from iapo_gym.tasks.generated import HELD_OUT_LEVELS, TUNING_LEVELS
+
+SPEED_TABLE = ("bon_shift", 1_000_017)  # 23 prompts, 924 queries, 27 contexts, N_max 44
+
+
+class FixedArm(OnlineAgentBase):
+    """The trivial agent of the speed test: prompt 0 (or the first available), N = 1."""
+
+    def choose_batch(self, requests: Requests) -> tuple[np.ndarray, np.ndarray]:
+        """One fixed arm for every request."""
+        p = int(np.argmax(requests.available))
+        return np.full(len(requests), p, dtype=np.int64), np.ones(len(requests), dtype=np.int64)
+
+
+def results(families: list[str], schedules: list[str], agents: list[str], levels: int, runs: int,
+            horizon: int, batch_size: int) -> None:
+    """Print the regret table: one row per (family, schedule, agent)."""
+    rows: dict[tuple[str, str, str], list[np.ndarray]] = {}
+    start = time.perf_counter()
+    for family in families:
+        for schedule in schedules:
+            for level in range(HELD_OUT_LEVELS.start, HELD_OUT_LEVELS.start + levels):
+                env = OnlineEnv(family=family, level=level, schedule=schedule, horizon=horizon)
+                for run in range(runs):
+                    for name in agents:
+                        result = run_online(env, make_online(name), seed=run, batch_size=batch_size)
+                        rows.setdefault((family, schedule, name), []).append(result.cumulative_regret)
+    elapsed = time.perf_counter() - start
+    print(f"T = {horizon}, held-out levels {HELD_OUT_LEVELS.start}..{HELD_OUT_LEVELS.start + levels - 1} x "
+          f"{runs} runs, batch size {batch_size}; {elapsed:.0f} s")
+    print("| family | schedule | agent | regret at T/10 | at T/2 | at T (mean ± sd over level x run) |")
+    print("|---|---|---|---:|---:|---:|")
+    for (family, schedule, name), curves in rows.items():
+        c = np.array(curves)
+        at = c[:, [9, 49, 99]] if c.shape[1] == 100 else c[:, [c.shape[1] // 10 - 1, c.shape[1] // 2 - 1, -1]]
+        mean, sd = at.mean(axis=0), at[:, 2].std(ddof=1) if len(at) > 1 else 0.0
+        print(f"| {family} | {schedule} | {name} | {mean[0]:.1f} | {mean[1]:.1f} | {mean[2]:.1f} ± {sd:.1f} |")
+
+
+def rate(fn: Any, requests: int) -> float:
+    """Requests per second of ``fn`` (best of two)."""
+    best = np.inf
+    for _ in range(2):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return requests / best
+
+
+def speed(horizon: int) -> None:
+    """Print requests per second at ``horizon`` on the 27-context table."""
+    family, level = SPEED_TABLE
+    env = OnlineEnv(family=family, level=level, horizon=horizon)
+    print(f"{family} level {level}: {env.table.n_prompts} prompts, {env.table.n_queries} queries, "
+          f"{env.table.n_contexts} contexts, N_max {env.table.n_max}; T = {horizon}")
+    env.segment_tensors(0)  # the exact tensor, outside the timing
+
+    def step_loop() -> None:
+        agent = FixedArm()
+        obs, _ = env.reset(seed=0)
+        while True:
+            obs, _, done, _, _ = env.step(agent.choose(obs))
+            if done:
+                return
+
+    print(f"  trivial agent, env.step loop:             {rate(step_loop, horizon):>10,.0f} requests/s")
+    for b in (1, 64, 1024):
+        r = rate(lambda b=b: run_online(env, FixedArm(), seed=0, batch_size=b), horizon)
+        print(f"  trivial agent, run_online batch {b:>5}:     {r:>10,.0f} requests/s")
+    short = min(horizon, 20_000)
+    env_short = OnlineEnv(family=family, level=level, horizon=short)
+    for b in (1, 256):
+        r = rate(lambda b=b: run_online(env_short, make_online("ucb"), seed=0, batch_size=b), short)
+        print(f"  ucb, run_online batch {b:>5} (T = {short}): {r:>10,.0f} requests/s")
+
+
+def tune(horizon: int, what: str) -> None:
+    """On tuning levels 0-3 of every family, the mean cumulative regret at T of UCB with each ``c`` (stationary
+    schedule; ``what="c"``), with c = 0.05 each ``discount`` (drift schedule; ``"discount"``), or of Thompson
+    sampling with each ``sigma`` (stationary; ``"sigma"``)."""
+    from iapo_gym.tasks.generated import families
+
+    levels = range(TUNING_LEVELS.start, TUNING_LEVELS.start + 4)
+    agent = "thompson" if what == "sigma" else "ucb"
+    grid: list[dict[str, float]] = {
+        "c": [{"c": c} for c in (0.02, 0.05, 0.1, 0.2, 0.5)],
+        "discount": [{"c": 0.05, "discount": d} for d in (1.0, 0.9999, 0.9995, 0.999)],
+        "sigma": [{"sigma": s} for s in (0.03, 0.1, 0.3)],
+    }[what]
+    schedule = "drift" if what == "discount" else "stationary"
+    envs = [OnlineEnv(family=f, level=k, schedule=schedule, horizon=horizon) for f in families() for k in levels]
+    for params in grid:
+        total = [run_online(env, make_online(agent, **params), seed=0, batch_size=16).cumulative_regret[-1]
+                 for env in envs]
+        print(f"{agent} {params} ({schedule}): mean cumulative regret at T = {horizon}: {np.mean(total):.1f} "
+              f"(levels {levels.start}-{levels.stop - 1} of every family, {len(total)} runs)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", default="mv_categorical,mv_binary,bon_shift")
+    parser.add_argument("--schedules", default="stationary,drift,arrival")
+    parser.add_argument("--agents", default="ucb,ucb_discounted,thompson,etc_auto,etc_psst")
+    parser.add_argument("--levels", type=int, default=3, help="held-out levels per family (from 1,000,000)")
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--horizon", type=int, default=10_000)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--speed", action="store_true", help="requests per second at T = 100K instead")
+    parser.add_argument("--tune", choices=("c", "discount", "sigma"),
+                        help="UCB's c or discount, or Thompson's sigma, on tuning levels instead")
+    args = parser.parse_args()
+    if args.speed:
+        speed(100_000)
+    elif args.tune:
+        tune(args.horizon, args.tune)
+    else:
+        results(args.families.split(","), args.schedules.split(","), args.agents.split(","), args.levels,
+                args.runs, args.horizon, args.batch_size)
+
+
+if __name__ == "__main__":
+    main()
