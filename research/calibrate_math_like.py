@@ -51,7 +51,7 @@ def simulated(ranges: MVRanges, seeds: int) -> dict[str, float]:
     """Mean statistics over ``seeds`` tables drawn with ``ranges``."""
     rows = []
     for seed in range(seeds):
-        params, kwargs = generated._mv_build(derive_rng(7, "calibrate", seed), ranges, binary=False)
+        params, kwargs = generated.mv_build(derive_rng(7, "calibrate", seed), ranges, binary=False)
         table = OutcomeTable(task="calibration", **kwargs)
         rows.append(mv_statistics(table))
     return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}

@@ -200,8 +200,11 @@ def _uniform(rng: np.random.Generator, bounds: tuple[float, float]) -> float:
     return float(rng.uniform(bounds[0], bounds[1])) if bounds[1] > bounds[0] else float(bounds[0])
 
 
-def _mv_build(rng: np.random.Generator, ranges: MVRanges, binary: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+def mv_build(rng: np.random.Generator, ranges: MVRanges, binary: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """A majority-vote level: accuracy from a logit model, wrong answers split by each query's distractor profile.
+
+    Returns the drawn parameters and the ``OutcomeTable`` keyword arguments; public so that a calibration
+    (research/calibrate_math_like.py) can draw tables from ranges of its own (``MVRanges``).
 
     logit P(correct | p, q) = skill_p - sensitivity_p * difficulty_q + interaction_sd * u_p . v_q / sqrt(2)
     + noise_sd * e_pq. Deceivers (a drawn share of prompts) get extra skill, except on the trap queries (a random
@@ -396,11 +399,11 @@ FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
         Family("mv_categorical", "mv", "majority vote, 2-10 answers per query; query difficulty, prompt skill, "
-               "prompt x query interaction, deceiving prompts", lambda rng: _mv_build(rng, _MV, binary=False)),
+               "prompt x query interaction, deceiving prompts", lambda rng: mv_build(rng, _MV, binary=False)),
         Family("mv_binary", "mv", "majority vote over right/wrong outcomes; the same accuracy model",
-               lambda rng: _mv_build(rng, _MV, binary=True)),
+               lambda rng: mv_build(rng, _MV, binary=True)),
         Family("math_like", "mv", "majority vote calibrated to the MATH release table's statistics (5 answers, "
-               "N_max 32, the paper's contexts)", lambda rng: _mv_build(rng, MATH_LIKE, binary=False)),
+               "N_max 32, the paper's contexts)", lambda rng: mv_build(rng, MATH_LIKE, binary=False)),
         Family("bon_shift", "bon", "Best-of-N, 1-3 objectives; queries shift every prompt's scores alike",
                lambda rng: _bon_build(rng, "shift", _BON)),
         Family("bon_shape", "bon", "Best-of-N, 1-3 objectives; queries change the spread and skew of the scores, "
@@ -499,7 +502,7 @@ def redraw_table(family: str, level: int, *keys: int | str) -> OutcomeTable:
         ranges = MATH_LIKE if spec.name == "math_like" else _MV
         pinned = replace(ranges, answers=(base.n_atoms, base.n_atoms), prompts=(sizes.n_prompts,) * 2,
                          train_queries=(n_train,) * 2, n_max=(sizes.n_max,) * 2)
-        _, kwargs = _mv_build(rng, pinned, binary=spec.name == "mv_binary")
+        _, kwargs = mv_build(rng, pinned, binary=spec.name == "mv_binary")
         probs = np.array(kwargs["probs"])
         rows = np.arange(base.n_queries)
         gold, other = base.gold, np.asarray(kwargs["gold"])
