@@ -355,14 +355,31 @@ class SQLiteStore:
         self._pid = -1
 
     def _connect(self) -> sqlite3.Connection:
+        """This process's connection, opened at its first use: WAL mode, the table created if missing.
+
+        Switching a new file to WAL takes a lock that SQLite does not wait for (its busy handler is not asked),
+        so processes opening a new store at once see "database is locked": the opening is tried again, after
+        5 ms, 10 ms, ... up to 100 ms apart, until ``timeout`` seconds have passed."""
         if self._db is None or self._pid != os.getpid():
-            try:
-                db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False)
-                db.execute("PRAGMA journal_mode=WAL")
-                db.execute("PRAGMA synchronous=NORMAL")
-                db.execute("CREATE TABLE IF NOT EXISTS budget (name TEXT PRIMARY KEY, state TEXT NOT NULL)")
-            except sqlite3.Error as exc:
-                raise ValueError(f"the budget store {str(self.path)!r} cannot be opened: {exc}") from None
+            deadline = time.monotonic() + self.timeout
+            pause = 0.005
+            while True:
+                db = None
+                try:
+                    db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None,
+                                         check_same_thread=False)
+                    db.execute("PRAGMA journal_mode=WAL")
+                    db.execute("PRAGMA synchronous=NORMAL")
+                    db.execute("CREATE TABLE IF NOT EXISTS budget (name TEXT PRIMARY KEY, state TEXT NOT NULL)")
+                    break
+                except sqlite3.Error as exc:
+                    if db is not None:
+                        db.close()
+                    busy = isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
+                    if not busy or time.monotonic() + pause > deadline:
+                        raise ValueError(f"the budget store {str(self.path)!r} cannot be opened: {exc}") from None
+                    time.sleep(pause)
+                    pause = min(0.1, 2 * pause)
             self._db, self._pid = db, os.getpid()
         return self._db
 
