@@ -288,3 +288,26 @@ def test_env_q_table_with_rules(family):
     np.testing.assert_allclose(drawn, expected_drawn(table, queries))
     np.testing.assert_allclose(expected_cost(table, queries), spend, rtol=1e-13)
     assert q_table(table, queries, rules=True).shape == shape
+
+
+def test_the_docs_api_block_runs_and_the_bench_command_runs() -> None:
+    """docs/rules.md: its ```python block runs as written, and ``benchmarks/bench_rules.py`` (the command it gives)
+    runs on a generated level (MATH needs its table; without one the script says so and goes on)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "docs" / "rules.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    assert len(blocks) == 1
+    scope: dict[str, object] = {}
+    exec(compile(blocks[0], "docs/rules.md", "exec"), scope)  # noqa: S102
+    assert 1 <= scope["info"]["drawn"] <= 10  # type: ignore[index]
+    assert "benchmarks/bench_rules.py" in text
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_rules.py"), "--tasks",
+                          "generated:mv_binary:1000000", "--repeats", "1"], capture_output=True, text=True,
+                         timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "mv_binary" in out.stdout
