@@ -85,6 +85,12 @@ def test_mv_step_outcomes_mark_correct_answers() -> None:
         ((0, 1, 2, 3), "pair"),
         (np.zeros((2, 2), dtype=int), "shape"),
         ("ab", "pair"),
+        # a stopping rule's index (tests/test_env_rules.py), the third part of an action
+        ((0, 2, 6), r"rule r must be in \[0, 5\], got 6"),
+        ((0, 2, -1), r"rule r must be in \[0, 5\], got -1"),
+        ((0, 2, 1.5), r"rule r must be an integer in \[0, 5\], got 1.5"),
+        ((0, 2, 1, 0), r"a pair \(p, N\) or a triple \(p, N, r\)"),
+        (np.zeros(4, dtype=int), r"\(p, N\) or \(p, N, r\), got an array of shape \(4,\)"),
     ],
 )
 def test_invalid_actions_raise_and_change_nothing(action, message: str) -> None:

@@ -137,22 +137,6 @@ def test_same_seed_same_rule_steps_and_other_seeds_differ() -> None:
     assert run(4) != run(5)
 
 
-@pytest.mark.parametrize(("action", "message"), [
-    ((0, 2, 6), r"rule r must be in \[0, 5\], got 6"),
-    ((0, 2, -1), r"rule r must be in \[0, 5\], got -1"),
-    ((0, 2, 1.5), r"rule r must be an integer in \[0, 5\], got 1.5"),
-    ((0, 2, 1, 0), r"a pair \(p, N\) or a triple \(p, N, r\)"),
-    (np.zeros(4, dtype=int), r"\(p, N\) or \(p, N, r\), got an array of shape \(4,\)"),
-])
-def test_a_bad_rule_index_is_refused_and_changes_nothing(action, message: str) -> None:
-    env = IAPOEnv(table=tiny_mv_table())
-    env.reset(seed=3)
-    state = env.np_random.bit_generator.state
-    with pytest.raises(ValueError, match=message):
-        env.step(action)
-    assert env.np_random.bit_generator.state == state and env.budget_used == 0
-
-
 def test_rule_action_space_and_a_numpy_triple() -> None:
     env = IAPOEnv(table=tiny_bon_table())
     space = env.rule_action_space
