@@ -49,9 +49,15 @@ class ExactReward:
 
     def rows(self, n_contexts: int) -> np.ndarray:
         """The tensor row of each of ``n_contexts`` contexts (mv: all row 0)."""
-        if self.context_index is None:
-            return np.zeros(n_contexts, dtype=np.int64)
-        return self.context_index
+        return context_rows(self.context_index, n_contexts)
+
+
+def context_rows(context_index: np.ndarray | None, n_contexts: int) -> np.ndarray:
+    """The tensor row of each of ``n_contexts`` contexts: ``context_index``, or row 0 for all where it is None
+    (majority vote: the task reward does not depend on the context's weights)."""
+    if context_index is None:
+        return np.zeros(n_contexts, dtype=np.int64)
+    return context_index
 
 
 _KEY = "exact"  # the one entry of the table's derived-array cache this module owns

@@ -54,6 +54,7 @@ from iapo_gym.exact import (
     TableArrays,
     bon_expected_max,
     bon_weighted_max,
+    context_rows,
     mv_expected_credit,
     objective_rows,
 )
@@ -457,9 +458,7 @@ class RuleExpectations:
 
     def rows(self, n_contexts: int) -> np.ndarray:
         """The tensor row of each of ``n_contexts`` contexts."""
-        if self.context_index is None:
-            return np.zeros(n_contexts, dtype=np.int64)
-        return self.context_index
+        return context_rows(self.context_index, n_contexts)
 
 
 _KEY = "rules"  # the entry of the table's derived-array cache this module owns

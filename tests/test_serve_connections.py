@@ -134,19 +134,26 @@ def _trickle(sock: socket.socket, data: bytes, cut: threading.Event) -> threadin
     return thread
 
 
-def test_a_head_sent_one_byte_a_second_gets_408(server: tuple[int, int]) -> None:
-    port, _ = server
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+def _trickled(port: int, sock: socket.socket, data: bytes, timeout: float) -> tuple[int, dict[str, Any], bytes, float]:
+    """Send ``data`` on ``sock`` one byte a second while a normal request is answered; the answer on ``sock``
+    (status, body, head) and the seconds it took, the socket closed after."""
     cut = threading.Event()
     started = time.monotonic()
-    thread = _trickle(sock, head, cut)
+    thread = _trickle(sock, data, cut)
     _normal(port)  # answered meanwhile
-    status, doc, _ = _answer(sock, HEADER_TIMEOUT + 10)
+    status, doc, head = _answer(sock, timeout)
     elapsed = time.monotonic() - started
     cut.set()
     thread.join(5)
     sock.close()
+    return status, doc, head, elapsed
+
+
+def test_a_head_sent_one_byte_a_second_gets_408(server: tuple[int, int]) -> None:
+    port, _ = server
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    status, doc, _, elapsed = _trickled(port, sock, head, HEADER_TIMEOUT + 10)
     assert status == 408 and doc["error"]["code"] == "request_timeout", (status, doc)
     assert HEADER_TIMEOUT - 0.2 < elapsed < HEADER_TIMEOUT + 3, elapsed
 
@@ -157,15 +164,7 @@ def test_a_body_sent_one_byte_a_second_gets_408(server: tuple[int, int]) -> None
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % len(BODY))
-    cut = threading.Event()
-    started = time.monotonic()
-    thread = _trickle(sock, BODY, cut)
-    _normal(port)
-    status, doc, head = _answer(sock, BODY_TIMEOUT + 10)
-    elapsed = time.monotonic() - started
-    cut.set()
-    thread.join(5)
-    sock.close()
+    status, doc, head, elapsed = _trickled(port, sock, BODY, BODY_TIMEOUT + 10)
     assert status == 408 and doc["error"]["code"] == "request_timeout", (status, doc)
     assert b"connection: close" in head.lower()
     assert BODY_TIMEOUT - 0.2 < elapsed < BODY_TIMEOUT + 3, elapsed
