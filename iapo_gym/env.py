@@ -79,18 +79,23 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
     ``step((p, N, r))`` draws them one at a time under stopping rule ``rules[r]`` with cap N (r = 0: fixed N).
     ``pull``/``utilities`` are the vectorized path for agents; ``q_table`` the exact oracle.
     The completions come from ``source``: a table's sampler, or a live endpoint (``LiveEnv``).
+    With ``rule_arms`` the env's arm set is (p, N, r): ``action_space`` is ``rule_action_space`` and agents choose
+    a rule per context (``Policy.rules``); without it the arms are the paper's (p, N) and ``step`` still takes a rule.
     """
 
     metadata: dict[str, Any] = {"render_modes": []}
 
     def __init__(self, task: str | None = None, *, table: TableSchema | None = None,
                  path: str | None = None, instance: int = 0, split: str = "train",
-                 source: CompletionSource | None = None) -> None:
+                 source: CompletionSource | None = None, rule_arms: bool = False) -> None:
         """Build from an in-memory ``table``, a table file ``path`` or a registered ``task``.
 
         ``source`` draws the completions (default: the table's sampler); a ``TableSchema`` without
-        outcome distributions needs one.
+        outcome distributions needs one. ``rule_arms``: the arm set includes the stopping rules ``rules``
+        (agents choose (p, N, r)); the paper's (p, N) arms by default.
         """
+        if not isinstance(rule_arms, (bool, np.bool_)):
+            raise ValueError(f"rule_arms must be True or False, got {rule_arms!r}")
         if table is None:
             if task is None and path is None:
                 raise ValueError("IAPOEnv needs a task name, a table or a path")
@@ -120,6 +125,9 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
         self.action_space: spaces.Tuple = spaces.Tuple(
             (spaces.Discrete(table.n_prompts), spaces.Discrete(table.n_max, start=1))
         )
+        self.rule_arms = bool(rule_arms)
+        if self.rule_arms:
+            self.action_space = self.rule_action_space
         self._observations = table.context_weights.astype(np.float32)
         self._context = 0
         self._split_queries = {s: table.split_indices(s) for s in SPLITS}
@@ -211,9 +219,11 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
 
     @property
     def rule_action_space(self) -> spaces.Tuple:
-        """``Tuple(Discrete(P), Discrete(N_max, start=1), Discrete(R))``: the actions (p, N, r) ``step`` also takes
-        (``action_space`` stays the pair (p, N), rule 0, so wrappers and RL libraries see today's space)."""
-        return spaces.Tuple((*self.action_space.spaces, spaces.Discrete(len(self.rules))))
+        """``Tuple(Discrete(P), Discrete(N_max, start=1), Discrete(R))``: the actions (p, N, r) ``step`` takes
+        (``action_space`` is this with ``rule_arms``, else the pair (p, N), rule 0, so wrappers and RL libraries see
+        the paper's space)."""
+        return spaces.Tuple((spaces.Discrete(self.table.n_prompts), spaces.Discrete(self.table.n_max, start=1),
+                             spaces.Discrete(len(self.rules))))
 
     def step(self, action: tuple[int, int] | tuple[int, int, int]) -> tuple[np.ndarray, SupportsFloat, bool, bool,
                                                                              dict[str, Any]]:
@@ -433,13 +443,14 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
                                np.random.default_rng(seed))
 
 
-def generated_env(family: str | None = None, level: int | None = None, split: str = "train") -> IAPOEnv:
+def generated_env(family: str | None = None, level: int | None = None, split: str = "train",
+                  rule_arms: bool = False) -> IAPOEnv:
     """Level ``level`` of a generated family as an env (``gym.make("IAPO-Generated-v0", family=..., level=...)``)."""
     from iapo_gym.tasks.generated import FamilyError, families, level_table
 
     if family is None or level is None:
         raise FamilyError(f"IAPO-Generated-v0 needs family=NAME and level=K; families: {', '.join(families())}")
-    return IAPOEnv(table=level_table(family, level), split=split)
+    return IAPOEnv(table=level_table(family, level), split=split, rule_arms=rule_arms)
 
 
 def base_env(env: Any, needs: str = "expected") -> IAPOEnv:

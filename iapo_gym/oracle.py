@@ -11,7 +11,7 @@ import numpy as np
 
 from iapo_gym.exact import stored
 from iapo_gym.policy import Policy, PolicyLike
-from iapo_gym.rules import rule_expectations
+from iapo_gym.rules import default_rules, rule_expectations
 from iapo_gym.tables import OutcomeTable, TableSchema
 from iapo_gym.utility import block_utilities, expected_arm_reward, mean_task_reward
 
@@ -86,10 +86,18 @@ def _rules_q_table(table: OutcomeTable, queries: np.ndarray) -> np.ndarray:
 
 
 def greedy_policy(q: np.ndarray) -> Policy:
-    """The arm of highest Q in every context (ties: lowest prompt, then lowest N)."""
-    n_contexts, _, n_max = q.shape
+    """The arm of highest Q in every context (ties: lowest prompt, then lowest N, then lowest rule).
+
+    ``q`` is (C, P, N_max), or (C, P, N_max, R) over stopping rules (``q_table(..., rules=True)``): the policy then
+    carries each context's rule.
+    """
+    if q.ndim == 3:
+        q = q[..., None]
+    n_contexts, _, n_max, n_rules = q.shape
     flat = q.reshape(n_contexts, -1).argmax(axis=1)
-    return Policy(tuple((int(i // n_max), int(i % n_max) + 1) for i in flat))
+    arm, rule = np.divmod(flat, n_rules)
+    prompt, n = np.divmod(arm, n_max)
+    return Policy(tuple((int(p), int(k) + 1) for p, k in zip(prompt, n, strict=True)), tuple(int(r) for r in rule))
 
 
 def optimal_policy(table: OutcomeTable, queries: np.ndarray | None = None) -> Policy:
@@ -98,20 +106,33 @@ def optimal_policy(table: OutcomeTable, queries: np.ndarray | None = None) -> Po
 
 
 def policy_arms(policy: PolicyLike, table: TableSchema) -> np.ndarray:
-    """(C, 2) array of the policy's (p, N), checked against the table's arm ranges."""
-    arms = np.array(Policy.coerce(policy, table.n_contexts).arms, dtype=np.int64)
-    bad = (arms[:, 0] < 0) | (arms[:, 0] >= table.n_prompts) | (arms[:, 1] < 1) | (arms[:, 1] > table.n_max)
+    """(C, 2) array of the policy's (p, N), checked against the table's arm ranges; (C, 3) (p, N, r) when the policy
+    stops by a rule other than fixed N in some context (the rule checked against the table's stopping rules)."""
+    pol = Policy.coerce(policy, table.n_contexts)
+    arms = np.array(pol.triples, dtype=np.int64).reshape(-1, 3)
+    n_rules = len(default_rules(table.aggregator))
+    bad = ((arms[:, 0] < 0) | (arms[:, 0] >= table.n_prompts) | (arms[:, 1] < 1) | (arms[:, 1] > table.n_max)
+           | (arms[:, 2] >= n_rules))
     if bad.any():
         c = int(np.flatnonzero(bad)[0])
         raise ValueError(
-            f"policy arm {tuple(arms[c])} for context {c} is outside prompts [0, {table.n_prompts}) x N [1, {table.n_max}]"
+            f"policy arm {tuple(int(x) for x in arms[c])} (p, N, rule) for context {c} is outside prompts "
+            f"[0, {table.n_prompts}) x N [1, {table.n_max}] x rules [0, {n_rules})"
         )
-    return arms
+    return arms if pol.has_rules else arms[:, :2]
 
 
 def acr_from_q(q: np.ndarray, arms: np.ndarray, context_probs: np.ndarray) -> float:
-    """ACR of the arms (C, 2) under a Q-table (C, P, N_max)."""
-    values = q[np.arange(q.shape[0]), arms[:, 0], arms[:, 1] - 1]
+    """ACR of the arms (C, 2) (p, N) under a Q-table (C, P, N_max), or of the arms (C, 3) (p, N, r) under a Q-table
+    over stopping rules (C, P, N_max, R); (C, 3) arms of rule 0 also read a (C, P, N_max) table."""
+    rows = np.arange(q.shape[0])
+    if q.ndim == 4:
+        rule = arms[:, 2] if arms.shape[1] == 3 else np.zeros(len(arms), dtype=np.int64)
+        values = q[rows, arms[:, 0], arms[:, 1] - 1, rule]
+    else:
+        if arms.shape[1] == 3 and arms[:, 2].any():
+            raise ValueError("the policy stops by a rule other than fixed N; its ACR needs q_table(..., rules=True)")
+        values = q[rows, arms[:, 0], arms[:, 1] - 1]
     return float(np.dot(context_probs, values))
 
 
@@ -122,6 +143,8 @@ def exact_acr(table: OutcomeTable, policy: PolicyLike, queries: np.ndarray | Non
     over that tensor; otherwise only the policy's C arms are computed, never the whole Q-table.
     """
     arms = policy_arms(policy, table)
+    if arms.shape[1] == 3:
+        return acr_from_q(q_table(table, queries, rules=True), arms, table.context_probs)
     if stored(table) is not None:
         return acr_from_q(q_table(table, queries), arms, table.context_probs)
     if queries is None:
@@ -143,6 +166,9 @@ def monte_carlo_acr(table: OutcomeTable, policy: PolicyLike, queries: np.ndarray
     from iapo_gym.sampling import AliasSampler
 
     arms = policy_arms(policy, table)
+    if arms.shape[1] == 3:
+        raise ValueError("monte_carlo_acr draws fixed-N arms; a policy with stopping rules is sampled by "
+                         "env.step((p, N, r)) (its exact ACR: exact_acr)")
     if queries is None:
         queries = np.arange(table.n_queries)
     queries = np.asarray(queries, dtype=np.int64)

@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 
 import iapo_gym  # noqa: F401  (registers the envs)
+from iapo_gym import Policy
 from iapo_gym.env import IAPOEnv
+from iapo_gym.oracle import greedy_policy, monte_carlo_acr, policy_arms
+from iapo_gym.policy import PolicyError
 from iapo_gym.rules import FixedN, context_thresholds, sampled_stop
 from iapo_gym.tasks.generated import level_table
 from iapo_gym.wrappers import CompletionBudget
@@ -186,3 +189,46 @@ def test_sampled_stop_of_fixed_n_and_a_margin_on_written_sequences() -> None:
     assert sampled_stop(table, rules, 1, 0, 0, 0, seq) == 2  # margin(m=2)
     assert sampled_stop(table, rules, 2, 0, 0, 0, seq) == 6  # margin(m=3): never 3 ahead
     assert sampled_stop(table, rules, 1, 0, 0, 0, seq[:1]) == 1
+
+
+def test_rule_arms_env_declares_the_triple_space_and_its_greedy_rule_policy_scores_the_enlarged_optimum() -> None:
+    plain = gym.make("IAPO-Generated-v0", family="mv_categorical", level=1)
+    made = gym.make("IAPO-Generated-v0", family="mv_categorical", level=1, rule_arms=True)
+    env = made.unwrapped
+    assert env.rule_arms and not plain.unwrapped.rule_arms
+    assert [s.n for s in env.action_space.spaces] == [env.n_prompts, env.n_max, len(env.rules)]
+    assert [s.n for s in plain.unwrapped.action_space.spaces] == [env.n_prompts, env.n_max]
+    made.reset(seed=3)
+    assert made.step((0, 4, 1))[4]["rule"] == 1  # gym.make's checker accepts the declared triple
+    q4 = env.q_table("test", rules=True)
+    policy = greedy_policy(q4)
+    best = q4.reshape(env.n_contexts, -1).max(axis=1)
+    assert env.evaluate(policy) == pytest.approx(float(best @ env.table.context_probs), abs=1e-12)
+    for c, (p, n, r) in enumerate(policy.triples):
+        assert q4[c, p, n - 1, r] == best[c]
+    fixed = greedy_policy(q4[..., 0])  # the paper's arms: rule 0 everywhere, the Q-table without rules
+    assert not fixed.has_rules and env.evaluate(fixed) == env.evaluate(greedy_policy(env.q_table("test")))
+    assert env.evaluate(policy) >= env.evaluate(fixed)
+    with pytest.raises(ValueError, match="rule_arms must be True or False, got 'yes'"):
+        IAPOEnv(table=tiny_mv_table(), rule_arms="yes")  # type: ignore[arg-type]
+
+
+def test_policy_rules_round_trip_json_and_are_refused_out_of_range() -> None:
+    table = tiny_mv_table()
+    pairs = Policy(((0, 2), (1, 3)))
+    assert pairs.rules == (0, 0) and pairs.to_json() == '{"arms": [[0, 2], [1, 3]]}'  # the paper's JSON, unchanged
+    ruled = Policy(((0, 2, 0), (1, 3, 2)))
+    assert ruled == Policy(((0, 2), (1, 3)), (0, 2)) and ruled.rule(1) == 2 and ruled.has_rules
+    assert Policy.from_json(ruled.to_json()) == ruled
+    with pytest.raises(PolicyError, match="field 'rules' must be a list of 2 rule indices"):
+        Policy.from_json('{"arms": [[0, 2], [1, 3]], "rules": [0]}')
+    with pytest.raises(ValueError, match="policy rule for context 1 must be an integer >= 0, got -1"):
+        Policy(((0, 2), (1, 3)), (0, -1))
+    n_rules = len(IAPOEnv(table=table).rules)
+    bad = Policy(tuple((0, 1, n_rules) for _ in range(table.n_contexts)))
+    with pytest.raises(ValueError, match=rf"x rules \[0, {n_rules}\)"):
+        policy_arms(bad, table)
+    assert policy_arms(Policy(tuple((0, 1) for _ in range(table.n_contexts))), table).shape == (table.n_contexts, 2)
+    with pytest.raises(ValueError, match="sampled by env.step"):
+        monte_carlo_acr(table, Policy(tuple((0, 2, 1) for _ in range(table.n_contexts))), None, 10,
+                        np.random.default_rng(0))
