@@ -12,160 +12,51 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.special import expit, log_ndtr
+from scipy.special import expit
 
 from iapo_gym.seeding import derive_rng
-from iapo_gym.tables import TEST, TRAIN, OutcomeTable
-from iapo_gym.tasks import GENERATOR_VERSION
-from iapo_gym.tasks.contexts import bon_grid_contexts, mv_cost_contexts
+from iapo_gym.tables import OutcomeTable
+from iapo_gym.tasks import GENERATOR_VERSION, families_bon, families_mv
+from iapo_gym.tasks.contexts import mv_cost_contexts
+from iapo_gym.tasks.draws import (
+    BON_COST_SCALE,
+    BON_GRID,
+    MV_COST_SCALE,
+    MV_WORK_LIMIT,
+    N_MAX_RANGE,
+    PROMPTS_RANGE,
+    TRAIN_QUERIES_RANGE,
+    Family,
+    Sizes,
+    bon_fits,
+    draw_bon_contexts,
+    draw_costs,
+    draw_mv_contexts,
+    draw_sizes,
+    draw_split,
+    mv_work,
+    pinned_sizes,
+    relabel_gold,
+    skew_grid_pmf,
+    uniform,
+)
 
 GENERATED_ROOT_SEED = 20_261_125
 #: Levels for tuning agents and their hyper-parameters.
 TUNING_LEVELS = range(0, 10_000)
 #: Levels held out for reports: never tune on them.
 HELD_OUT_LEVELS = range(1_000_000, 2_000_000)
-TRAIN_FRACTION = 0.8
-
-#: Size ranges every family but ``math_like`` draws from (log-uniform integers, inclusive).
-PROMPTS_RANGE = (4, 64)
-TRAIN_QUERIES_RANGE = (20, 1000)
-N_MAX_RANGE = (8, 64)
-#: Work caps that keep a level's exact computation near a second (sizes are redrawn until they hold).
-#: Majority vote: rows x Gauss nodes x other answers x (N_max^3 + 16 N_max^2) (the exact vote kernel's work).
-MV_WORK_LIMIT = 1.0e10
-#: Best-of-N: objective weightings x P x Q x atoms x N_max (the exact max-of-N kernel's work),
-#: the exact tensor's entries (objective weightings x P x Q x N_max) and the atoms' entries (P x Q x M x K).
-BON_WORK_LIMIT = 1.0e9
-BON_TENSOR_LIMIT = 1.6e7
-BON_ATOMS_LIMIT = 4.0e6
-_MAX_DRAWS = 10_000
 
 
 class FamilyError(ValueError):
     """An unknown family name or a level outside the tuning and held-out ranges."""
 
 
-@dataclass(frozen=True)
-class Family:
-    """A generated family: its name, aggregator, one-line summary and the builder of a level's table."""
-
-    name: str
-    aggregator: str
-    summary: str
-    build: Callable[[np.random.Generator], tuple[dict[str, Any], dict[str, Any]]]
-
-
-# ---- shared draws --------------------------------------------------------------------------------
-
-
-def _log_int(rng: np.random.Generator, low: int, high: int) -> int:
-    """An integer in [low, high], log-uniform (floor of exp of a uniform on [log low, log(high + 1)))."""
-    return int(min(high, math.floor(math.exp(rng.uniform(math.log(low), math.log(high + 1))))))
-
-
-@dataclass(frozen=True)
-class _Sizes:
-    n_prompts: int
-    n_train: int
-    n_test: int
-    n_max: int
-
-    @property
-    def n_queries(self) -> int:
-        return self.n_train + self.n_test
-
-
-def _draw_sizes(rng: np.random.Generator, fits: Callable[[_Sizes], bool],
-                prompts: tuple[int, int] = PROMPTS_RANGE, train: tuple[int, int] = TRAIN_QUERIES_RANGE,
-                n_max: tuple[int, int] = N_MAX_RANGE) -> _Sizes:
-    """P, train queries and N_max log-uniform in their ranges (test queries: a quarter of train, at least 5),
-    redrawn until ``fits`` (the family's work caps) holds."""
-    for _ in range(_MAX_DRAWS):
-        n_p, n_tr, n_n = _log_int(rng, *prompts), _log_int(rng, *train), _log_int(rng, *n_max)
-        sizes = _Sizes(n_p, n_tr, max(5, round(n_tr * (1 - TRAIN_FRACTION) / TRAIN_FRACTION)), n_n)
-        if fits(sizes):
-            return sizes
-    raise RuntimeError("no sizes within the work caps after many draws")  # unreachable for the shipped ranges
-
-
-def _split(rng: np.random.Generator, sizes: _Sizes) -> np.ndarray:
-    split = np.full(sizes.n_queries, TRAIN, dtype=np.uint8)
-    split[rng.permutation(sizes.n_queries)[: sizes.n_test]] = TEST
-    return split
-
-
-def _costs(rng: np.random.Generator, n_prompts: int, scale_range: tuple[float, float],
-           params: dict[str, Any]) -> np.ndarray:
-    """Per-completion cost per prompt: the same for every prompt, or proportional to a drawn prompt length."""
-    scale = float(math.exp(rng.uniform(math.log(scale_range[0]), math.log(scale_range[1]))))
-    mode = "equal" if rng.random() < 0.5 else "length"
-    params.update(cost_mode=mode, cost_scale=scale)
-    if mode == "equal":
-        return np.full(n_prompts, scale)
-    length_sd = float(rng.uniform(0.3, 1.0))
-    params["length_sd"] = length_sd
-    length = np.exp(rng.normal(0.0, length_sd, n_prompts))
-    return scale * length / length.mean()
-
-
-def _mv_contexts(rng: np.random.Generator, params: dict[str, Any]) -> tuple[np.ndarray, tuple[str, ...], np.ndarray]:
-    """The paper's three cost contexts, or 2-8 random ones: weights (1, -c), c uniform in [0, 1.5], Dirichlet(1) probabilities."""
-    if rng.random() < 0.5:
-        params["contexts"] = "paper"
-        return mv_cost_contexts()
-    n_c = int(rng.integers(2, 9))
-    params["contexts"] = f"random({n_c})"
-    cost_w = np.sort(rng.uniform(0.0, 1.5, n_c))
-    weights = np.column_stack([np.ones(n_c), -cost_w])
-    return weights, tuple(f"cost={c:.3f}" for c in cost_w), rng.dirichlet(np.ones(n_c))
-
-
-def _simplex_grid(n_objectives: int, steps: int) -> np.ndarray:
-    """Objective weight vectors with positive entries in multiples of 1 / steps summing to 1."""
-    if n_objectives == 1:
-        return np.ones((1, 1))
-    rows = [w for w in np.ndindex(*(steps,) * n_objectives) if sum(w) == steps and min(w) > 0]
-    return np.array(rows, dtype=np.float64) / steps
-
-
-def _bon_contexts(rng: np.random.Generator, n_objectives: int,
-                  params: dict[str, Any]) -> tuple[np.ndarray, tuple[str, ...], np.ndarray]:
-    """Paper-style contexts or a random set.
-
-    Paper-style: for 2 objectives the paper's 27 (w1 in 0.1..0.9, cost weight 0.1 / 0.5 / 1.0); for 1
-    objective the 3 cost weights; for 3 the 10 positive weightings in sixths times the 3 cost weights;
-    uniform. Random: 2-27 contexts, objective weights Dirichlet(1), cost weights uniform in [0.05, 1],
-    probabilities Dirichlet(1).
-    """
-    if rng.random() < 0.5:
-        params["contexts"] = "paper"
-        if n_objectives == 2:
-            return bon_grid_contexts()
-        objective = _simplex_grid(n_objectives, 6)
-        rows = [np.append(w, -c) for c in (0.1, 0.5, 1.0) for w in objective]
-        weights = np.array(rows)
-    else:
-        n_c = int(rng.integers(2, 28))
-        params["contexts"] = f"random({n_c})"
-        objective = rng.dirichlet(np.ones(n_objectives), n_c) if n_objectives > 1 else np.ones((n_c, 1))
-        weights = np.column_stack([objective, -rng.uniform(0.05, 1.0, n_c)])
-    names = tuple("w=" + ",".join(f"{x:.3f}" for x in w[:-1]) + f",cost={-w[-1]:.3f}" for w in weights)
-    probs = np.full(len(weights), 1.0 / len(weights)) if params["contexts"] == "paper" else rng.dirichlet(np.ones(len(weights)))
-    return weights, names, probs
-
-
 # ---- majority vote -------------------------------------------------------------------------------
-
-
-def _mv_work(sizes: _Sizes, n_answers: int) -> float:
-    """The exact majority-vote kernel's work: rows x Gauss nodes x other answers x (N_max^3 + 16 N_max^2)."""
-    others, n = n_answers - 1, float(sizes.n_max)
-    return sizes.n_prompts * sizes.n_queries * ((others + 2) // 2) * others * (n ** 3 + 16.0 * n ** 2)
 
 
 @dataclass(frozen=True)
@@ -185,7 +76,7 @@ class MVRanges:
     noise_sd: tuple[float, float] = (0.1, 0.5)  # independent prompt x query noise (logit)
     distractor_concentration: tuple[float, float] = (0.2, 2.0)  # Dirichlet concentration of a query's wrong answers
     temper_sd: tuple[float, float] = (0.0, 0.7)  # spread of log tempering: how much a prompt favours the main distractor
-    cost_scale: tuple[float, float] = (0.001, 0.03)  # per-completion cost scale (log-uniform)
+    cost_scale: tuple[float, float] = MV_COST_SCALE  # per-completion cost scale (log-uniform)
     difficulty_skew: tuple[float, float] = (0.0, 0.0)  # skew-normal shape of query difficulty (> 0: a tail of hard queries)
     broken_share: tuple[float, float] = (0.0, 0.0)  # share of prompts that mostly fail (rounded to a count)
     broken_penalty: tuple[float, float] = (0.0, 0.0)  # their lost skill (logit)
@@ -194,10 +85,6 @@ class MVRanges:
     train_queries: tuple[int, int] = TRAIN_QUERIES_RANGE
     n_max: tuple[int, int] = N_MAX_RANGE
     paper_contexts_only: bool = False
-
-
-def _uniform(rng: np.random.Generator, bounds: tuple[float, float]) -> float:
-    return float(rng.uniform(bounds[0], bounds[1])) if bounds[1] > bounds[0] else float(bounds[0])
 
 
 def mv_build(rng: np.random.Generator, ranges: MVRanges, binary: bool) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -215,10 +102,10 @@ def mv_build(rng: np.random.Generator, ranges: MVRanges, binary: bool) -> tuple[
     """
     params: dict[str, Any] = {}
     n_answers = 2 if binary else int(rng.integers(ranges.answers[0], ranges.answers[1] + 1))
-    sizes = _draw_sizes(rng, lambda s: _mv_work(s, n_answers) <= MV_WORK_LIMIT,
+    sizes = draw_sizes(rng, lambda s: mv_work(s, n_answers) <= MV_WORK_LIMIT,
                         ranges.prompts, ranges.train_queries, ranges.n_max)
     n_p, n_q = sizes.n_prompts, sizes.n_queries
-    draw = {name: _uniform(rng, getattr(ranges, name)) for name in (
+    draw = {name: uniform(rng, getattr(ranges, name)) for name in (
         "skill_mean", "skill_sd", "difficulty_sd", "sensitivity_sd", "deceiver_share", "deceiver_boost",
         "trap_share", "trap_depth", "interaction_sd", "noise_sd")}
     params.update(n_prompts=n_p, n_train=sizes.n_train, n_test=sizes.n_test, n_max=sizes.n_max, answers=n_answers, **draw)
@@ -228,14 +115,14 @@ def mv_build(rng: np.random.Generator, ranges: MVRanges, binary: bool) -> tuple[
     difficulty = rng.normal(0.0, draw["difficulty_sd"], n_q)
     u, v = rng.normal(size=(n_p, 2)), rng.normal(size=(n_q, 2))
     if ranges.difficulty_skew != (0.0, 0.0):  # standardised skew-normal difficulty (extra draws only here)
-        params["difficulty_skew"] = shape = _uniform(rng, ranges.difficulty_skew)
+        params["difficulty_skew"] = shape = uniform(rng, ranges.difficulty_skew)
         delta = shape / math.sqrt(1.0 + shape ** 2)
         skewed = delta * np.abs(rng.normal(size=n_q)) + math.sqrt(1.0 - delta ** 2) * difficulty / draw["difficulty_sd"]
         standard = (skewed - delta * math.sqrt(2.0 / math.pi)) / math.sqrt(1.0 - 2.0 * delta ** 2 / math.pi)
         difficulty = draw["difficulty_sd"] * standard
     if ranges.broken_share != (0.0, 0.0):
-        params["broken_share"] = broken_share = _uniform(rng, ranges.broken_share)
-        params["broken_penalty"] = penalty = _uniform(rng, ranges.broken_penalty)
+        params["broken_share"] = broken_share = uniform(rng, ranges.broken_share)
+        params["broken_penalty"] = penalty = uniform(rng, ranges.broken_penalty)
         broken = np.zeros(n_p, dtype=bool)
         broken[rng.permutation(n_p)[: int(round(broken_share * n_p))]] = True
         skill = skill - penalty * broken
@@ -250,8 +137,8 @@ def mv_build(rng: np.random.Generator, ranges: MVRanges, binary: bool) -> tuple[
         probs = np.stack([1.0 - p_gold, p_gold], axis=2)
         gold = np.ones(n_q, dtype=np.int64)
     else:
-        concentration = _uniform(rng, ranges.distractor_concentration)
-        temper_sd = _uniform(rng, ranges.temper_sd)
+        concentration = uniform(rng, ranges.distractor_concentration)
+        temper_sd = uniform(rng, ranges.temper_sd)
         params.update(distractor_concentration=concentration, temper_sd=temper_sd)
         categories = rng.integers(min(ranges.query_answers_min, n_answers), n_answers + 1, n_q)  # answers with mass
         gold = rng.integers(0, categories).astype(np.int64)
@@ -269,17 +156,17 @@ def mv_build(rng: np.random.Generator, ranges: MVRanges, binary: bool) -> tuple[
         probs = np.zeros((n_p, n_q, n_answers))
         probs[:, np.arange(n_q)[:, None], bucket] = wrong
         probs[:, np.arange(n_q), gold] = p_gold
-    cost = _costs(rng, n_p, ranges.cost_scale, params)
+    cost = draw_costs(rng, n_p, ranges.cost_scale, params)
     if ranges.paper_contexts_only:
         params["contexts"] = "paper"
         weights, names, cprobs = mv_cost_contexts()
     else:
-        weights, names, cprobs = _mv_contexts(rng, params)
+        weights, names, cprobs = draw_mv_contexts(rng, params)
     kinds = np.where(deceiving, "deceiving", "plain")
     return params, {
         "aggregator": "mv", "probs": probs, "cost": cost, "n_max": sizes.n_max, "context_weights": weights,
         "context_names": names, "context_probs": cprobs, "objective_names": ("correct",), "gold": gold,
-        "prompts": tuple(f"p{i}-{k}" for i, k in enumerate(kinds)), "split": _split(rng, sizes),
+        "prompts": tuple(f"p{i}-{k}" for i, k in enumerate(kinds)), "split": draw_split(rng, sizes),
     }
 
 
@@ -300,10 +187,6 @@ MATH_LIKE = MVRanges(
 
 # ---- Best-of-N -----------------------------------------------------------------------------------
 
-#: Grid values per objective by number of objectives (inclusive ranges); atoms = values ** objectives.
-BON_GRID = {1: (6, 16), 2: (4, 9), 3: (3, 5)}
-
-
 @dataclass(frozen=True)
 class BoNRanges:
     """Ranges (inclusive) a Best-of-N family draws its level parameters from; see docs/tasks.md."""
@@ -317,22 +200,14 @@ class BoNRanges:
     spread_sd: tuple[float, float] = (0.3, 0.8)  # bon_shape: sd of the log spread factor of a query
     skew_sd: tuple[float, float] = (0.0, 5.0)  # bon_shape: sd of a query's skew-normal shape
     noise_sd: tuple[float, float] = (0.0, 0.3)  # per-(prompt, query) log-noise on the probabilities (not bon_flat)
-    cost_scale: tuple[float, float] = (0.001, 0.02)
-
-
-def _skew_grid_pmf(grid: np.ndarray, mean: np.ndarray, sd: np.ndarray, skew: np.ndarray) -> np.ndarray:
-    """A skew-normal with this mean, sd and shape, evaluated on ``grid`` and normalised (broadcast)."""
-    delta = skew / np.sqrt(1.0 + skew ** 2)
-    omega = sd / np.sqrt(1.0 - 2.0 * delta ** 2 / np.pi)
-    xi = mean - omega * delta * math.sqrt(2.0 / math.pi)
-    z = (grid - xi[..., None]) / omega[..., None]
-    log_pdf = -0.5 * z ** 2 + log_ndtr(skew[..., None] * z)
-    pmf = np.exp(log_pdf - log_pdf.max(axis=-1, keepdims=True))
-    return pmf / pmf.sum(axis=-1, keepdims=True)
+    cost_scale: tuple[float, float] = BON_COST_SCALE
+    prompts: tuple[int, int] = PROMPTS_RANGE
+    train_queries: tuple[int, int] = TRAIN_QUERIES_RANGE
+    n_max: tuple[int, int] = N_MAX_RANGE
 
 
 def _bon_build(rng: np.random.Generator, kind: str, ranges: BoNRanges,
-               pin: tuple[int, int, _Sizes] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+               pin: tuple[int, int, Sizes] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """A Best-of-N level: per (prompt, objective) a mean and sd with a mean-spread trade-off; per query a
     common shift (``shift``), a spread factor and skew (``shape``) or nothing (``flat``); objectives independent,
     each a skew-normal on a grid in [0, 1].
@@ -345,17 +220,12 @@ def _bon_build(rng: np.random.Generator, kind: str, ranges: BoNRanges,
     if pin is not None:
         n_obj, n_values = pin[0], pin[1]
     n_atoms = n_values ** n_obj
-    weights, names, cprobs = _bon_contexts(rng, n_obj, params)
+    weights, names, cprobs = draw_bon_contexts(rng, n_obj, params)
     n_rows = int(np.unique(weights[:, :-1], axis=0).shape[0])
-
-    def fits(s: _Sizes) -> bool:
-        cells = n_rows * s.n_prompts * s.n_queries * s.n_max
-        return (cells * n_atoms <= BON_WORK_LIMIT and cells <= BON_TENSOR_LIMIT
-                and s.n_prompts * s.n_queries * n_atoms * n_obj <= BON_ATOMS_LIMIT)
-
-    sizes = _draw_sizes(rng, fits) if pin is None else pin[2]
+    fits = bon_fits(n_rows, n_atoms, n_obj)
+    sizes = draw_sizes(rng, fits, ranges.prompts, ranges.train_queries, ranges.n_max) if pin is None else pin[2]
     n_p, n_q = sizes.n_prompts, sizes.n_queries
-    draw = {name: _uniform(rng, getattr(ranges, name)) for name in ("sd_low", "sd_high", "mean", "tradeoff", "mean_sd")}
+    draw = {name: uniform(rng, getattr(ranges, name)) for name in ("sd_low", "sd_high", "mean", "tradeoff", "mean_sd")}
     params.update(n_prompts=n_p, n_train=sizes.n_train, n_test=sizes.n_test, n_max=sizes.n_max,
                   objectives=n_obj, grid_values=n_values, **draw)
     sd = rng.uniform(draw["sd_low"], draw["sd_high"], (n_p, n_obj))
@@ -364,17 +234,17 @@ def _bon_build(rng: np.random.Generator, kind: str, ranges: BoNRanges,
     q_sd = np.broadcast_to(sd[:, None, :], (n_p, n_q, n_obj))
     q_skew = np.zeros((n_p, n_q, n_obj))
     if kind == "shift":
-        params["shift_sd"] = shift_sd = _uniform(rng, ranges.shift_sd)
+        params["shift_sd"] = shift_sd = uniform(rng, ranges.shift_sd)
         q_mean = q_mean + rng.normal(0.0, shift_sd, (n_q, n_obj))[None, :, :]
     elif kind == "shape":
-        params["spread_sd"] = spread_sd = _uniform(rng, ranges.spread_sd)
-        params["skew_sd"] = skew_sd = _uniform(rng, ranges.skew_sd)
+        params["spread_sd"] = spread_sd = uniform(rng, ranges.spread_sd)
+        params["skew_sd"] = skew_sd = uniform(rng, ranges.skew_sd)
         q_sd = q_sd * np.exp(rng.normal(0.0, spread_sd, (n_q, n_obj)))[None, :, :]
         q_skew = q_skew + rng.normal(0.0, skew_sd, (n_q, n_obj))[None, :, :]
     grid = np.linspace(0.0, 1.0, n_values)
-    marg = _skew_grid_pmf(grid, q_mean, q_sd, q_skew)  # (P, Q, K, G)
+    marg = skew_grid_pmf(grid, q_mean, q_sd, q_skew)  # (P, Q, K, G)
     if kind != "flat":
-        params["noise_sd"] = noise_sd = _uniform(rng, ranges.noise_sd)
+        params["noise_sd"] = noise_sd = uniform(rng, ranges.noise_sd)
         marg = marg * np.exp(noise_sd * rng.normal(size=marg.shape))
         marg /= marg.sum(axis=-1, keepdims=True)
     probs = marg[:, :, 0, :]
@@ -382,11 +252,11 @@ def _bon_build(rng: np.random.Generator, kind: str, ranges: BoNRanges,
         probs = (probs[..., :, None] * marg[:, :, k, None, :]).reshape(n_p, n_q, -1)
     atom_grid = np.stack(np.meshgrid(*(grid,) * n_obj, indexing="ij"), axis=-1).reshape(-1, n_obj)
     atoms = np.broadcast_to(atom_grid, (n_p, n_q, n_atoms, n_obj))
-    cost = _costs(rng, n_p, ranges.cost_scale, params)
+    cost = draw_costs(rng, n_p, ranges.cost_scale, params)
     return params, {
         "aggregator": "bon", "probs": probs, "atoms": atoms, "cost": cost, "n_max": sizes.n_max,
         "context_weights": weights, "context_names": names, "context_probs": cprobs,
-        "objective_names": tuple(f"objective_{k + 1}" for k in range(n_obj)), "split": _split(rng, sizes),
+        "objective_names": tuple(f"objective_{k + 1}" for k in range(n_obj)), "split": draw_split(rng, sizes),
     }
 
 
@@ -394,26 +264,41 @@ def _bon_build(rng: np.random.Generator, kind: str, ranges: BoNRanges,
 
 _MV = MVRanges()
 _BON = BoNRanges()
+#: ``mv_many_queries``, ``mv_few_queries`` and ``bon_large_n``: the first families' models at the sizes users bring.
+MANY_QUERIES = MVRanges(answers=(2, 4), prompts=(4, 32), train_queries=(1200, 1600), n_max=(8, 32))
+FEW_QUERIES = MVRanges(train_queries=(10, 20))
+LARGE_N = BoNRanges(n_max=(64, 128))
 
 FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
         Family("mv_categorical", "mv", "majority vote, 2-10 answers per query; query difficulty, prompt skill, "
-               "prompt x query interaction, deceiving prompts", lambda rng: mv_build(rng, _MV, binary=False)),
+               "prompt x query interaction, deceiving prompts", lambda rng: mv_build(rng, _MV, binary=False),
+               lambda rng, base: mv_redraw(rng, base, _MV, binary=False)),
         Family("mv_binary", "mv", "majority vote over right/wrong outcomes; the same accuracy model",
-               lambda rng: mv_build(rng, _MV, binary=True)),
+               lambda rng: mv_build(rng, _MV, binary=True), lambda rng, base: mv_redraw(rng, base, _MV, binary=True)),
         Family("math_like", "mv", "majority vote calibrated to the MATH release table's statistics (5 answers, "
-               "N_max 32, the paper's contexts)", lambda rng: mv_build(rng, MATH_LIKE, binary=False)),
+               "N_max 32, the paper's contexts)", lambda rng: mv_build(rng, MATH_LIKE, binary=False),
+               lambda rng, base: mv_redraw(rng, base, MATH_LIKE, binary=False)),
         Family("bon_shift", "bon", "Best-of-N, 1-3 objectives; queries shift every prompt's scores alike",
-               lambda rng: _bon_build(rng, "shift", _BON)),
+               lambda rng: _bon_build(rng, "shift", _BON), lambda rng, base: bon_redraw(rng, base, "shift", _BON)),
         Family("bon_shape", "bon", "Best-of-N, 1-3 objectives; queries change the spread and skew of the scores, "
-               "no common shift", lambda rng: _bon_build(rng, "shape", _BON)),
+               "no common shift", lambda rng: _bon_build(rng, "shape", _BON),
+               lambda rng, base: bon_redraw(rng, base, "shape", _BON)),
         Family("bon_flat", "bon", "Best-of-N, 1-3 objectives; no query structure (every query of a prompt alike)",
-               lambda rng: _bon_build(rng, "flat", _BON)),
+               lambda rng: _bon_build(rng, "flat", _BON), lambda rng, base: bon_redraw(rng, base, "flat", _BON)),
+        *families_mv.FAMILIES,
+        Family("mv_many_queries", "mv", "mv_categorical's model with 1,500-2,000 queries and 2-4 answers",
+               lambda rng: mv_build(rng, MANY_QUERIES, binary=False),
+               lambda rng, base: mv_redraw(rng, base, MANY_QUERIES, binary=False)),
+        Family("mv_few_queries", "mv", "mv_categorical's model with 10-20 train queries (overfitting the split)",
+               lambda rng: mv_build(rng, FEW_QUERIES, binary=False),
+               lambda rng, base: mv_redraw(rng, base, FEW_QUERIES, binary=False)),
+        *families_bon.FAMILIES,
+        Family("bon_large_n", "bon", "bon_shape's model with N_max 64-128", lambda rng: _bon_build(rng, "shape", LARGE_N),
+               lambda rng, base: bon_redraw(rng, base, "shape", LARGE_N)),
     )
 }
-
-
 def families() -> tuple[str, ...]:
     """The names of the generated families."""
     return tuple(FAMILIES)
@@ -483,7 +368,7 @@ def level_table(family: str, level: int) -> OutcomeTable:
 def redraw_table(family: str, level: int, *keys: int | str) -> OutcomeTable:
     """Level ``level``'s table with every outcome distribution drawn again from the family's model.
 
-    The family's builder runs on its own generator (``derive_rng(GENERATED_ROOT_SEED, "redraw", family, level,
+    The family's ``redraw`` runs on its own generator (``derive_rng(GENERATED_ROOT_SEED, "redraw", family, level,
     *keys)``) with the level's sizes (prompts, train and test queries, N_max, answers; objectives and grid values
     for Best-of-N) pinned; everything but ``probs`` (contexts, costs, atoms, gold, split) is the level's. A
     majority-vote redraw's answer buckets are relabelled so that each query's gold bucket is the level's. The
@@ -494,30 +379,31 @@ def redraw_table(family: str, level: int, *keys: int | str) -> OutcomeTable:
     base = level_table(family, level)
     spec = get_family(family)
     rng = derive_rng(GENERATED_ROOT_SEED, "redraw", spec.name, level, *keys)
-    assert base.split is not None
-    n_train = int((base.split == TRAIN).sum())
-    sizes = _Sizes(base.n_prompts, n_train, base.n_queries - n_train, base.n_max)
-    if spec.aggregator == "mv":
-        assert base.gold is not None
-        ranges = MATH_LIKE if spec.name == "math_like" else _MV
-        pinned = replace(ranges, answers=(base.n_atoms, base.n_atoms), prompts=(sizes.n_prompts,) * 2,
-                         train_queries=(n_train,) * 2, n_max=(sizes.n_max,) * 2)
-        _, kwargs = mv_build(rng, pinned, binary=spec.name == "mv_binary")
-        probs = np.array(kwargs["probs"])
-        rows = np.arange(base.n_queries)
-        gold, other = base.gold, np.asarray(kwargs["gold"])
-        swapped = probs[:, rows, other].copy()
-        probs[:, rows, other] = probs[:, rows, gold]
-        probs[:, rows, gold] = swapped
-    else:
-        n_obj = base.n_objectives
-        n_values = round(base.n_atoms ** (1.0 / n_obj))
-        _, kwargs = _bon_build(rng, spec.name.split("_", 1)[1], _BON, pin=(n_obj, n_values, sizes))
-        probs = kwargs["probs"]
+    probs = spec.redraw(rng, base)
     if probs.shape != base.probs.shape:  # unreachable: the sizes are pinned
         raise RuntimeError(f"redraw of {base.task} has shape {probs.shape}, the level {base.probs.shape}")
     return replace(base, probs=probs, task=f"{base.task}:redraw:{':'.join(str(k) for k in keys)}",
                    attrs={**base.attrs, "redraw": json.dumps(list(keys))})
+
+
+def mv_redraw(rng: np.random.Generator, base: OutcomeTable, ranges: MVRanges, binary: bool) -> np.ndarray:
+    """``mv_build`` again on ``base``'s sizes and answers, its gold buckets relabelled to ``base``'s."""
+    from dataclasses import replace
+
+    assert base.gold is not None
+    sizes = pinned_sizes(base)
+    pinned = replace(ranges, answers=(base.n_atoms, base.n_atoms), prompts=(sizes.n_prompts,) * 2,
+                     train_queries=(sizes.n_train,) * 2, n_max=(sizes.n_max,) * 2)
+    _, kwargs = mv_build(rng, pinned, binary=binary)
+    return relabel_gold(kwargs["probs"], np.asarray(kwargs["gold"]), base.gold)
+
+
+def bon_redraw(rng: np.random.Generator, base: OutcomeTable, kind: str, ranges: BoNRanges) -> np.ndarray:
+    """``_bon_build`` again on ``base``'s sizes, objectives and grid values."""
+    n_obj = base.n_objectives
+    n_values = round(base.n_atoms ** (1.0 / n_obj))
+    _, kwargs = _bon_build(rng, kind, ranges, pin=(n_obj, n_values, pinned_sizes(base)))
+    return np.asarray(kwargs["probs"])
 
 
 def level_params(family: str, level: int) -> dict[str, Any]:
