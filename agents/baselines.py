@@ -19,6 +19,7 @@ from agents import _jit
 from agents.base import Agent
 from agents.estimator import REUSE_MODES, Estimator, Reuse
 from agents.psst import partial_allocation
+from agents.rule_readings import RuleEstimator
 from iapo_gym import IAPOEnv, Policy
 
 
@@ -37,7 +38,10 @@ class RandomAgent(Agent):
         self.check_budget(budget)
         prompts = self.rng.integers(base.n_prompts, size=base.n_contexts)
         ns = self.rng.integers(1, base.n_max + 1, size=base.n_contexts)
-        return Policy(tuple(zip(prompts.tolist(), ns.tolist(), strict=True)))
+        arms = tuple(zip(prompts.tolist(), ns.tolist(), strict=True))
+        if base.rule_arms:  # a uniformly random rule too, drawn after the arms
+            return Policy(arms, rules=tuple(self.rng.integers(len(base.rules), size=base.n_contexts).tolist()))
+        return Policy(arms)
 
 
 class Uniform(Agent):
@@ -64,7 +68,7 @@ class Uniform(Agent):
         """One batch of pulls, then the greedy policy on the estimates."""
         base = self.base_env(env)
         budget = self.check_budget(budget)
-        est = Estimator(base, self.reuse)
+        est = RuleEstimator(base, self.reuse) if base.rule_arms else Estimator(base, self.reuse)
         n_p, n_max = base.n_prompts, base.n_max
         per_prompt = budget // (n_p * n_max)
         prompts = np.repeat(np.arange(n_p), per_prompt)
@@ -126,7 +130,7 @@ class _Sequential(Agent):
         budget = self.check_budget(budget)
         run = _Trajectory(self, self.base_env(env))
         self._advance(run, budget, stop=budget)
-        return run.est.best_arms(self.rng)
+        return run.read(self.rng)
 
     @property
     def anytime(self) -> bool:
@@ -155,13 +159,13 @@ class _Sequential(Agent):
             self._advance(run, top, stop=budget - base.n_max)  # the steps both runs take
             saved = (base.snapshot(), self.rng.bit_generator.state, run.save())
             self._advance(run, budget, stop=budget)
-            yield budget, run.est.best_arms(self.rng)
+            yield budget, run.read(self.rng)
             env_state, rng_state, run_state = saved
             base.restore(env_state)
             self.rng.bit_generator.state = rng_state
             run.load(run_state)
         self._advance(run, top, stop=top)
-        yield top, run.est.best_arms(self.rng)
+        yield top, run.read(self.rng)
 
     def _advance(self, run: _Trajectory, budget: int, stop: int) -> None:
         """Take the steps of a run with ``budget`` while completions spent <= ``stop`` (and < budget).
@@ -202,7 +206,7 @@ class _Sequential(Agent):
                 pulls = base.pull(arms // n_max, ns)
                 run.spent += pulls.completions
                 est.update(pulls)
-                means[...] = est.mean(unseen=0.0).reshape(n_contexts, -1)
+                means[...] = Estimator.mean(est, unseen=0.0).reshape(n_contexts, -1)  # fixed N, with rules too
 
 
 class _Trajectory:
@@ -210,7 +214,7 @@ class _Trajectory:
 
     def __init__(self, agent: _Sequential, base: IAPOEnv) -> None:
         self.base = base
-        self.est = Estimator(base, agent.reuse)
+        self.est = RuleEstimator(base, agent.reuse) if base.rule_arms else Estimator(base, agent.reuse)
         self.n_max, self.n_contexts = base.n_max, base.n_contexts
         self.arm_n = np.tile(np.arange(1, base.n_max + 1), base.n_prompts)
         self.means = np.zeros((base.n_contexts, self.arm_n.size))
@@ -221,7 +225,7 @@ class _Trajectory:
         rule = agent.jit_rule()
         self.compiled = rule if (
             _jit.enabled() and rule is not None and agent.batch_size == 1 and agent.reuse == "blocks"
-            and base.draws_from_table
+            and base.draws_from_table and not base.rule_arms  # the rules read the pulls, which the kernel keeps
             and type(self.est).task_sums is Estimator.task_sums) else None
         self.tables: tuple[Any, ...] = ()
         if self.compiled is not None:
@@ -232,16 +236,26 @@ class _Trajectory:
                            np.zeros((0, 0, 0, 1)) if mv else table.atoms, table.context_weights,
                            np.ascontiguousarray(table.cost_matrix(), dtype=np.float64))
 
-    def save(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """Copies of what the steps change."""
-        return self.est.sums.copy(), self.est.counts.copy(), self.means.copy(), self.spent
+    def read(self, rng: np.random.Generator) -> Policy:
+        """The policy: per context the arm of highest estimate (``Estimator.best_arms``); with ``rule_arms``, that
+        same arm (the same draws) with its best rule (``RuleEstimator.rules_at``)."""
+        if isinstance(self.est, RuleEstimator):
+            return self.est.rules_at(Estimator.best_arms(self.est, rng))
+        return self.est.best_arms(rng)
 
-    def load(self, state: tuple[np.ndarray, np.ndarray, np.ndarray, int]) -> None:
+    def save(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray | None]:
+        """Copies of what the steps change (the rules' sums too, with ``rule_arms``)."""
+        rules = self.est.snapshot() if isinstance(self.est, RuleEstimator) else None
+        return self.est.sums.copy(), self.est.counts.copy(), self.means.copy(), self.spent, rules
+
+    def load(self, state: tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray | None]) -> None:
         """Back to a ``save``d state (in place: the views stay valid)."""
-        sums, counts, means, self.spent = state
+        sums, counts, means, self.spent, rules = state
         self.est.sums[...] = sums
         self.est.counts[...] = counts
         self.means[...] = means
+        if isinstance(self.est, RuleEstimator) and rules is not None:
+            self.est.restore(rules)
 
 
 class EpsilonGreedy(_Sequential):

@@ -15,6 +15,7 @@ import numpy as np
 
 from agents.base import Agent
 from agents.estimator import REUSE_MODES, SMALL_CELLS, Estimator, Reuse, draws_at, skip_doubles
+from agents.rule_readings import RuleEstimator
 from iapo_gym import Policy
 
 LEFTOVER_MODES = ("carry", "drop")
@@ -271,7 +272,10 @@ class PSST(Agent):
         return {"reuse": self.reuse, "stockpile": self.stockpile, "leftover": self.leftover}
 
     def make_estimator(self, env: Any) -> Estimator:
-        """The estimator PSST learns through (override to try another way of reading pulls)."""
+        """The estimator PSST learns through (override to try another way of reading pulls); with the env's
+        ``rule_arms`` a ``RuleEstimator`` (the stopping rules read on the same pulls)."""
+        if self.base_env(env).rule_arms:
+            return RuleEstimator(env, self.reuse)
         return Estimator(env, self.reuse)
 
     def _initial_arms(self, env: Any, est: Estimator, budget: int) -> tuple[np.ndarray, int]:

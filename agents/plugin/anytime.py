@@ -20,6 +20,7 @@ from agents.base import Agent
 from agents.plugin.common import QueryStream, keep_top
 from agents.plugin.estimator import PlugInEstimator, check_nonnegative, warm_up
 from agents.psst import rounds_to_one
+from agents.rule_readings import best_rule_arms, plugin_rule_values
 from iapo_gym import Policy
 
 #: Completions per (prompt, query) at least: two draws show a query's spread, one does not.
@@ -194,5 +195,14 @@ class AnytimePlugIn(Agent):
             self._pull(run, b)
             keep_top(run.alive, run.est, np.maximum(1, run.alive.sum(axis=1) // 2), run.stream.rng)
         self.last_tail = Tail(live, run.est)
-        n_max = run.est.n_max
-        return run.est.best_arms(run.stream.rng, np.repeat(run.alive[:, :, None], n_max, axis=2))
+        return read_policy(run.base, run.est, run.alive, run.stream.rng)
+
+
+def read_policy(base: Any, est: PlugInEstimator, alive: np.ndarray, rng: np.random.Generator) -> Policy:
+    """The plug-in agents' read-out: per context the best (p, N) of its ``alive`` (C, P) prompts by ``est``; with the
+    env's ``rule_arms``, the best (p, N, r), the rules' values added to the live prompts' estimates only
+    (``agents.rule_readings.plugin_rule_values``)."""
+    mask = np.repeat(alive[:, :, None], est.n_max, axis=2)
+    if not base.rule_arms:
+        return est.best_arms(rng, mask)
+    return best_rule_arms(plugin_rule_values(est, np.flatnonzero(alive.any(axis=0))), rng, mask)

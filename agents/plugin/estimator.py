@@ -117,6 +117,8 @@ class PlugInEstimator(MajorityVoteReadings, BestOfNReadings):
         self._seen = np.zeros((self.n_prompts, table.n_queries), dtype=bool)
         if self.aggregator == "mv":
             self._credit = np.zeros((self.n_prompts, table.n_queries, self.n_max))  # per (p, q), cached
+            # per (p, q) the smoothed answer distribution its credit was last read from (the stopping rules read it)
+            self._probs = np.zeros((self.n_prompts, table.n_queries, table.n_atoms))
             self._votes = np.zeros((self.n_prompts, table.n_queries), dtype=np.int64)
             self._gold_votes = np.zeros((self.n_prompts, table.n_queries), dtype=np.int64)
             self._pooled = np.zeros((table.n_queries, table.n_atoms), dtype=np.int64)  # votes over prompts

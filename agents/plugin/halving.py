@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from agents.base import Agent
+from agents.plugin.anytime import read_policy
 from agents.plugin.common import QueryStream, keep_top
 from agents.plugin.estimator import PlugInEstimator, check_nonnegative, warm_up
 from agents.psst import rounds_to_one
@@ -63,4 +64,4 @@ class PlugInHalving(Agent):
             est.update(pulls)
             if r < rounds_total - 1:
                 keep_top(alive, est, np.maximum(1, alive.sum(axis=1) // 2), self.rng)
-        return est.best_arms(self.rng, np.repeat(alive[:, :, None], n_max, axis=2))
+        return read_policy(base, est, alive, self.rng)

@@ -73,6 +73,7 @@ class MajorityVoteReadings:
     atom_counts: np.ndarray
     _seen: np.ndarray
     _credit: np.ndarray
+    _probs: np.ndarray
     _votes: np.ndarray
     _gold_votes: np.ndarray
     _pooled: np.ndarray
@@ -102,6 +103,7 @@ class MajorityVoteReadings:
         if self.empirical_bayes:
             alpha = prior_votes(self._gold_votes[rows_p, q_idx].astype(np.float64), votes, share, self.alpha)
         probs = (counts + alpha * prior) / (votes[:, None] + alpha)
+        self._probs[rows_p, q_idx] = probs
         self._credit[rows_p, q_idx] = mv_credit_rows(probs, gold[q_idx], self.n_max)
 
     def _mv_credit_curve(self, prompts: np.ndarray) -> np.ndarray:
