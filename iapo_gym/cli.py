@@ -1,5 +1,5 @@
 """The ``iapo-gym`` command line: ``data ...``, ``leaderboard``, ``report``, ``bundle``, ``verify``, ``collect``,
-``optimize``, ``serve``.
+``optimize``, ``serve``, ``simulate``.
 
 Each command group lives in its own module and adds its parser here; exit codes: 0 success,
 1 a failure the command reports, 2 bad usage.
@@ -16,7 +16,7 @@ from iapo_gym._version import __version__
 
 #: Modules that each provide ``add_commands(subparsers)``; parsers set ``func(args) -> int``.
 COMMAND_MODULES = ("iapo_gym.data.cli", "iapo_gym.leaderboard.cli", "iapo_gym.llm.cli",
-                   "iapo_gym.leaderboard.optimize", "iapo_gym.deploy.cli")
+                   "iapo_gym.leaderboard.optimize", "iapo_gym.deploy.cli", "iapo_gym.deploy.simulate_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

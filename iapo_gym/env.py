@@ -10,7 +10,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from iapo_gym.oracle import exact_acr, expected_drawn, monte_carlo_acr, optimal_policy, q_table
+from iapo_gym.oracle import exact_acr, expected_cost, expected_drawn, monte_carlo_acr, optimal_policy, q_table
 from iapo_gym.policy import Policy, PolicyLike
 from iapo_gym.rules import Rule, default_rules, sampled_stop
 from iapo_gym.sampling import AliasSampler
@@ -427,6 +427,11 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
     def expected_drawn(self, split: str = "test") -> np.ndarray:
         """Exact expected completions drawn (C, P, N_max, R) under each stopping rule on ``split``."""
         return expected_drawn(self._known_table(), self.queries(split))
+
+    def expected_cost(self, split: str = "test") -> np.ndarray:
+        """Exact expected cost (C, P, N_max, R) of the completions drawn under each stopping rule on ``split`` (the
+        term of Q the cost weight multiplies; ``iapo_gym.oracle.expected_cost``)."""
+        return expected_cost(self._known_table(), self.queries(split))
 
     def optimal_policy(self, split: str = "test") -> Policy:
         """The exact optimal policy on ``split`` (refused without an exact oracle)."""

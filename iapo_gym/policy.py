@@ -108,20 +108,24 @@ class Policy:
         ``spec``: the collection spec that gives the prompts' texts and the scorer (a live env's own
         by default; a table alone has prompt ids only, and such a file cannot be served). An env with
         an exact oracle adds the exact test values; ``learned`` and ``estimate`` are stored as given.
+        Each context's stopping rule (``rules``, indices into the source's ``rules``) is written as its ``rule``.
         """
         from iapo_gym.policyfile import describe
 
-        return describe(self.arms, source, spec=spec, learned=learned, estimate=estimate).save(path)
+        arms = self.triples if self.has_rules else self.arms
+        return describe(arms, source, spec=spec, learned=learned, estimate=estimate).save(path)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Policy:
-        """The policy of a policy file, after checking it (schema, consistency, checksum).
+        """The policy of a policy file, after checking it (schema, consistency, checksum), with each context's
+        stopping rule as its index in the aggregator's family (``iapo_gym.rules.default_rules``).
 
         ``iapo_gym.deploy.load_policy`` gives the whole document (prompts, contexts, estimates).
         """
         from iapo_gym.policyfile import load_policy
 
-        return cls(load_policy(path).arms)
+        pf = load_policy(path)
+        return cls(pf.arms, pf.rule_indices())
 
     @classmethod
     def coerce(cls, policy: PolicyLike, n_contexts: int) -> Policy:

@@ -14,6 +14,7 @@ This module uses environments, tables and specs by their attributes only, so tha
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -63,8 +64,41 @@ class PolicyPrompt:
 
 
 @dataclass(frozen=True)
+class PolicyRule:
+    """A context's stopping rule as stored (docs/deploy.md, "Stopping rules"): its ``name`` and ``params`` as
+    ``iapo_gym.rules`` names them (``margin``, ``{"m": 2}``), and for a Best-of-N ``threshold`` the context's ``tau``,
+    the utility at which a completion stops the draws (a number: the served rule has no table to take a quantile of).
+    No rule, or ``fixed``, draws all N."""
+
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+    tau: float | None = None
+
+    def __hash__(self) -> int:  # a context (frozen, hashable) holds its rule: hash the parameters as items
+        return hash((self.name, tuple(sorted(self.params.items())), self.tau))
+
+    def make(self) -> Any:
+        """The ``iapo_gym.rules`` rule (``ValueError`` for an unknown name or bad parameters)."""
+        from iapo_gym.rules import make_rule
+
+        return make_rule(self.name, dict(self.params))
+
+    @property
+    def fixed(self) -> bool:
+        """Whether the rule draws all N (``fixed``)."""
+        return self.name == "fixed"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The rule as stored in the file and shown in a response's ``iapo`` object."""
+        out: dict[str, Any] = {"name": self.name, "params": dict(self.params)}
+        if self.tau is not None:
+            out["tau"] = self.tau
+        return out
+
+
+@dataclass(frozen=True)
 class PolicyContext:
-    """One user context: its weights, probability, chosen (prompt id, N) and estimated value."""
+    """One user context: its weights, probability, chosen (prompt id, N), stopping rule and estimated value."""
 
     name: str
     objective_weights: tuple[float, ...]
@@ -77,6 +111,9 @@ class PolicyContext:
     optimal: float | None = None
     completions: int | None = None
     expected_drawn: float | None = None  # mv: completions a request draws on average with early stopping
+    rule: PolicyRule | None = None  # None: fixed N (draw all N, or a majority vote's lossless early stop)
+    exact_drawn: float | None = None  # an exact oracle's expected completions under the rule (no lossless stop)
+    exact_cost: float | None = None  # and their expected cost (the term the cost weight multiplies)
 
     @property
     def weights(self) -> tuple[float, ...]:
@@ -90,8 +127,15 @@ class PolicyContext:
             value["completions"] = self.completions
         if self.expected_drawn is not None:
             value["expected_drawn"] = self.expected_drawn
-        return {"name": self.name, "objective_weights": list(self.objective_weights), "cost_weight": self.cost_weight,
-                "probability": self.probability, "prompt": self.prompt, "n": self.n, "value": value}
+        if self.exact_drawn is not None:
+            value["exact_drawn"] = self.exact_drawn
+        if self.exact_cost is not None:
+            value["exact_cost"] = self.exact_cost
+        out = {"name": self.name, "objective_weights": list(self.objective_weights), "cost_weight": self.cost_weight,
+               "probability": self.probability, "prompt": self.prompt, "n": self.n, "value": value}
+        if self.rule is not None:
+            out["rule"] = self.rule.to_dict()
+        return out
 
 
 @dataclass(frozen=True)
@@ -130,6 +174,29 @@ class PolicyFile:
         index = {p.id: i for i, p in enumerate(self.prompts)}
         return tuple((index[c.prompt], c.n) for c in self.contexts)
 
+    @property
+    def has_rules(self) -> bool:
+        """Whether some context stops by a rule other than fixed N."""
+        return any(c.rule is not None and not c.rule.fixed for c in self.contexts)
+
+    def rule_indices(self) -> tuple[int, ...]:
+        """Each context's rule as its index in its aggregator's rule family (``iapo_gym.rules.default_rules``; 0:
+        fixed N), as ``Policy.rules`` holds it; a rule outside the family raises ``PolicyFileError``."""
+        if all(c.rule is None for c in self.contexts):
+            return (0,) * len(self.contexts)
+        from iapo_gym.rules import default_rules
+
+        family = default_rules(self.aggregator)
+        out = []
+        for c in self.contexts:
+            rule = c.rule.make() if c.rule is not None else family[0]
+            if rule not in family:
+                raise PolicyFileError(f"context {c.name!r}: its rule {c.rule.to_dict() if c.rule else None} is not in "
+                                      f"the {self.aggregator} rule family {[r.name + str(r.params()) for r in family]} "
+                                      "that Policy.rules indexes (serve applies it all the same)")
+            out.append(family.index(rule))
+        return tuple(out)
+
     def prompt(self, prompt_id: str) -> PolicyPrompt:
         """The prompt with id ``prompt_id``."""
         for p in self.prompts:
@@ -144,6 +211,12 @@ class PolicyFile:
                 "scorer": self.scorer, "sampling": self.sampling, "prompts": [p.to_dict() for p in self.prompts],
                 "contexts": [c.to_dict() for c in self.contexts], "learned": self.learned, "estimate": self.estimate,
                 **({"arm_estimates": self.arm_estimates} if self.arm_estimates is not None else {})}
+
+    @functools.cached_property
+    def sha256(self) -> str:
+        """The checksum its file carries (the canonical JSON of ``to_dict``): the policy's identity, as ``serve``
+        reports the policy it serves (computed once)."""
+        return _digest(self.to_dict())
 
     def to_json(self) -> str:
         """The file's text: the document with its ``sha256``, indented for reading."""
@@ -223,7 +296,9 @@ def load_text(text: str, where: str = "policy") -> PolicyFile:
             contexts=tuple(PolicyContext(c["name"], tuple(float(w) for w in c["objective_weights"]),
                                          float(c["cost_weight"]), float(c["probability"]), c["prompt"], int(c["n"]),
                                          c["value"]["mean"], c["value"]["stderr"], c["value"]["optimal"],
-                                         c["value"].get("completions"), c["value"].get("expected_drawn"))
+                                         c["value"].get("completions"), c["value"].get("expected_drawn"),
+                                         _rule_of(c.get("rule")), c["value"].get("exact_drawn"),
+                                         c["value"].get("exact_cost"))
                            for c in doc["contexts"]),
             learned=doc["learned"], estimate=doc["estimate"], iapo_gym_version=doc["iapo_gym_version"],
             arm_estimates=doc.get("arm_estimates"))
@@ -231,6 +306,37 @@ def load_text(text: str, where: str = "policy") -> PolicyFile:
         raise PolicyFileError(f"{where}: {exc}") from None
     except OverflowError as exc:  # an integer weight or probability beyond the float range
         raise PolicyFileError(f"{where}: a number of a context is out of range ({exc})") from None
+
+
+def _rule_of(doc: Mapping[str, Any] | None) -> PolicyRule | None:
+    """A context's ``rule`` field as read (the schema checked its shape; ``_check_rule`` its meaning)."""
+    if doc is None:
+        return None
+    tau = doc.get("tau")
+    return PolicyRule(doc["name"], dict(doc["params"]), None if tau is None else float(tau))
+
+
+def _check_rule(pf: PolicyFile, c: PolicyContext, fail: Any) -> None:
+    """The context's stopping rule is a rule of the policy's aggregator with valid parameters, and a Best-of-N
+    threshold carries its finite tau (and only a threshold has one)."""
+    from iapo_gym.rules import BON_RULES, MV_RULES, Threshold
+
+    rule = c.rule
+    assert rule is not None
+    try:
+        made = rule.make()
+    except ValueError as exc:
+        fail(f"context {c.name!r}: field 'rule' ({rule.to_dict()}): {exc}")
+    kinds = {type(r) for r in (MV_RULES if pf.aggregator == "mv" else BON_RULES)}
+    if type(made) not in kinds:
+        fail(f"context {c.name!r}: field 'rule.name' {rule.name!r} is not a stopping rule of the {pf.aggregator} "
+             f"aggregator (its rules: {sorted(k.name for k in kinds)})")
+    if isinstance(made, Threshold):
+        if rule.tau is None or not math.isfinite(rule.tau):
+            fail(f"context {c.name!r}: field 'rule.tau' must be a finite number for a threshold rule (the utility at "
+                 f"which a completion stops the draws), got {rule.tau!r}")
+    elif rule.tau is not None:
+        fail(f"context {c.name!r}: field 'rule.tau' is for a Best-of-N threshold rule only, not {rule.name!r}")
 
 
 def _check_consistent(pf: PolicyFile, where: str) -> None:
@@ -277,6 +383,8 @@ def _check_consistent(pf: PolicyFile, where: str) -> None:
         numbers = (*c.objective_weights, c.cost_weight, c.probability)
         if not all(math.isfinite(x) for x in numbers):
             fail(f"context {c.name!r} has a weight or probability that is not finite: {numbers}")
+        if c.rule is not None:
+            _check_rule(pf, c, fail)
         total += c.probability
     if not math.isclose(total, 1.0, abs_tol=1e-6):
         fail(f"context probabilities sum to {total}, expected 1")
@@ -316,7 +424,9 @@ def _check_arm_estimates(pf: PolicyFile, ids: list[str], fail: Any) -> None:
 def describe(arms: Sequence[Sequence[int]], source: Any, *, spec: Any = None, learned: Mapping[str, Any] | None = None,
              estimate: Mapping[str, Any] | None = None, context_values: Sequence[Mapping[str, Any]] | None = None,
              exact: bool = True) -> PolicyFile:
-    """The policy file of ``arms`` (one (prompt index, N) per context) learned on ``source``.
+    """The policy file of ``arms`` (one (prompt index, N) or (prompt index, N, rule index) per context) learned on
+    ``source``; a rule index r > 0 indexes the source's stopping rules (``IAPOEnv.rules``, else the aggregator's
+    family) and is written as the context's ``rule``, with its tau for a Best-of-N threshold.
 
     ``source`` is the env the policy was trained on (an ``IAPOEnv``, a ``LiveEnv``, or a wrapper),
     or its ``OutcomeTable``. ``spec`` (a collection ``Spec``; a ``LiveEnv``'s own by default)
@@ -332,31 +442,58 @@ def describe(arms: Sequence[Sequence[int]], source: Any, *, spec: Any = None, le
     if spec is None:
         spec = getattr(env, "llm_spec", None)
     n_c = len(table.context_names)
-    pairs = [(int(p), int(n)) for p, n in arms]
+    if any(len(a) not in (2, 3) for a in arms):
+        raise ValueError(f"policy arms must be (prompt, N) or (prompt, N, rule), got {list(arms)[:5]}")
+    pairs = [(int(a[0]), int(a[1])) for a in arms]
+    rule_index = [int(a[2]) if len(a) == 3 else 0 for a in arms]
     if len(pairs) != n_c:
         raise ValueError(f"the policy has {len(pairs)} arms, the source has {n_c} contexts")
     for c, (p, n) in enumerate(pairs):
         if not (0 <= p < len(table.prompts) and 1 <= n <= table.n_max):
             raise ValueError(f"policy arm {(p, n)} for context {c} is outside prompts [0, {len(table.prompts)}) x "
                              f"N [1, {table.n_max}]")
+    rules = _rules_of(env, table, rule_index)
     prompts, api, scorer, sampling = _prompts_from(table, spec)
     values: list[dict[str, Any]] = [dict(v) for v in context_values] if context_values is not None else \
         [{} for _ in range(n_c)]
     est: dict[str, Any] = dict(estimate) if estimate is not None else {"method": None}
     if estimate is None and exact and getattr(getattr(env, "source", None), "exact", False):  # its oracle answers
-        est, values = exact_estimate(env, pairs)
+        est, values = exact_estimate(env, [(p, n, r) for (p, n), r in zip(pairs, rule_index, strict=True)]
+                                     if any(rule_index) else pairs)
     weights = table.context_weights
     contexts = tuple(
         PolicyContext(name=str(table.context_names[c]), objective_weights=tuple(float(w) + 0.0 for w in weights[c, :-1]),
                       cost_weight=float(weights[c, -1]) + 0.0, probability=float(table.context_probs[c]),
                       prompt=str(table.prompts[pairs[c][0]]), n=pairs[c][1], value=_num(values[c].get("mean")),
                       stderr=_num(values[c].get("stderr")), optimal=_num(values[c].get("optimal")),
-                      completions=values[c].get("completions"))
+                      completions=values[c].get("completions"), rule=rules[c],
+                      exact_drawn=_num(values[c].get("drawn")), exact_cost=_num(values[c].get("cost")))
         for c in range(n_c))
     return PolicyFile(task=str(table.task), aggregator=str(table.aggregator), api=api, n_max=int(table.n_max),
                       objectives=tuple(str(o) for o in table.objective_names), scorer=scorer, sampling=sampling,
                       prompts=tuple(prompts), contexts=contexts,
                       learned=dict(learned or {}), estimate=est)
+
+
+def _rules_of(env: Any, table: Any, rule_index: Sequence[int]) -> list[PolicyRule | None]:
+    """Each context's ``PolicyRule`` (None for rule 0, fixed N) from its index into the env's stopping rules, with
+    the context's tau for a Best-of-N threshold (``iapo_gym.rules.context_thresholds``, as the env's steps use)."""
+    if not any(rule_index):
+        return [None] * len(rule_index)
+    from iapo_gym.rules import Threshold, context_thresholds, default_rules
+
+    family = tuple(getattr(env, "rules", None) or default_rules(str(table.aggregator)))
+    bad = [(c, r) for c, r in enumerate(rule_index) if not 0 <= r < len(family)]
+    if bad:
+        raise ValueError(f"policy rule {bad[0][1]} for context {bad[0][0]} is outside the source's stopping rules "
+                         f"[0, {len(family)})")
+    taus = context_thresholds(table, family)[0] if any(isinstance(r, Threshold) for r in family) else None
+    out: list[PolicyRule | None] = []
+    for c, r in enumerate(rule_index):
+        rule = family[r]
+        tau = float(taus[c, r]) if taus is not None and isinstance(rule, Threshold) else None
+        out.append(None if r == 0 else PolicyRule(rule.name, rule.params(), tau))
+    return out
 
 
 def _num(value: Any) -> float | None:
@@ -386,20 +523,34 @@ def _prompts_from(table: Any, spec: Any) -> tuple[list[PolicyPrompt], str | None
     return prompts, spec.endpoint.api, scorer, json.loads(json.dumps(spec.sampling.as_dict()))
 
 
-def exact_estimate(env: Any, arms: Sequence[tuple[int, int]], split: str = "test") -> tuple[dict[str, Any],
-                                                                                            list[dict[str, Any]]]:
-    """Exact test ACR, optimal ACR and regret of ``arms`` from ``env.q_table(split)``, and per-context values."""
+def exact_estimate(env: Any, arms: Sequence[Sequence[int]], split: str = "test") -> tuple[dict[str, Any],
+                                                                                         list[dict[str, Any]]]:
+    """Exact test ACR, optimal ACR and regret of ``arms`` from ``env.q_table(split)``, and per-context values.
+
+    Arms (p, N, r) with a stopping rule: the values and the optimum are over the arms with rules
+    (``env.q_table(split, rules=True)``), and each context's value also gives ``drawn`` and ``cost``, the exact
+    expected completions its arm draws under its rule and their expected cost (``iapo_gym.oracle.expected_cost``).
+    """
     import numpy as np
 
-    q = np.asarray(env.q_table(split))
     table = env.table
-    index = np.asarray(arms, dtype=np.int64).reshape(-1, 2)
+    index = np.asarray(arms, dtype=np.int64)
+    index = index.reshape(len(index), -1) if index.size else index.reshape(0, 2)
+    with_rules = index.shape[1] == 3
+    q = np.asarray(env.q_table(split, rules=True) if with_rules else env.q_table(split))
     rows = np.arange(q.shape[0])
-    chosen = q[rows, index[:, 0], index[:, 1] - 1]
+    chosen = q[rows, index[:, 0], index[:, 1] - 1, index[:, 2]] if with_rules else q[rows, index[:, 0], index[:, 1] - 1]
     top = q.reshape(q.shape[0], -1).max(axis=1)
     acr, best = float(np.dot(table.context_probs, chosen)), float(np.dot(table.context_probs, top))
     values, optimal = [float(v) for v in chosen], [float(v) for v in top]
     where = split if table.split is not None else "all"
     est = {"method": "exact", "split": where, "acr": acr, "stderr": 0.0, "optimal_acr": best, "regret": best - acr,
            "queries": int(len(env.queries(split)))}
-    return est, [{"mean": v, "stderr": 0.0, "optimal": o} for v, o in zip(values, optimal, strict=True)]
+    out: list[dict[str, Any]] = [{"mean": v, "stderr": 0.0, "optimal": o} for v, o in zip(values, optimal, strict=True)]
+    if with_rules:
+        arm = (rows, index[:, 0], index[:, 1] - 1, index[:, 2])
+        drawn = np.asarray(env.expected_drawn(split))[arm]
+        cost = np.asarray(env.expected_cost(split))[arm]
+        for v, d, k in zip(out, drawn, cost, strict=True):
+            v.update(drawn=float(d), cost=float(k))
+    return est, out

@@ -40,7 +40,7 @@ kernel of ``bon_weighted_max`` serves fixed N only).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from fractions import Fraction
 from functools import cache
 from math import comb
@@ -139,6 +139,25 @@ def rule_label(rule: Rule) -> str:
     """A rule as text, e.g. ``margin(m=2)``."""
     params = ", ".join(f"{k}={v:g}" for k, v in rule.params().items())
     return f"{rule.name}({params})" if params else rule.name
+
+
+#: The rule classes by ``name`` (``make_rule``).
+RULE_TYPES: dict[str, type] = {t.name: t for t in (FixedN, Margin, Posterior, Threshold)}
+
+
+def make_rule(name: str, params: dict[str, float]) -> Rule:
+    """The rule named ``name`` with ``params`` (``rule.name`` and ``rule.params()`` of a rule give it back).
+
+    An unknown name, a missing or unknown parameter or a bad value raises ``ValueError`` naming it.
+    """
+    kind = RULE_TYPES.get(name)
+    if kind is None:
+        raise ValueError(f"unknown stopping rule {name!r}; expected one of {sorted(RULE_TYPES)}")
+    wanted = [f.name for f in fields(kind)]
+    if not isinstance(params, dict) or sorted(params) != sorted(wanted):
+        raise ValueError(f"stopping rule {name!r} takes the parameters {wanted}, got {params!r}")
+    rule: Rule = kind(**params)
+    return rule
 
 
 def _check_rules(rules: tuple[Rule, ...], allowed: tuple[type, ...], aggregator: str) -> None:

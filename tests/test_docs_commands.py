@@ -102,6 +102,8 @@ class Runner:
         if how == "as written":
             self.run(command)
         elif how == "serve":
+            if self.serve is not None:  # a later serve command of the docs replaces the running one
+                stop(self.serve)
             self.serve_port = free_port()
             argv = self.argv(command.replace("--port 8000", f"--port {self.serve_port}"))
             self.serve = subprocess.Popen(argv, cwd=self.work, env=self.env, stdout=subprocess.DEVNULL,

@@ -168,9 +168,13 @@ def build_report(table: Any, out: Path) -> list[str]:
 def cmd_build(args: argparse.Namespace) -> int:
     """Build a table from samples (a completion log, a columnar sample set or an lm-eval run) and write it as HDF5."""
     from iapo_gym.data.build import BuildOptions, build_log_table, load_contexts
+    from iapo_gym.data.servelog import is_serve_log
     from iapo_gym.tables import write_table
 
-    fmt = _source_format(args)
+    fmt = "serve-log" if args.format == "serve-log" or (args.format == "auto" and is_serve_log(args.source)) else \
+        _source_format(args)
+    if args.gold and fmt != "serve-log":
+        raise ValueError("--gold gives the gold answers of a serve outcome log's queries; this source is not one")
     aggregator = args.aggregator or ("mv" if fmt == "lm-eval" else None)
     if aggregator is None:
         print("error: give --aggregator mv or bon", file=sys.stderr)
@@ -182,7 +186,11 @@ def cmd_build(args: argparse.Namespace) -> int:
                            test_fraction=args.test_fraction, seed=args.seed, top_k=top_k,
                            grid=None if args.no_grid else args.grid, quantile_bins=args.quantile_bins,
                            contexts=load_contexts(args.contexts) if args.contexts else None)
-    if fmt == "lm-eval":
+    if fmt == "serve-log":
+        from iapo_gym.data.servelog import build_serve_log_table
+
+        table = build_serve_log_table(args.source, aggregator, options, gold_file=args.gold, batch_rows=args.batch_rows)
+    elif fmt == "lm-eval":
         from iapo_gym.data.lmeval import build_lm_eval_table
 
         table = build_lm_eval_table(args.source, options, tasks=args.lm_eval_task, filter_name=args.lm_eval_filter,
@@ -271,10 +279,13 @@ def add_commands(subparsers: Any) -> None:
                        description="Build a table from samples (docs/log-format.md, docs/data.md).")
     p.add_argument("source", help="completion log (.jsonl), sample set (.parquet, .arrow, .csv, ...), a folder or "
                                   "quoted glob of Parquet shards, or lm-eval output folder / results_<date>.json")
-    p.add_argument("--format", choices=("auto", "log", "columns", "lm-eval"), default="auto",
+    p.add_argument("--format", choices=("auto", "log", "columns", "lm-eval", "serve-log"), default="auto",
                    help="how to read SOURCE (default auto: a folder with results_*.json, or results_*.json, is "
                         "lm-eval; a folder of .parquet files or a glob: Parquet shards; .jsonl/.json a completion "
-                        "log; .parquet/.arrow/.feather/.csv/.tsv a sample set)")
+                        "log; .parquet/.arrow/.feather/.csv/.tsv a sample set; a folder with outcomes.sqlite: the "
+                        "outcome log of serve --log)")
+    p.add_argument("--gold", metavar="FILE", help="serve outcome log, mv: the gold answers of queries no feedback "
+                   "true named, as JSON Lines {\"query\": ..., \"gold\": ...}")
     p.add_argument("--aggregator", choices=("mv", "bon"), help="majority vote or Best-of-N (lm-eval: mv)")
     p.add_argument("--task", help="table name (default: the source's file stem)")
     p.add_argument("--out", help="output .h5 path (default: ./<task>.h5)")

@@ -10,10 +10,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from iapo_gym.policyfile import PolicyContext, PolicyFile, PolicyFileError, PolicyPrompt, describe, load_policy
+from iapo_gym.policyfile import (
+    PolicyContext,
+    PolicyFile,
+    PolicyFileError,
+    PolicyPrompt,
+    PolicyRule,
+    describe,
+    load_policy,
+)
 
-__all__ = ["ContextError", "PolicyContext", "PolicyFile", "PolicyFileError", "PolicyPrompt", "Routed", "Router",
-           "describe", "load_policy"]
+__all__ = ["ContextError", "PolicyContext", "PolicyFile", "PolicyFileError", "PolicyPrompt", "PolicyRule", "Routed",
+           "Router", "describe", "load_policy"]
 
 
 def __getattr__(name: str) -> Any:

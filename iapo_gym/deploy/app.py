@@ -37,11 +37,15 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iapo_gym.deploy.errors import error_body
+from iapo_gym.deploy.limits import host_name
 from iapo_gym.deploy.params import RequestError
 
-__all__ = ["AccessLog", "BodyTimer", "Cors", "Doors", "JSON", "SINGLE_HEADERS", "error_response", "route_path", "starlette_app"]
+__all__ = ["AccessLog", "BodyTimer", "Cors", "DRAIN_FACTOR", "Doors", "JSON", "LOCAL_HOSTS", "SINGLE_HEADERS",
+           "answered_hosts", "error_response", "host_refusal", "read_body", "route_path", "starlette_app"]
 
 JSON = "application/json"
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # Host names always answered (any port)
+DRAIN_FACTOR = 8  # a body up to this many times the limit is read and dropped before the 413
 SINGLE_HEADERS = (b"host", b"authorization", b"content-type", b"content-length", b"origin")
 PREFLIGHT = [(b"access-control-allow-methods", b"GET, POST, OPTIONS"),
              (b"access-control-allow-headers", b"authorization, content-type"), (b"access-control-max-age", b"600")]
@@ -56,6 +60,61 @@ def route_path(scope: Scope) -> str:
 def error_response(exc: RequestError) -> Response:
     """``exc`` as an answer: its status, the OpenAI error body and its headers (``Retry-After``, ...)."""
     return Response(error_body(exc), exc.status, headers=exc.headers, media_type=JSON)
+
+
+def answered_hosts(bound: str, allowed: Sequence[str] = ()) -> set[tuple[str, int | None]]:
+    """The (name, port) pairs a server bound to ``bound`` answers: localhost's names, the bound address (an IPv6
+    address in brackets, as a Host header names it) and the ``allowed`` hosts (``--allowed-host``)."""
+    bracketed = f"[{bound}]" if ":" in bound and not bound.startswith("[") else bound
+    return {host_name(h) for h in (*LOCAL_HOSTS, bracketed, *allowed)}
+
+
+def host_refusal(hosts: set[tuple[str, int | None]], headers: dict[bytes, bytes], count: int) -> RequestError | None:
+    """None when the one Host header names a host of ``hosts`` (any port, or the port it was allowed with); else
+    the 421 (400 without a Host header or with several). A page of another site whose name resolves to this
+    address (DNS rebinding) sends its own name, so it is refused before anything runs."""
+    raw = headers.get(b"host")
+    if raw is None or count != 1:
+        return RequestError(400, "the request must have one Host header", "missing_host",
+                            headers={"Connection": "close"})
+    try:
+        name, port = host_name(raw.decode("latin-1"))
+    except ValueError:
+        name, port = "", None
+    if (name, None) in hosts or (name, port) in hosts:
+        return None
+    return RequestError(421, "this server does not answer to the host named in the Host header; its operator "
+                             "can allow it with --allowed-host", "host_not_allowed",
+                        headers={"Connection": "close"})
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past ``limit`` bytes.
+
+    A body declared (``Content-Length``) or found larger is read on and dropped, never kept, up to
+    ``DRAIN_FACTOR`` times the limit, so that the caller reliably hears the 413 rather than a reset
+    connection; a body declared larger still is refused at once, unread.
+    """
+    too_big = RequestError(413, f"the request body is larger than this server's limit of {limit} bytes",
+                           "body_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > DRAIN_FACTOR * limit):
+        raise too_big
+    over = declared is not None and int(declared) > limit
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():  # ClientDisconnect when the caller goes away
+        size += len(chunk)
+        if size > limit:
+            over = True
+            chunks.clear()
+        if not over:
+            chunks.append(chunk)
+        if size > DRAIN_FACTOR * limit:
+            raise too_big
+    if over:
+        raise too_big
+    return b"".join(chunks)
 
 
 class Doors:
@@ -173,9 +232,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         allowed = (exc.headers or {}).get("Allow", "")
         return error_response(RequestError(405, f"{path} takes {' or '.join(sorted(allowed.split(', ')))}, got "
                                                 f"{method}", "method_not_allowed", headers={"Allow": allowed}))
-    if exc.status_code == 404:
-        return error_response(RequestError(404, f"{path} is not served: the endpoints are /v1/chat/completions, "
-                                                "/v1/completions, /v1/models and /health", "not_found"))
+    if exc.status_code == 404:  # the app's own paths (a path with a parameter by its prefix)
+        paths = sorted({route.path.split("{", 1)[0].rstrip("/") for route in request.app.routes
+                        if isinstance(route, Route)})
+        return error_response(RequestError(404, f"{path} is not served: the endpoints are {', '.join(paths[:-1])} "
+                                                f"and {paths[-1]}", "not_found"))
     return Response(exc.detail, exc.status_code, headers=exc.headers)
 
 
@@ -205,9 +266,11 @@ class AccessLog:
     event loop. ``write`` returns once the line is flushed (a request awaits its line before its answer is
     complete: at most one line per request in flight waits); ``submit`` does not wait."""
 
-    def __init__(self, stream: TextIO | None) -> None:
-        """``stream``: where lines go (None: nowhere)."""
+    def __init__(self, stream: TextIO | None, observer: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """``stream``: where lines go (None: nowhere); ``observer``: called with each record as it is submitted, on
+        the caller's thread, also without a stream (``serve``'s metrics)."""
         self.stream = stream
+        self.observer = observer
         self._thread = None if stream is None else \
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="iapo-gym-access-log")
 
@@ -218,6 +281,8 @@ class AccessLog:
 
     def submit(self, record: dict[str, Any]) -> concurrent.futures.Future[None] | None:
         """Queue one record for the log's thread; the future is done once it is flushed."""
+        if self.observer is not None:
+            self.observer(record)
         if self._thread is None:
             return None
         return self._thread.submit(self._append, json.dumps(record, separators=(",", ":")) + "\n")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import hmac
 import ipaddress
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -27,10 +29,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     from iapo_gym.deploy.connections import protocol
     from iapo_gym.deploy.server import run_server
+    from iapo_gym.deploy.swap import ignore_hangup
 
+    ignore_hangup()  # until the server listens for it (a policy swap): a SIGHUP while starting does not stop it
     try:
         if args.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {args.workers}")
+        if getattr(args, "log", None) and args.workers > 1:
+            raise ValueError("--log keeps one outcome log per process and folder: serve with --workers 1, or run "
+                             "one serve per log folder")
+        if getattr(args, "learn", False) and args.workers > 1:
+            raise ValueError("--learn keeps its estimates and exploration budget in one process: serve with "
+                             "--workers 1")
         _check_exposure(args)
         app = build_app(args, access_log=args.workers == 1)
         protocol(app.limits, args.http)  # the parser asked for is installed
@@ -64,7 +74,11 @@ WORKER_APP = "iapo_gym.deploy.cli:worker_app"
 
 
 def worker_app() -> Any:
-    """The app of one ``--workers`` process: ``build_app`` of the arguments in ``WORKER_ARGS_ENV``."""
+    """The app of one ``--workers`` process: ``build_app`` of the arguments in ``WORKER_ARGS_ENV``. SIGHUP is ignored
+    until the app listens for it (a policy swap, ``iapo_gym.deploy.swap``): a worker still starting reads the file."""
+    from iapo_gym.deploy.swap import ignore_hangup
+
+    ignore_hangup()
     return build_app(argparse.Namespace(**json.loads(os.environ[WORKER_ARGS_ENV])))
 
 
@@ -81,8 +95,9 @@ def build_app(args: argparse.Namespace, *, access_log: bool = True) -> Any:
         api_key = os.environ.get(args.api_key_env)
         if not api_key:
             raise ValueError(f"--api-key-env names the variable {args.api_key_env!r}, which is not set or empty")
+    admin_key = admin_key_from_args(args, api_key)
     router = Router(args.policy, args.upstream, seed=args.seed, early_stop=not args.no_early_stop,
-                    rules=caller_rules(args))
+                    bon_wave=args.bon_wave, rules=caller_rules(args))
     limits = limits_from_args(args)
     budget = budget_from_args(args, router)
     stream: Any = None
@@ -90,8 +105,86 @@ def build_app(args: argparse.Namespace, *, access_log: bool = True) -> Any:
         stream = sys.stdout
     elif access_log and args.access_log:
         stream = open(args.access_log, "a", encoding="utf-8")  # noqa: SIM115 (open for the server's lifetime)
+    learner, shadow = learner_from_args(args, router)  # before the log opens: the learner resumes from it
+    outcomes = outcome_log_from_args(args, router)
     # create_app checks the budget against the policy's largest request
-    return create_app(router, api_key=api_key, access_log=stream, limits=limits, budget=budget, host=args.host)
+    app = create_app(router, api_key=api_key, access_log=stream, limits=limits, budget=budget, host=args.host,
+                     outcomes=outcomes, log_queries=bool(getattr(args, "log_queries", False)), learner=learner,
+                     shadow=shadow)
+    from iapo_gym.deploy.swap import install
+
+    install(app, args.policy, admin_key=admin_key, workers=args.workers)  # SIGHUP and POST /admin/policy
+    return app
+
+
+def admin_key_from_args(args: argparse.Namespace, api_key: str | None) -> str | None:
+    """The admin key of ``POST /admin/policy``, read from the variable ``--admin-key-env`` names (None without it);
+    ValueError when it is unset, empty or the inbound key (a caller must not be able to swap the policy)."""
+    name = getattr(args, "admin_key_env", None)
+    if not name:
+        return None
+    key = os.environ.get(name)
+    if not key:
+        raise ValueError(f"--admin-key-env names the variable {name!r}, which is not set or empty")
+    if api_key is not None and hmac.compare_digest(key.encode(), api_key.encode()):
+        raise ValueError(f"--admin-key-env names a variable ({name!r}) holding the inbound key of --api-key-env: the "
+                         "admin key must differ (a caller must not be able to swap the policy)")
+    return key
+
+
+def learner_from_args(args: argparse.Namespace, router: Any) -> tuple[Any, Any]:
+    """The ``ServeLearner`` of ``--learn`` (None without it; with ``--log``, resumed from the rows the log already
+    holds) and the ``Shadow`` of ``--shadow`` (None without it); ValueError naming what cannot be used."""
+    from iapo_gym.deploy.learn import ServeLearner, Shadow
+
+    learn = bool(getattr(args, "learn", False))
+    if not learn:
+        for option, given in (("--explore-share", args.explore_share is not None),
+                              ("--learn-reward", args.learn_reward is not None),
+                              ("--learn-prior", args.learn_prior is not None)):
+            if given:
+                raise ValueError(f"{option} needs --learn (the learner it configures)")
+    if getattr(args, "shadow", None) and not args.log:
+        raise ValueError("--shadow needs --log DIR (the candidate's arm is logged beside the served one)")
+    shadow = Shadow(args.shadow, router.policy) if getattr(args, "shadow", None) else None
+    if not learn:
+        return None, shadow
+    from iapo_gym.deploy.learn import DEFAULT_EXPLORE_SHARE, DEFAULT_PRIOR_WEIGHT
+
+    reward = args.learn_reward or "agreement"
+    if reward == "feedback" and not args.log:
+        raise ValueError("--learn-reward feedback needs --log DIR (POST /v1/feedback joins rewards to its rows)")
+    learner = ServeLearner(router.policy, seed=args.seed, reward=reward,
+                           explore_share=DEFAULT_EXPLORE_SHARE if args.explore_share is None else args.explore_share,
+                           prior_weight=DEFAULT_PRIOR_WEIGHT if args.learn_prior is None else args.learn_prior)
+    if args.log:
+        from iapo_gym.outcome_log import LogError, read_log
+
+        try:
+            _, rows = read_log(args.log)
+        except LogError:  # no log yet: nothing to resume from
+            return learner, shadow
+        used = learner.resume(rows)
+        print(f"iapo-gym serve: --learn resumed from {used} logged requests ({learner.explored} of "
+              f"{learner.chosen} explored)", file=sys.stderr, flush=True)
+    return learner, shadow
+
+
+def outcome_log_from_args(args: argparse.Namespace, router: Any) -> Any:
+    """The ``OutcomeLog`` of ``--log DIR`` and its ``--log-*`` options (None without ``--log``); ValueError (a
+    ``LogError``) naming what cannot be used."""
+    if not getattr(args, "log", None):
+        if getattr(args, "log_queries", False):
+            raise ValueError("--log-queries needs --log DIR (the outcome log the queries go to)")
+        return None
+    from iapo_gym.outcome_log import OutcomeLog
+
+    policy = router.policy
+    meta = {"aggregator": policy.aggregator, "objectives": list(policy.objectives), "task": policy.task,
+            "policy": str(args.policy), "queries": bool(args.log_queries),
+            "contexts": [c.to_dict() for c in policy.contexts]}
+    return OutcomeLog(args.log, meta, flush_ms=args.log_flush_ms, batch=args.log_batch,
+                      max_bytes=args.log_max_bytes, keep=args.log_keep)
 
 
 def limits_from_args(args: argparse.Namespace) -> Any:
@@ -155,6 +248,9 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--api-key-env", help="environment variable holding the key callers must send "
                    "(Authorization: Bearer ...); without it, no key is asked (and --host must be a loopback address, "
                    "unless --insecure-no-key)")
+    p.add_argument("--admin-key-env", help="environment variable holding the admin key of POST /admin/policy, which "
+                   "re-reads the policy file and swaps it in as SIGHUP does (docs/deploy.md, 'Swapping the policy'); "
+                   "it must differ from the inbound key; without it the route does not exist")
     p.add_argument("--insecure-no-key", action="store_true",
                    help="listen beyond loopback (--host 0.0.0.0 or another address) without --api-key-env: anyone "
                         "who reaches the address can spend tokens (a warning is printed)")
@@ -169,9 +265,49 @@ def add_commands(subparsers: Any) -> None:
                         "serving budget through --budget-store")
     p.add_argument("--access-log", help="file to append JSON-lines access records to ('-': stdout)")
     p.add_argument("--seed", type=int, default=0, help="root seed of the majority-vote tie breaks (default 0)")
+    from iapo_gym.outcome_log import DEFAULT_BATCH, DEFAULT_FLUSH_MS, DEFAULT_KEEP, DEFAULT_MAX_BYTES
+
+    p.add_argument("--log", metavar="DIR", help="keep an outcome log of every answered request in DIR (SQLite; its "
+                   "context, arm, propensity, outcomes, tokens, cost, response id; feedback joins it through POST "
+                   "/v1/feedback; read by iapo-gym data build and iapo-gym evaluate-log). No keys; no query text "
+                   "without --log-queries")
+    p.add_argument("--log-queries", action="store_true", help="also log each request's query text (default: not)")
+    p.add_argument("--log-flush-ms", type=float, default=DEFAULT_FLUSH_MS,
+                   help=f"a logged row is committed (fsynced) at most this many ms after its answer: a kill -9 loses "
+                        f"at most the rows of that time (default {DEFAULT_FLUSH_MS})")
+    p.add_argument("--log-batch", type=int, default=DEFAULT_BATCH,
+                   help=f"rows per commit at most (default {DEFAULT_BATCH})")
+    p.add_argument("--log-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                   help=f"the current log file is rotated past this size (default {DEFAULT_MAX_BYTES})")
+    p.add_argument("--log-keep", type=int, default=DEFAULT_KEEP,
+                   help=f"rotated log files kept; older ones are deleted, and feedback for their ids gets 410 "
+                        f"(default {DEFAULT_KEEP})")
+    p.add_argument("--learn", action="store_true",
+                   help="learn each context's arm (prompt, N) from the traffic: per-arm utility estimates warm-started "
+                        "from the policy file's arm_estimates, updated as outcomes arrive (Best-of-N: the scores; "
+                        "majority vote: see --learn-reward), the best one served, others explored within "
+                        "--explore-share; with --log it resumes from the log (docs/deploy.md, 'Learning while "
+                        "serving'); --workers 1 only")
+    p.add_argument("--explore-share", type=float, metavar="SHARE",
+                   help="with --learn, the share of requests that may be served another arm than the best estimated "
+                        "one, never exceeded over the requests served (default 0.05)")
+    p.add_argument("--learn-reward", choices=("agreement", "feedback"),
+                   help="with --learn, what a majority vote learns from: agreement (the share of the completions "
+                        "drawn that voted for the winner, at once; the default) or feedback (the reward of POST "
+                        "/v1/feedback, when it arrives; needs --log)")
+    p.add_argument("--learn-prior", type=float, metavar="W",
+                   help="with --learn, observations the policy file's estimate of an arm counts as (default 20; 0 "
+                        "ignores the file's estimates)")
+    p.add_argument("--shadow", metavar="CANDIDATE.json",
+                   help="a candidate policy file: each request is logged (--log) with the arm the candidate would "
+                        "have served, which is not served")
     p.add_argument("--no-early-stop", action="store_true",
                    help="draw all N completions of a majority vote in one wave (default: stop once the vote is decided, "
-                        "the same answer from fewer completions)")
+                        "the same answer from fewer completions); a context's stopping rule still applies")
+    p.add_argument("--bon-wave", type=int, default=1, metavar="K",
+                   help="completions per wave of a Best-of-N context whose stopping rule is a threshold: 1 stops at "
+                        "the first completion that reaches its tau; K > 1 takes fewer round trips and may draw up to "
+                        "K - 1 more (default 1)")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds to let requests in flight finish after SIGTERM/SIGINT (default 30)")
     d = ServeLimitsDefaults()
@@ -233,3 +369,60 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                    help="let browser pages of ORIGIN call the server (repeatable; '*' for any); default: no CORS")
     p.set_defaults(func=cmd_serve)
+    add_evaluate_log(subparsers)
+
+
+def cmd_evaluate_log(args: argparse.Namespace) -> int:
+    """``iapo-gym evaluate-log LOG --policy CANDIDATE``: IPS, SNIPS and DR per context and overall (``iapo_gym.ope``);
+    exit 1 when the log or the policy cannot be read or evaluated."""
+    from iapo_gym.ope import evaluate, format_report
+    from iapo_gym.outcome_log import LogError, read_log
+    from iapo_gym.policyfile import PolicyFileError, load_policy
+
+    try:
+        costs = {}
+        for item in args.cost or ():
+            prompt, sep, value = item.partition("=")
+            try:
+                costs[prompt] = float(value)
+            except ValueError:
+                sep = ""
+            if not sep or not prompt or not math.isfinite(costs[prompt]) or costs[prompt] < 0:
+                raise ValueError(f"--cost takes PROMPT=VALUE with a number >= 0, got {item!r}")
+        candidate = load_policy(args.policy)
+        meta, rows = read_log(args.log)
+        if meta.get("aggregator") != candidate.aggregator or list(meta.get("objectives", ())) != \
+                list(candidate.objectives):
+            raise ValueError(f"the log was served by a {meta.get('aggregator')} policy of objectives "
+                             f"{meta.get('objectives')}, the candidate {args.policy} is {candidate.aggregator} of "
+                             f"{list(candidate.objectives)}")
+        per_context, overall, counts = evaluate(rows, candidate, costs=costs)
+    except (LogError, PolicyFileError, ValueError) as exc:
+        print(f"iapo-gym evaluate-log: error: {exc}", file=sys.stderr)
+        return 1
+    print(format_report(per_context, overall, counts))
+    if args.json:
+        from iapo_gym.atomic import atomic_path
+
+        doc = {"log": str(args.log), "policy": str(args.policy), "counts": counts,
+               "contexts": [e.to_dict() for e in per_context], "overall": overall.to_dict()}
+        with atomic_path(args.json) as tmp:
+            tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+def add_evaluate_log(subparsers: Any) -> None:
+    """Add the ``evaluate-log`` command to the ``iapo-gym`` parser."""
+    p = subparsers.add_parser(
+        "evaluate-log", help="estimate a policy file's utility from a serve outcome log (off-policy evaluation)",
+        description="Estimate what a candidate policy would have earned on the requests of an outcome log (serve "
+                    "--log), per context and overall: IPS, self-normalized IPS and doubly robust (plug-in model, "
+                    "leave-one-out), each with a 95%% normal interval, beside the logging policy's own value "
+                    "(docs/deploy.md, 'Logging, feedback and off-policy evaluation').")
+    p.add_argument("log", help="the outcome log folder (serve --log DIR) or one of its .sqlite files")
+    p.add_argument("--policy", required=True, help="the candidate policy file (policy.json)")
+    p.add_argument("--cost", action="append", metavar="PROMPT=VALUE",
+                   help="cost per completion of a prompt, in the unit of the cost weights, where the log has none "
+                        "(the serving policy had no arm_estimates); repeatable")
+    p.add_argument("--json", metavar="FILE", help="also write the estimates as JSON to FILE")
+    p.set_defaults(func=cmd_evaluate_log)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from iapo_gym.exact import bon_expected_max, mv_expected_credit
+from iapo_gym.rules import FixedN, Rule, vote_stops
 from iapo_gym.seeding import derive_rng
 from iapo_gym.utility import vote_stop_points
 
@@ -130,15 +131,36 @@ def _empirical(groups: Sequence[Sequence[int]], width: int) -> np.ndarray:
     return counts / counts.sum(axis=1, keepdims=True)
 
 
-def simulate_votes(probs: np.ndarray, n: int, samples: int, rng: np.random.Generator) -> float:
+def simulate_votes(probs: np.ndarray, n: int, samples: int, rng: np.random.Generator,
+                   rule: Rule | None = None) -> float:
     """Mean completions a majority vote capped at ``n`` draws with early stopping, each vote on a row of ``probs``
-    (R, B) drawn uniformly (``iapo_gym.utility.vote_stop_points`` on simulated sequences)."""
+    (R, B) drawn uniformly (``iapo_gym.utility.vote_stop_points`` on simulated sequences); with a stopping
+    ``rule`` (``Margin``, ``Posterior``), as ``serve`` draws: at the first completion where the vote is decided or
+    the rule stops (``rule_stop_points``)."""
     rows = probs[rng.integers(probs.shape[0], size=samples)]
     cdf = np.cumsum(rows, axis=1)
     cdf /= cdf[:, -1:]
     u = rng.random((samples, n))
     atoms = np.minimum((u[:, :, None] > cdf[:, None, :]).sum(axis=2), probs.shape[1] - 1)
-    return float(vote_stop_points(atoms, np.array([n]))[:, 0].mean())
+    points = vote_stop_points(atoms, np.array([n]))[:, 0]
+    if rule is not None and not isinstance(rule, FixedN):
+        points = np.minimum(points, rule_stop_points(atoms, rule))
+    return float(points.mean())
+
+
+def rule_stop_points(atoms: np.ndarray, rule: Rule) -> np.ndarray:
+    """Completions drawn (M,) by majority-vote ``rule`` capped at L on M sequences ``atoms`` (M, L) of answer
+    buckets: the first k after which ``iapo_gym.rules.vote_stops`` holds on the top two counts, else L."""
+    atoms = np.asarray(atoms, dtype=np.int64)
+    m, length = atoms.shape
+    if m == 0 or length == 0:
+        return np.full(m, length, dtype=np.int64)
+    counts = np.zeros((m, length, max(int(atoms.max()) + 1, 2)), dtype=np.int64)
+    np.put_along_axis(counts, atoms[:, :, None], 1, axis=2)
+    np.cumsum(counts, axis=1, out=counts)
+    top2 = np.partition(counts, counts.shape[2] - 2, axis=2)[:, :, -2:]
+    stop = vote_stops(rule, top2[:, :, 1], top2[:, :, 0], length)
+    return np.where(stop.any(axis=1), stop.argmax(axis=1) + 1, length)
 
 
 class ArmRatings:
@@ -233,15 +255,20 @@ def probe_weights(contexts: Sequence[Any]) -> np.ndarray:
     return np.asarray(mid[keep])
 
 
-def simulate_drawn(table: Any, arms: np.ndarray, queries: np.ndarray, samples: int, seed: int) -> np.ndarray:
+def simulate_drawn(table: Any, arms: np.ndarray, queries: np.ndarray, samples: int, seed: int,
+                   rules: Sequence[Rule | None] | None = None) -> np.ndarray:
     """Expected completions (C,) that each context's majority vote draws with early stopping, on ``queries``.
 
     Simulated from the table's outcome distributions: ``samples`` votes of each context's arm (p, N),
     the query uniform among ``queries`` for each; the vote stops at the first completion where it is
-    decided (``iapo_gym.utility.vote_stop_points``).
+    decided (``iapo_gym.utility.vote_stop_points``) or, with ``rules`` (one per context, None: fixed N),
+    where the context's stopping rule stops (``simulate_votes``).
     """
     arms = np.asarray(arms, dtype=np.int64).reshape(-1, 2)
     queries = np.asarray(queries, dtype=np.int64)
+    chosen = list(rules) if rules is not None else [None] * len(arms)
+    if len(chosen) != len(arms):
+        raise ValueError(f"{len(chosen)} stopping rules for {len(arms)} arms; expected one per context")
     return np.array([simulate_votes(table.probs[p, queries], n, samples,
-                                    derive_rng(seed, "iapo_gym.deploy.early_stop", c))
+                                    derive_rng(seed, "iapo_gym.deploy.early_stop", c), chosen[c])
                      for c, (p, n) in enumerate(arms.tolist())])

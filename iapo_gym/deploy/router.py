@@ -7,7 +7,9 @@ endpoint's key only. ``await router.acomplete(query, context)`` (or the
 blocking ``router.complete``) picks the context's (prompt, N), asks the upstream for N completions
 through ``iapo_gym.llm.client.LLMClient`` (one request with ``n`` where the upstream honours it,
 else N concurrent requests; no response cache; a majority vote draws them in waves and stops once
-decided, so N is its cap) and returns the aggregated completion:
+decided, so N is its cap) and returns the aggregated completion. A context's stopping rule (the policy file's
+``rule``, docs/rules.md) draws in waves too and stops where the rule says (``rule_wave``; a Best-of-N threshold
+after the wave holding a completion whose utility reaches the context's tau), N being its cap:
 
 * majority vote: answers are extracted with the policy's extractor and bucketed as the tables
   bucket them (no answer is one bucket); the most-voted bucket wins; a tie between t buckets is
@@ -51,7 +53,8 @@ from iapo_gym.llm.client import (
 from iapo_gym.llm.loop import LoopThread, gather_all
 from iapo_gym.llm.scoring import RewardScorer, make_extractor, make_scorer
 from iapo_gym.llm.spec import Prompt, Scorer, Spec, load_spec
-from iapo_gym.policyfile import PolicyContext, PolicyFile, PolicyFileError, load_policy
+from iapo_gym.policyfile import PolicyContext, PolicyFile, PolicyFileError, PolicyRule, load_policy
+from iapo_gym.rules import FixedN, Rule, Threshold, vote_stops
 from iapo_gym.seeding import derive_rng
 from iapo_gym.utility import votes_to_decide
 
@@ -61,7 +64,31 @@ ContextRef = str | int | Sequence[float] | None
 #: How an earlier turn of a chat is written into a completions-API prompt (``--history keep``).
 TURN_LABELS = {"user": "User", "assistant": "Assistant"}
 
-__all__ = ["BudgetExhausted", "ContextError", "EndpointError", "RatedContext", "Routed", "Router"]
+__all__ = ["BudgetExhausted", "ContextError", "EndpointError", "RatedContext", "Routed", "Router", "rule_wave"]
+#: A context without a rule: fixed N (as a response's ``iapo`` object shows it).
+FIXED = PolicyRule("fixed")
+
+
+def rule_wave(rule: Rule, counts: np.ndarray, left: int, n_max: int) -> int:
+    """Completions to draw next before majority-vote ``rule`` could stop, at most ``left``; 0 when it stops now.
+
+    ``counts`` are the votes per answer so far; the rule is checked after every completion (never before the
+    first), by ``iapo_gym.rules.vote_stops``, the stopping test of the exact expectations and of the env's steps.
+    The fewest further completions that could make it stop give all their votes to the leader: the top two counts
+    become (v1 + k, v2), and a margin or a posterior level can be reached no sooner (v1 grows by at most one a
+    completion and v2 never falls; both rules stop more readily as v1 grows and v2 falls). For ``Margin(m)`` this
+    is m - (v1 - v2). No k <= ``left`` stops it: ``left`` (the cap). ``n_max`` bounds v1 + v2 (the policy's n_max).
+    """
+    if left <= 0:
+        return 0
+    top = np.sort(np.asarray(counts, dtype=np.int64))[::-1]
+    v1 = int(top[0]) if top.size else 0
+    v2 = int(top[1]) if top.size > 1 else 0
+    if top.size and bool(vote_stops(rule, np.array([v1]), np.array([v2]), n_max)[0]):
+        return 0
+    k = np.arange(1, left + 1)
+    hit = vote_stops(rule, v1 + k, np.full(left, v2), n_max)
+    return int(k[hit.argmax()]) if hit.any() else left
 
 
 @dataclass(frozen=True)
@@ -98,10 +125,13 @@ class Routed:
     scores: list[float] | None = None  # bon: weighted (rounded) scores
     objective_scores: list[dict[str, float]] | None = None  # bon: the scorer's raw scores
     streamed: bool = False  # the text went to ``astream``'s on_text as the upstream sent it
+    propensity: float = 1.0  # the probability the arm was chosen with (``serve --learn`` explores; else 1)
+    learn: dict[str, Any] | None = None  # serve --learn / --shadow: how the arm was chosen, the candidate's arm
 
     @property
     def n(self) -> int:
-        """Completions drawn from the upstream (N, or fewer for a majority vote decided early)."""
+        """Completions drawn from the upstream (N, or fewer for a majority vote decided early or a stopping rule's
+        stop)."""
         return len(self.completions)
 
     @property
@@ -115,16 +145,19 @@ class Routed:
         return sum(c.prompt_tokens for c in self.completions)
 
     def info(self) -> dict[str, Any]:
-        """The ``iapo`` object of a response: context, how its arm was chosen, prompt id, N and the completions
-        drawn, and the votes or scores."""
+        """The ``iapo`` object of a response: context, how its arm was chosen, prompt id, N, the stopping rule
+        (name and params, and a threshold's tau) and the completions drawn, and the votes or scores."""
         route = getattr(self.context, "route", None) or {"by": "context"}
         out: dict[str, Any] = {"context": self.context.name, "route": route, "prompt": self.prompt_id,
-                               "n": self.context.n, "drawn": self.n, "chosen": self.chosen}
+                               "n": self.context.n, "rule": (self.context.rule or FIXED).to_dict(), "drawn": self.n,
+                               "chosen": self.chosen}
         if self.answers is not None:
             out.update(aggregator="mv", answers=self.answers, votes=[[a, v] for a, v in self.votes],
                        winner=self.answers[self.chosen] if self.answers[self.chosen] else None, tied=self.tied)
         else:
             out.update(aggregator="bon", scores=self.scores, objective_scores=self.objective_scores)
+        if self.learn is not None and "explored" in self.learn:
+            out["learn"] = {k: self.learn[k] for k in ("explored", "propensity", "greedy")}
         return out
 
 
@@ -132,12 +165,18 @@ class Router:
     """A policy file applied to an upstream endpoint: ``acomplete``/``complete`` per request (module docstring)."""
 
     def __init__(self, policy: PolicyFile | str | os.PathLike[str], spec: Spec | str | os.PathLike[str], *,
-                 seed: int = 0, early_stop: bool = True, rules: CallerRules | None = None) -> None:
+                 seed: int = 0, early_stop: bool = True, rules: CallerRules | None = None, bon_wave: int = 1) -> None:
         """``policy``: a ``PolicyFile`` or its path; ``spec``: the upstream's collection spec or its path;
         ``seed``: the root of the tie-breaking generators; ``early_stop``: a majority vote stops drawing
         once decided (N is then a cap; ``_vote_in_waves`` says how the answer relates to the vote of all N);
-        False draws all N; ``rules``: what callers may send beyond the policy's prompt and sampling (a
-        chat's system text and earlier turns, sampling ranges; ``CallerRules``, default none)."""
+        False draws all N (a context's stopping rule still applies: it is the policy's choice); ``rules``: what
+        callers may send beyond the policy's prompt and sampling (a chat's system text and earlier turns, sampling
+        ranges; ``CallerRules``, default none); ``bon_wave``: completions per wave of a Best-of-N threshold rule
+        (1: it stops exactly at the first completion that reaches tau; more: fewer round trips, up to
+        ``bon_wave`` - 1 completions drawn past that one)."""
+        if isinstance(bon_wave, bool) or not isinstance(bon_wave, int) or bon_wave < 1:
+            raise ValueError(f"bon_wave must be an integer >= 1 (completions per wave), got {bon_wave!r}")
+        self.bon_wave = bon_wave
         self.policy = policy if isinstance(policy, PolicyFile) else load_policy(policy)
         self.spec = spec if isinstance(spec, Spec) else load_spec(spec)
         self.seed = int(seed)
@@ -174,6 +213,10 @@ class Router:
         self._score = make_scorer(dataclasses.replace(sp, scorer=scorer)) if pf.aggregator == "bon" else None
         self._grid = scorer.grid if pf.aggregator == "bon" else None
         self._by_name = {c.name: i for i, c in enumerate(pf.contexts)}
+        for c in pf.contexts:  # a posterior rule's stopping table is computed once, here, not in a request
+            rule = self._stopping_rule(c)
+            if rule is not None and not isinstance(rule, Threshold):
+                vote_stops(rule, np.zeros(1, np.int64), np.zeros(1, np.int64), pf.n_max)
         self._ratings = (ArmRatings(pf.arm_estimates, pf.aggregator, pf.n_max, pf.objectives)
                          if pf.arm_estimates is not None else None)
         self._rated: dict[tuple[float, ...], dict[str, Any]] = {}  # weights -> the chosen arm's route, oldest first
@@ -181,6 +224,7 @@ class Router:
         self._clients: list[LLMClient] = []  # one per endpoint of the spec
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: LoopThread | None = None
+        self._options: ClientOptions | None = None  # what start() opened the clients with
 
     # ---- contexts --------------------------------------------------------------------------------------
     @property
@@ -285,16 +329,40 @@ class Router:
         if options.cap is None:
             options = dataclasses.replace(options, cap=SpendingCap(sp.budget.max_requests, sp.budget.max_tokens_total))
         clients = [LLMClient(sp.for_endpoint(e), cache=None, options=options) for e in range(len(sp.endpoints))]
-        if isinstance(self._score, RewardScorer):  # the reward endpoint: one failed call ends only its request
-            self._score.stop_on_failure = False
-            if options is not None:
-                self._score.policy = self._score.policy.capped(options.max_retries)
-                self._score.concurrency = options.concurrency or self._score.concurrency
+        self._ready_scorer(options)
         for client in clients:
             client.stop_on_failure = False  # one caller's failed request must not stop the others
             await client.__aenter__()
-        self._clients, self._client, self._loop = clients, clients[0], loop
+        self._clients, self._client, self._loop, self._options = clients, clients[0], loop, options
         return self
+
+    def _ready_scorer(self, options: ClientOptions) -> None:
+        """The reward endpoint's scorer with a server's retry limit and concurrency: one failed call ends only its
+        request."""
+        if isinstance(self._score, RewardScorer):
+            self._score.stop_on_failure = False
+            self._score.policy = self._score.policy.capped(options.max_retries)
+            self._score.concurrency = options.concurrency or self._score.concurrency
+
+    def with_policy(self, policy: PolicyFile | str | os.PathLike[str]) -> Router:
+        """A Router of ``policy`` on this Router's spec and settings, checked as any new Router is, that serves through
+        this Router's open upstream clients (a policy swap, ``iapo_gym.deploy.swap``): no connection is opened or
+        closed, and the spending cap counts on. The scorer is this Router's where the policies' scorers are the same;
+        ``retire`` closes what the successor does not share."""
+        new = Router(policy, self.spec, seed=self.seed, early_stop=self.early_stop, rules=self.rules,
+                     bon_wave=self.bon_wave)
+        if new.policy.scorer == self.policy.scorer:
+            new._score = self._score
+        elif self._options is not None:
+            new._ready_scorer(self._options)
+        new._clients, new._client, new._loop, new._options = self._clients, self._client, self._loop, self._options
+        return new
+
+    async def retire(self, successor: Router) -> None:
+        """Close what this Router holds that ``successor`` (made by ``with_policy``) does not share: a scorer of its
+        own. Call it once no request is routed by this Router any more."""
+        if self._score is not None and self._score is not successor._score:
+            await self._score.aclose()
 
     async def aclose(self) -> None:
         """Close the upstream client and the reward endpoint's client."""
@@ -353,7 +421,8 @@ class Router:
                         history: Sequence[tuple[str, str]] = ()) -> Routed:
         """Route one query: the context's prompt around ``query``, N upstream completions, aggregated.
 
-        A majority vote decided early draws fewer (``Routed.n``; the context's N is its cap).
+        A majority vote decided early, or a context whose stopping rule stops, draws fewer (``Routed.n``; the
+        context's N is its cap).
 
         ``context``: a ``PolicyContext`` already resolved, or what ``resolve`` takes; ``options``: a
         server's per-request ``max_tokens`` bound, seed, sampling, stop sequences (sent upstream only
@@ -363,8 +432,17 @@ class Router:
         ctx, rendered, options = await self._prepare(query, context, options, system, history)
         if self._extract is not None:
             return await self._vote_in_waves(ctx, query, rendered, options)
+        rule = self._stopping_rule(ctx)
+        if isinstance(rule, Threshold):
+            return await self._best_in_waves(ctx, query, rendered, options)
         completions = await self.client_for(ctx).complete(rendered, list(range(ctx.n)), options)
         return await self._best(ctx, query, completions)
+
+    @staticmethod
+    def _stopping_rule(ctx: PolicyContext) -> Rule | None:
+        """The context's stopping rule (``iapo_gym.rules``), None for fixed N."""
+        rule = ctx.rule.make() if ctx.rule is not None else None
+        return None if rule is None or isinstance(rule, FixedN) else rule
 
     async def astream(self, query: str, context: PolicyContext | ContextRef, options: RequestOptions | None,
                       on_text: Callable[[str], Awaitable[None]], *, system: str | None = None,
@@ -464,9 +542,11 @@ class Router:
 
     async def _vote_in_waves(self, ctx: PolicyContext, query: str, rendered: Any,
                              options: RequestOptions | None = None) -> Routed:
-        """Draw the context's N completions in waves and stop once no remaining one can change the winner.
+        """Draw the context's N completions in waves and stop once no remaining one can change the winner, or once
+        the context's stopping rule stops (``rule_wave``): each wave is the fewest completions after which either
+        could stop, so the draws end at the first completion where one does.
 
-        With ``early_stop`` off, all N in one wave. Every wave gets the same ``options`` (max_tokens bound,
+        With ``early_stop`` off and no rule, all N in one wave. Every wave gets the same ``options`` (max_tokens bound,
         seed, spend tally: ``usage`` adds up over the waves). Where the upstream takes one request per
         completion, completion i is sample index i with its own seed in either case, so the completions
         drawn are the first ones of the full N and the vote gives the same answer; where it honours ``n``,
@@ -474,16 +554,19 @@ class Router:
         and the answer has the distribution of the vote of all N.
         """
         client = self.client_for(ctx)
+        rule = self._stopping_rule(ctx)
         completions: list[Completion] = []
         answers: list[str | None] = []
         while True:
+            counts: dict[str | None, int] = {}
+            for a in answers:
+                counts[a] = counts.get(a, 0) + 1
+            votes = np.fromiter(counts.values(), dtype=np.int64, count=len(counts))
+            wave = ctx.n - len(completions)
             if self.early_stop:
-                counts: dict[str | None, int] = {}
-                for a in answers:
-                    counts[a] = counts.get(a, 0) + 1
-                wave = votes_to_decide(np.fromiter(counts.values(), dtype=np.int64, count=len(counts)), ctx.n)
-            else:
-                wave = ctx.n - len(completions)
+                wave = min(wave, votes_to_decide(votes, ctx.n))
+            if rule is not None:
+                wave = min(wave, rule_wave(rule, votes, ctx.n - len(completions), self.policy.n_max))
             if wave == 0:
                 break
             drawn = await client.complete(rendered, list(range(len(completions), len(completions) + wave)), options)
@@ -510,7 +593,26 @@ class Router:
         return Routed(completions[chosen].text, completions[chosen].finish, chosen, ctx, ctx.prompt, completions,
                       answers=answers, votes=list(counts.items()), tied=tied)
 
-    async def _best(self, ctx: PolicyContext, query: str, completions: list[Completion]) -> Routed:
+    async def _best_in_waves(self, ctx: PolicyContext, query: str, rendered: Any,
+                             options: RequestOptions | None) -> Routed:
+        """Best-of-N under a threshold rule: waves of ``bon_wave`` completions (at most the N left), each scored,
+        until one reaches the context's tau (the rule's stop) or N are drawn; the first best of those drawn is
+        returned (at a stop with waves of 1, the stopping completion: those before it are below tau)."""
+        assert ctx.rule is not None and ctx.rule.tau is not None
+        client = self.client_for(ctx)
+        completions: list[Completion] = []
+        raw: list[dict[str, float]] = []
+        while len(completions) < ctx.n:
+            first = len(completions)
+            drawn = await client.complete(rendered, list(range(first, min(ctx.n, first + self.bon_wave))), options)
+            completions += drawn
+            raw += await self._score_all(query, drawn)
+            if (self._weigh(ctx, raw)[first:] >= ctx.rule.tau).any():
+                break
+        return self._pick(ctx, completions, raw)
+
+    async def _score_all(self, query: str, completions: list[Completion]) -> list[dict[str, float]]:
+        """The scorer's objective scores of each completion."""
         score = self._score
         assert score is not None
         raw = await gather_all(*(score(c.text, query) for c in completions))
@@ -518,10 +620,23 @@ class Router:
         missing = [n for n in names if n not in raw[0]]
         if missing:
             raise ValueError(f"the scorer gave objectives {sorted(raw[0])}, the policy needs {list(names)}")
-        vectors = np.array([[s[n] for n in names] for s in raw], dtype=np.float64)
+        return list(raw)
+
+    def _weigh(self, ctx: PolicyContext, raw: list[dict[str, float]]) -> np.ndarray:
+        """Each completion's utility under the context: its scores rounded to the scorer's grid, as in the tables,
+        times the context's objective weights."""
+        vectors = np.array([[s[n] for n in self.policy.objectives] for s in raw], dtype=np.float64)
         if self._grid is not None:
             vectors = np.round(vectors / self._grid) * self._grid
-        weighted = vectors @ np.asarray(ctx.objective_weights, dtype=np.float64)
+        weighted: np.ndarray = vectors @ np.asarray(ctx.objective_weights, dtype=np.float64)
+        return weighted
+
+    async def _best(self, ctx: PolicyContext, query: str, completions: list[Completion]) -> Routed:
+        return self._pick(ctx, completions, await self._score_all(query, completions))
+
+    def _pick(self, ctx: PolicyContext, completions: list[Completion], raw: list[dict[str, float]]) -> Routed:
+        """The first completion of the best utility among ``completions`` (scored ``raw``)."""
+        weighted = self._weigh(ctx, raw)
         chosen = int(np.argmax(weighted))
         return Routed(completions[chosen].text, completions[chosen].finish, chosen, ctx, ctx.prompt, completions,
                       scores=[float(w) for w in weighted], objective_scores=raw)

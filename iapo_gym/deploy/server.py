@@ -33,18 +33,20 @@ import math
 import os
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from iapo_gym.deploy.app import JSON, AccessLog, error_response, starlette_app
+from iapo_gym.deploy.app import JSON, AccessLog, answered_hosts, error_response, host_refusal, read_body, starlette_app
 from iapo_gym.deploy.errors import Masker, error_body, upstream_error
+from iapo_gym.deploy.feedback import answer_feedback, outcome_row, unit_costs
 from iapo_gym.deploy.health import PROBE_EVERY, PROBE_TIMEOUT, UpstreamWatch
-from iapo_gym.deploy.limits import ServeLimits, check_priced, host_name
+from iapo_gym.deploy.limits import ServeLimits, check_priced
+from iapo_gym.deploy.metrics import CONTENT_TYPE as METRICS_TYPE
+from iapo_gym.deploy.metrics import ServeMetrics
 from iapo_gym.deploy.params import MODEL_PREFIX, Plan, RequestError, read_request, stop_note
 from iapo_gym.deploy.router import ContextError, EndpointError, Routed, Router
 from iapo_gym.deploy.stream import EventStream, cut
@@ -53,20 +55,18 @@ from iapo_gym.llm.client import OVERSHOOT_TOKENS, ClientOptions, RequestOptions,
 from iapo_gym.llm.prices import prompt_token_bound
 from iapo_gym.llm.retry import RetryPolicy
 from iapo_gym.llm.spec import Endpoint
+from iapo_gym.outcome_log import OutcomeLog, new_response_id
+
+if TYPE_CHECKING:
+    from iapo_gym.deploy.learn import Choice, ServeLearner, Shadow
+    from iapo_gym.deploy.swap import PolicySwap
 
 # PROBE_EVERY and PROBE_TIMEOUT: /health's probe of the upstream (iapo_gym.deploy.health), named here too
 __all__ = ["AccessLog", "MODEL_PREFIX", "PROBE_EVERY", "PROBE_TIMEOUT", "ServeApp", "create_app", "run_server",
            "serve"]
 
-LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # Host names always answered (any port)
-DRAIN_FACTOR = 8  # a body up to this many times the limit is read and dropped before the 413
 COMPLETION_PATHS = {"/v1/chat/completions": True, "/v1/completions": False}
 SSE = "text/event-stream; charset=utf-8"
-
-
-def _bracketed(host: str) -> str:
-    """An address as a Host header names it: an IPv6 address in brackets."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 class ServeApp:
@@ -74,13 +74,25 @@ class ServeApp:
 
     def __init__(self, router: Router, *, api_key: str | None = None, access_log: TextIO | None = None,
                  limits: ServeLimits | None = None, budget: Budget | None = None,
-                 log: TextIO | None = None, host: str = "127.0.0.1") -> None:
+                 log: TextIO | None = None, host: str = "127.0.0.1", outcomes: OutcomeLog | None = None,
+                 log_queries: bool = False, learner: ServeLearner | None = None,
+                 shadow: Shadow | None = None) -> None:
         """``api_key``: the inbound key, if any; ``log``: where upstream failures are described (stderr);
-        ``host``: the address the server is bound to (a Host header naming it is answered)."""
+        ``host``: the address the server is bound to (a Host header naming it is answered); ``outcomes``: the
+        outcome log each answered request goes to (``serve --log``), with its query text when ``log_queries``;
+        ``learner``: chooses each request's arm and learns from its outcome (``serve --learn``); ``shadow``: the
+        candidate policy whose arm each request is logged with (``serve --shadow``; ``iapo_gym.deploy.learn``)."""
         self.router = router
+        self.learner, self.shadow = learner, shadow
+        self.outcomes, self.log_queries = outcomes, log_queries
+        self.swap: PolicySwap | None = None  # SIGHUP and POST /admin/policy (iapo_gym.deploy.swap.install)
         self.limits = limits or ServeLimits()
         self.budget = budget if budget is not None else Budget()
-        self.access = AccessLog(access_log)
+        self.metrics = ServeMetrics([c.name for c in router.contexts], [p.id for p in router.policy.prompts],
+                                    lambda: self.active, lambda: self.waiting)  # GET /metrics
+        self.access = AccessLog(access_log, self.metrics.observe)
+        if learner is not None:
+            self.metrics.learning(lambda: learner.chosen, lambda: learner.explored)
         self.log = log if log is not None else sys.stderr
         self.expected = api_key.encode() if api_key else None
         spec = router.spec
@@ -94,27 +106,22 @@ class ServeApp:
         self._budget_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="iapo-gym-budget")
         if self.budget:
             check_priced(self.budget.rates, spec)
-            for c in router.contexts:  # the smallest request of each context (an empty query) must fit every limit
-                self.budget.check(self._worst(c, None, router.render(c, "")),
-                                  f"the worst case of the smallest request in context {c.name!r}: N x (max_tokens + "
-                                  f"{OVERSHOOT_TOKENS}) completion tokens plus N x the template's prompt tokens, "
-                                  f"x {1 + self.retries} attempts")
+        self.check_router(router)
         self.upstream = UpstreamWatch(self.limits.stall_after)
-        self.hosts = {host_name(h) for h in (*LOCAL_HOSTS, _bracketed(host), *self.limits.allowed_hosts)}
+        self.hosts = answered_hosts(host, self.limits.allowed_hosts)
         self.slots = asyncio.Semaphore(self.limits.max_concurrency)
         self.active = 0
         self.waiting = 0
         self.served = 0
-        self.models = [{"id": MODEL_PREFIX + c.name, "object": "model", "created": 0, "owned_by": "iapo-gym",
-                        "iapo": {"prompt": c.prompt, "n": c.n, "objective_weights": list(c.objective_weights),
-                                 "cost_weight": c.cost_weight}} for c in router.contexts]
-        self._models_body = json.dumps({"object": "list", "data": self.models}).encode()
+        self.use_router(router)
         self.asgi = starlette_app([
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
             Route("/health", self.health_route, methods=["GET"]),
+            Route("/metrics", self.metrics_route, methods=["GET"]),
+            Route("/v1/feedback", self.feedback, methods=["POST"]),
         ], lifespan=self.lifespan, host_refused=self._host_refused, cors_origins=self.limits.cors_origins,
             preflight=lambda path: path in COMPLETION_PATHS or path.startswith("/v1/models"),
             body_limit=min(self.limits.body_timeout, self.limits.deadline))
@@ -183,6 +190,33 @@ class ServeApp:
             print(f"iapo-gym serve: budget_unavailable: {type(exc).__name__}: {self.mask(str(exc))}", file=self.log,
                   flush=True)
 
+    def check_router(self, router: Router) -> None:
+        """Raise ValueError when a context of ``router``'s policy could never be admitted: the smallest request of
+        each context (an empty query) must fit every limit of the serving budget (at start and at a policy swap)."""
+        if not self.budget:
+            return
+        for c in router.contexts:
+            self.budget.check(self._worst(c, None, router.render(c, "")),
+                              f"the worst case of the smallest request in context {c.name!r}: N x (max_tokens + "
+                              f"{OVERSHOOT_TOKENS}) completion tokens plus N x the template's prompt tokens, "
+                              f"x {1 + self.retries} attempts")
+
+    def use_router(self, router: Router) -> None:
+        """Serve ``router`` (checked by ``check_router``) from now on: it, its contexts as models, its prompts' unit
+        costs and metric labels are replaced in one step with no await between them, so each request sees one
+        policy (a request takes ``self.router`` once, and one in flight finishes on the policy it started with)."""
+        models = [{"id": MODEL_PREFIX + c.name, "object": "model", "created": 0, "owned_by": "iapo-gym",
+                   "iapo": {"prompt": c.prompt, "n": c.n, "objective_weights": list(c.objective_weights),
+                            "cost_weight": c.cost_weight, **({"rule": c.rule.to_dict()} if c.rule else {})}}
+                  for c in router.contexts]
+        body = json.dumps({"object": "list", "data": models}).encode()
+        costs = unit_costs(router.policy)
+        if self.learner is not None and self.learner.policy is not router.policy:
+            self.learner.use_policy(router.policy)  # a swapped policy: its arms, warm-started from its estimates
+        self.metrics.contexts = self.metrics.contexts | {c.name for c in router.contexts}  # earlier names stay
+        self.metrics.prompts = self.metrics.prompts | {p.id for p in router.policy.prompts}
+        self.router, self.models, self._models_body, self._unit_costs = router, models, body, costs
+
     # ---- the app -------------------------------------------------------------------------------------
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         """The ASGI entry point (the Starlette app of ``iapo_gym.deploy.app.starlette_app``)."""
@@ -195,29 +229,21 @@ class ServeApp:
             await self.router.start(self.client_options())
         except Exception as exc:  # reported to the server, which stops: the message only, secrets masked
             raise RuntimeError(self.mask(str(exc))) from None
+        if self.swap is not None:
+            self.swap.listen()
         try:
             yield
         finally:
+            if self.swap is not None:
+                await self.swap.close()
             await self.router.aclose()
             self.access.close()
+            if self.outcomes is not None:
+                self.outcomes.close()
 
     def _host_refused(self, headers: dict[bytes, bytes], count: int) -> RequestError | None:
-        """None when the one Host header names an allowed host (any port, or the port it was allowed with);
-        else the 421 (400 without a Host header or with several). A page of another site whose name resolves
-        to this address (DNS rebinding) sends its own name, so it is refused before anything runs."""
-        raw = headers.get(b"host")
-        if raw is None or count != 1:
-            return RequestError(400, "the request must have one Host header", "missing_host",
-                                headers={"Connection": "close"})
-        try:
-            name, port = host_name(raw.decode("latin-1"))
-        except ValueError:
-            name, port = "", None
-        if (name, None) in self.hosts or (name, port) in self.hosts:
-            return None
-        return RequestError(421, "this server does not answer to the host named in the Host header; its operator "
-                                 "can allow it with --allowed-host", "host_not_allowed",
-                            headers={"Connection": "close"})
+        """None when the one Host header names an allowed host, else the refusal (``app.host_refusal``)."""
+        return host_refusal(self.hosts, headers, count)
 
     def _authorized(self, headers: Mapping[str, str]) -> bool:
         if self.expected is None:
@@ -247,39 +273,21 @@ class ServeApp:
                                "model_not_found", "model")
         return Response(json.dumps(found[0]).encode(), media_type=JSON)
 
+    async def metrics_route(self, request: Request) -> Response:
+        """``GET /metrics``: the Prometheus metrics of this process (``iapo_gym.deploy.metrics``; the inbound key
+        needed)."""
+        if not self._authorized(request.headers):
+            raise self._unauthorized()
+        return Response(self.metrics.exposition(), media_type=METRICS_TYPE)
+
     async def health_route(self, request: Request) -> Response:
         """``GET /health`` (``health``)."""
         status, body = await self.health(request.headers)
         return Response(body, status, media_type=JSON)
 
     async def _body(self, request: Request) -> bytes:
-        """The request body, refused with 413 past ``max_body_bytes``.
-
-        A body declared (``Content-Length``) or found larger is read on and dropped, never kept, up to
-        ``DRAIN_FACTOR`` times the limit, so that the caller reliably hears the 413 rather than a reset
-        connection; a body declared larger still is refused at once, unread.
-        """
-        limit = self.limits.max_body_bytes
-        too_big = RequestError(413, f"the request body is larger than this server's limit of {limit} bytes",
-                               "body_too_large")
-        declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > DRAIN_FACTOR * limit):
-            raise too_big
-        over = declared is not None and int(declared) > limit
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():  # ClientDisconnect when the caller goes away
-            size += len(chunk)
-            if size > limit:
-                over = True
-                chunks.clear()
-            if not over:
-                chunks.append(chunk)
-            if size > DRAIN_FACTOR * limit:
-                raise too_big
-        if over:
-            raise too_big
-        return b"".join(chunks)
+        """The request body, refused with 413 past ``max_body_bytes`` (``app.read_body``)."""
+        return await read_body(request, self.limits.max_body_bytes)
 
     # ---- completions ---------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -327,7 +335,39 @@ class ServeApp:
                                      headers={"cache-control": "no-cache"})
         self._served(record, routed)
         await self._log(record, 200, start)
-        return Response(json.dumps(self._response(routed, plan, chat)).encode(), media_type=JSON)
+        answer = self._response(routed, plan, chat)
+        self._outcome(answer["id"], routed, plan)
+        return Response(json.dumps(answer).encode(), media_type=JSON)
+
+    def _outcome(self, rid: str, routed: Routed, plan: Plan) -> None:
+        """Queue the outcome log's row of an answered request (``serve --log``; committed on the log's thread);
+        with ``--learn``, the learner learns from it first."""
+        if self.learner is not None:
+            self.learner.observe(rid, routed)
+        if self.outcomes is None:
+            return
+        ctx = routed.context
+        endpoint = self._endpoint(ctx)
+        cost = float(endpoint.price(routed.prompt_tokens, routed.completion_tokens)) if endpoint.priced else None
+        self.outcomes.record(outcome_row(rid, routed, plan.query if self.log_queries else None,
+                                         objectives=tuple(self.router.policy.objectives), cost=cost,
+                                         unit_cost=self._unit_costs.get(routed.prompt_id),
+                                         propensity=float(getattr(routed, "propensity", 1.0))))
+
+    async def feedback(self, request: Request) -> Response:
+        """``POST /v1/feedback``: a caller's reward for an answered request, joined to its outcome log row
+        (``iapo_gym.deploy.feedback``; the inbound key needed, JSON only, the body limit)."""
+        if not self._authorized(request.headers):
+            raise self._unauthorized()
+        content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if content_type != JSON:
+            raise RequestError(415, "the request body must be JSON sent with 'Content-Type: application/json'",
+                               "unsupported_media_type")
+        raw = await self._body(request)
+        body = await answer_feedback(self.outcomes, raw, tuple(self.router.policy.objectives))
+        if self.learner is not None:  # recorded: a majority vote learning from feedback learns from it
+            self.learner.feedback(body["id"], body["reward"])
+        return Response(json.dumps(body).encode(), media_type=JSON)
 
     async def _log(self, record: dict[str, Any], status: int, start: float) -> None:
         record["status"] = status
@@ -357,6 +397,7 @@ class ServeApp:
             except (ClientDisconnect, asyncio.CancelledError):
                 return
             self._served(record, routed)
+            self._outcome(out.head["id"], routed, plan)
             if out.first is not None:
                 record["first_text_ms"] = round((out.first - start) * 1000.0, 3)
             logged = True
@@ -375,6 +416,7 @@ class ServeApp:
     async def _answer(self, request: Request, chat: bool, deadline: float,
                       out: EventStream) -> tuple[Routed, Plan]:
         """The checks, then the routed answer (streamed to ``out`` as it comes when the caller asked for a stream)."""
+        router = self.router  # the policy this request is answered by, to its end (a swap may replace self.router)
         headers = request.headers
         if not self._authorized(headers):
             raise self._unauthorized()
@@ -388,20 +430,23 @@ class ServeApp:
         except (ValueError, RecursionError) as exc:
             reason = str(exc)[:200] if isinstance(exc, json.JSONDecodeError) else type(exc).__name__
             raise RequestError(400, f"the request body is not valid JSON ({reason})", "invalid_json") from None
-        plan = read_request(body, chat, self.sampling, self.router.rules)
+        plan = read_request(body, chat, self.sampling, router.rules)
         try:
-            ctx = self.router.resolve(plan.context)
-            if plan.model_context is not None and self.router.resolve(plan.model_context) != ctx:
+            ctx = router.resolve(plan.context)
+            if plan.model_context is not None and router.resolve(plan.model_context) != ctx:
                 raise RequestError(400, f"iapo_context and the model {body.get('model')!r} name different contexts",
                                    "invalid_context", "iapo_context")
         except ContextError as exc:
             raise RequestError(400, str(exc), "unknown_context", "model", {"contexts": exc.contexts}) from None
+        choice = self.learner.choose(ctx) if self.learner is not None else None
+        if choice is not None:  # serve --learn: the context's greedy arm, or an explored one
+            ctx = choice.context
         if plan.stop:
-            plan.changed["stop"] = stop_note(self.router.sends_stop(ctx, plan.stop))
+            plan.changed["stop"] = stop_note(router.sends_stop(ctx, plan.stop))
         if plan.stream:
             out.open(MODEL_PREFIX + ctx.name, plan.stop)
         # everything sent counts: the policy's template, the query, an accepted system text and earlier turns
-        rendered = self.router.render(ctx, plan.query, plan.system, plan.history)
+        rendered = router.render(ctx, plan.query, plan.system, plan.history)
         length = len(rendered) if isinstance(rendered, str) else sum(len(m["content"]) for m in rendered)
         if length > self.limits.max_prompt_chars:
             raise RequestError(400, f"the prompt is {length} characters with the policy's template, more than this "
@@ -413,14 +458,30 @@ class ServeApp:
         reservation = await self._admit(ctx, plan, rendered)
         usage = Usage()
         try:
-            return await self._run(ctx, plan, request.receive, deadline, usage, out), plan
+            routed = await self._run(ctx, plan, request.receive, deadline, usage, out, router)
         finally:
             await self._settle(reservation, ctx, usage)
+        return self._mark(routed, choice), plan
+
+    def _mark(self, routed: Routed, choice: Choice | None) -> Routed:
+        """The routed answer with its arm's propensity and, with ``--learn`` / ``--shadow``, how the arm was chosen
+        and the candidate's arm (for the outcome log and the response's ``iapo.learn``)."""
+        learn: dict[str, Any] = {}
+        if choice is not None:
+            routed.propensity = choice.propensity
+            learn.update(choice.to_dict())
+        if self.shadow is not None:
+            learn["shadow"] = self.shadow.arm(routed.context)
+        if learn:
+            routed.learn = learn
+        return routed
 
     async def _run(self, ctx: Any, plan: Plan, receive: Callable[[], Any], deadline: float, usage: Usage,
-                   out: EventStream | None = None) -> Routed:
+                   out: EventStream | None = None, router: Router | None = None) -> Routed:
         """The routed answer in a slot, before the deadline, cancelled if the caller goes away; with ``plan.stream``
-        its text goes to ``out`` as the upstream sends it where the context's N is 1 (``Router.astream``)."""
+        its text goes to ``out`` as the upstream sends it where the context's N is 1 (``Router.astream``);
+        ``router``: the one the request was resolved by (default: the one serving now)."""
+        router = router or self.router
         loop = asyncio.get_running_loop()
         timeout = RequestError(504, f"the answer took longer than this server's deadline of {self.limits.deadline:g} s",
                                "deadline_exceeded")
@@ -439,9 +500,9 @@ class ServeApp:
         options = RequestOptions(max_tokens=plan.max_tokens, seed=plan.seed, usage=usage,
                                  sampling=tuple(plan.sampling.items()), stop=plan.stop)
         if plan.stream and out is not None:
-            call = self.router.astream(plan.query, ctx, options, out.text, system=plan.system, history=plan.history)
+            call = router.astream(plan.query, ctx, options, out.text, system=plan.system, history=plan.history)
         else:
-            call = self.router.acomplete(plan.query, ctx, options, system=plan.system, history=plan.history)
+            call = router.acomplete(plan.query, ctx, options, system=plan.system, history=plan.history)
         work = asyncio.ensure_future(call)
         watch = asyncio.ensure_future(receive())
         try:
@@ -502,10 +563,10 @@ class ServeApp:
         common = {"created": int(time.time()), "model": MODEL_PREFIX + routed.context.name,
                   "usage": self._usage(routed), "iapo": info}
         if chat:
-            return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", **common,
+            return {"id": new_response_id("chatcmpl-"), "object": "chat.completion", **common,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                  "finish_reason": finish, "logprobs": None}]}
-        return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", **common,
+        return {"id": new_response_id("cmpl-"), "object": "text_completion", **common,
                 "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
 
     # ---- health --------------------------------------------------------------------------------------
@@ -516,7 +577,8 @@ class ServeApp:
         ``PROBE_TIMEOUT`` s): no answer in time while no request waits for it is down, so a hung upstream
         (stopped, deadlocked) shows within the probe timeout, not after the endpoint's; while requests wait,
         a request waiting past ``stall_after`` with no answer from the upstream meanwhile is a stall. The
-        spend, the counters and the worker's pid only to a caller with the inbound key.
+        spend, the counters, the worker's pid and the sha256 of the policy it serves only to a caller with the
+        inbound key.
         """
         await self.upstream.probe(self.router)
         spend = self._authorized(headers)
@@ -526,7 +588,9 @@ class ServeApp:
                                 "upstream": report, "in_flight": self.active, "queued": self.waiting,
                                 "budget": await self._budget_report(spend)}
         if spend:
-            body.update(served=self.served, spent=self.router.spent, pid=os.getpid())
+            body.update(served=self.served, spent=self.router.spent, pid=os.getpid(), policy=self.router.policy.sha256)
+            if self.learner is not None:
+                body["learn"] = self.learner.report()
         return (200 if status == "ok" else 503), json.dumps(body).encode()
 
     async def _budget_report(self, spend: bool) -> dict[str, object]:
@@ -542,10 +606,13 @@ class ServeApp:
 
 def create_app(router: Router, *, api_key: str | None = None, access_log: TextIO | None = None,
                limits: ServeLimits | None = None, budget: Budget | None = None,
-               log: TextIO | None = None, host: str = "127.0.0.1") -> ServeApp:
+               log: TextIO | None = None, host: str = "127.0.0.1", outcomes: OutcomeLog | None = None,
+               log_queries: bool = False, learner: ServeLearner | None = None,
+               shadow: Shadow | None = None) -> ServeApp:
     """The ASGI app serving ``router`` (``ServeApp``); ``api_key``: the inbound key, if any; ``host``: the address
     it is bound to (Host headers naming it are answered, besides localhost's names and ``limits.allowed_hosts``)."""
-    return ServeApp(router, api_key=api_key, access_log=access_log, limits=limits, budget=budget, log=log, host=host)
+    return ServeApp(router, api_key=api_key, access_log=access_log, limits=limits, budget=budget, log=log, host=host,
+                    outcomes=outcomes, log_queries=log_queries, learner=learner, shadow=shadow)
 
 
 FD_RESERVE = 64  # file descriptors kept beside the connections (upstream sockets, logs, the budget store)
@@ -576,7 +643,8 @@ def run_server(app: ServeApp | str, *, host: str = "127.0.0.1", port: int = 8000
     """Run ``app`` on uvicorn until SIGINT/SIGTERM; requests in flight then finish (up to ``graceful_timeout`` s).
 
     ``app``: a ``ServeApp``, or with ``workers`` > 1 the import string of a factory each worker process calls
-    (uvicorn's supervisor runs them all on one listening socket). Every connection is bounded by ``limits``
+    (uvicorn's supervisor runs them all on one listening socket; SIGHUP to it goes on to each worker,
+    ``iapo_gym.deploy.swap.run_workers``). Every connection is bounded by ``limits``
     (``iapo_gym.deploy.connections``: head size and time, idle keep-alive, connections per process), whichever
     HTTP ``parser`` runs (``auto``: httptools when installed, else h11); websockets are off.
     """
@@ -594,7 +662,9 @@ def run_server(app: ServeApp | str, *, host: str = "127.0.0.1", port: int = 8000
     if workers > 1:
         if not isinstance(app, str):
             raise ValueError("several workers need the app as an import string of its factory")
-        uvicorn.run(app, factory=True, **options)
+        from iapo_gym.deploy.swap import run_workers
+
+        run_workers(app, options)  # uvicorn's supervisor, SIGHUP passed on to the workers (a policy swap)
     else:
         uvicorn.Server(uvicorn.Config(app, **options)).run()
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from iapo_gym.deploy.health import UpstreamWatch
 from iapo_gym.deploy.router import Routed
+from iapo_gym.outcome_log import new_response_id
 
 __all__ = ["EventStream", "cut"]
 
@@ -51,7 +51,7 @@ class EventStream:
 
     def open(self, model: str, stops: tuple[str, ...]) -> None:
         """Name the model and the stop sequences (once the request's context is known)."""
-        self.head = {"id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex,
+        self.head = {"id": new_response_id("chatcmpl-" if self.chat else "cmpl-"),
                      "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": int(time.time()), "model": model}
         self.stops, self.keep = stops, max((len(s) for s in stops), default=1) - 1

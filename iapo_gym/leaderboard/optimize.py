@@ -7,6 +7,8 @@ is bit for bit the one the leaderboard's run with that agent, seed and budget gi
 values are exact. On a live endpoint the agent trains on ``IAPO-Live-v0`` through the response cache
 (a rerun is answered from it) under the spec's spending cap; ``--check K`` then spends K completions
 on held-out test queries for a Monte Carlo estimate per context with its standard error.
+With ``--rules`` (a table target) the agent trains on the env with stopping rules as arms (``rule_arms``) and
+the policy file carries each context's rule (docs/deploy.md, "Stopping rules").
 Writes ``DIR/policy.json`` (docs/deploy.md) and ``DIR/report.md``.
 """
 
@@ -29,6 +31,7 @@ from iapo_gym.leaderboard.run.specs import AgentSpec, parse_agent_spec, resolve_
 from iapo_gym.llm.prices import spend_report
 from iapo_gym.policyfile import PolicyFile, describe
 from iapo_gym.progress import Progress
+from iapo_gym.rules import rule_label
 from iapo_gym.seeding import derive_rng, derive_seed
 
 CHECK_KEY = "iapo_gym.optimize.check"
@@ -87,8 +90,11 @@ def is_spec_path(target: str) -> bool:
 
 def optimize(target: str, agent: str | AgentSpec, budget: int, out: str | Path, *, seed: int = 0, run: int = 0,
              check: int | None = None, spec: str | None = None, cache: str | None = None,
-             progress: bool = False) -> OptimizeResult:
-    """Train ``agent`` on ``target`` within ``budget`` completions and write ``out/policy.json`` and ``out/report.md``."""
+             progress: bool = False, rules: bool = False) -> OptimizeResult:
+    """Train ``agent`` on ``target`` within ``budget`` completions and write ``out/policy.json`` and ``out/report.md``.
+
+    ``rules``: the arms include the stopping rules (a table target; the env's ``rule_arms``), and the policy
+    file carries the rule the agent chose per context."""
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget must be an integer >= 1 (completions), got {budget!r}")
     if run < 0:
@@ -98,11 +104,14 @@ def optimize(target: str, agent: str | AgentSpec, budget: int, out: str | Path, 
     if is_spec_path(target):
         if spec is not None:
             raise ValueError("--spec is for a table target; a live target is its own spec")
+        if rules:
+            raise ValueError("--rules is for a table target: on a live endpoint the agents choose among (prompt, N) "
+                             "only")
         pf, spend = _live(target, agent_spec, budget, out, seed, run, check or 0, cache, progress)
     else:
         if check:
             raise ValueError("--check is for a live target; on a table the check is exact")
-        pf, spend = _table(target, agent_spec, budget, seed, run, spec, progress)
+        pf, spend = _table(target, agent_spec, budget, seed, run, spec, progress, rules)
     out.mkdir(parents=True, exist_ok=True)
     policy_path = pf.save(out / "policy.json")
     report_path = atomic_write_text(out / "report.md", render_report(pf) + spend_report(pf, target))
@@ -137,7 +146,7 @@ def _train(env: Any, agent_spec: AgentSpec, agent_seed: int, budget: int, meter:
 
 
 def _table(target: str, agent_spec: AgentSpec, budget: int, seed: int, run: int, spec_path: str | None,
-           progress: bool) -> tuple[PolicyFile, dict[str, Any]]:
+           progress: bool, rules: bool = False) -> tuple[PolicyFile, dict[str, Any]]:
     """The leaderboard's run ``run`` of the task, trained and described exactly."""
     from iapo_gym.deploy.estimates import simulate_drawn
     from iapo_gym.env import IAPOEnv
@@ -150,7 +159,7 @@ def _table(target: str, agent_spec: AgentSpec, budget: int, seed: int, run: int,
     if why is not None:
         raise OptimizeError(why)
     setup = run_setup(task, run, seed, DEFAULT_TRAIN_FRACTION)
-    env = IAPOEnv(table=setup.run_table)
+    env = IAPOEnv(table=setup.run_table, rule_arms=rules)
     env.reset(seed=setup.env_seed)
     agent_seed = agent_seed_for(seed, task.name, run, agent_spec)
     policy, seconds, estimates = _train(env, agent_spec, agent_seed, budget, lambda: env.completions_drawn, progress)
@@ -164,12 +173,13 @@ def _table(target: str, agent_spec: AgentSpec, budget: int, seed: int, run: int,
     learned = {"agent": agent_spec.spec, "seed": seed, "run": run, "budget": budget, "target": task.name,
                "target_kind": "table", "table_sha256": setup.checksum, "model": None, **spend,
                "seconds": round(seconds, 3), "split_seed": setup.split_seed, "env_seed": setup.env_seed,
-               "agent_seed": agent_seed}
+               "agent_seed": agent_seed, **({"rule_arms": True} if rules else {})}
     pf = describe(arms.tolist(), env, spec=spec, learned=learned)
     drawn = None
     if setup.run_table.aggregator == "mv":
-        drawn = simulate_drawn(setup.run_table, arms, env.queries("test"), DRAWN_SAMPLES,
-                               derive_seed(seed, DRAWN_KEY, task.name, run))
+        chosen = [c.rule.make() if c.rule is not None else None for c in pf.contexts]
+        drawn = simulate_drawn(setup.run_table, arms[:, :2], env.queries("test"), DRAWN_SAMPLES,
+                               derive_seed(seed, DRAWN_KEY, task.name, run), chosen if any(chosen) else None)
     pf = _with_estimates(pf, estimates, drawn)
     est = dict(pf.estimate, any_weights=any_weights_check(pf, setup.run_table))
     return dataclasses.replace(pf, estimate=est), spend
@@ -267,7 +277,8 @@ def _live(target: str, agent_spec: AgentSpec, budget: int, out: Path, seed: int,
 
 def _with_estimates(pf: PolicyFile, estimates: dict[str, Any], drawn: np.ndarray | None) -> PolicyFile:
     """The policy file with its arm estimates, and per majority-vote context the completions expected with early
-    stopping: ``drawn`` (simulated on a table's distributions) or else the mean over the arm's training blocks."""
+    stopping (and its stopping rule): ``drawn`` (simulated on a table's distributions) or else the mean over the
+    arm's training blocks."""
     from iapo_gym.deploy.estimates import ArmRatings
 
     if pf.aggregator == "mv":
@@ -347,10 +358,11 @@ def render_report(pf: PolicyFile) -> str:
                      + (f"; split: {est['split_note']}" if est.get("split_note") else "") + ".")
     else:
         lines.append("Not checked (a live target: give --check K to estimate it on held-out queries).")
-    mv = pf.aggregator == "mv"
+    mv, ruled = pf.aggregator == "mv", pf.has_rules
     lines += ["", "| context | objective weights | cost weight | prompt | N | estimated utility | 95% interval | "
-                  "optimal | check completions |" + (" completions with early stop |" if mv else ""),
-              "|---|---|---|---|---:|---:|---|---:|---:|" + ("---:|" if mv else "")]
+                  "optimal | check completions |" + (" completions with early stop |" if mv else "")
+              + (" stopping rule | exact completions under the rule |" if ruled else ""),
+              "|---|---|---|---|---:|---:|---|---:|---:|" + ("---:|" if mv else "") + ("---|---:|" if ruled else "")]
     for c in pf.contexts:
         if c.value is None:
             value, interval = "-", "-"
@@ -363,6 +375,12 @@ def render_report(pf: PolicyFile) -> str:
         optimal = "-" if c.optimal is None else f"{c.optimal:.6f}"
         weights = ", ".join(f"{w:g}" for w in c.objective_weights)
         drawn = "" if not mv else (" - |" if c.expected_drawn is None else f" {c.expected_drawn:.2f} |")
+        if ruled:
+            rule = c.rule.make() if c.rule is not None else None
+            label = "fixed" if rule is None else rule_label(rule)
+            if c.rule is not None and c.rule.tau is not None:
+                label += f", tau {c.rule.tau:g}"
+            drawn += f" {label} | " + ("-" if c.exact_drawn is None else f"{c.exact_drawn:.2f}") + " |"
         lines.append(f"| {c.name} | {weights} | {c.cost_weight:g} | {c.prompt} | {c.n} | {value} | {interval} | "
                      f"{optimal} | {c.completions if c.completions is not None else '-'} |{drawn}")
     lines.append("")
@@ -370,8 +388,14 @@ def render_report(pf: PolicyFile) -> str:
         how = ("simulated from the table's distributions on the test queries" if ln.get("target_kind") == "table"
                else "simulated from the training completions' distributions per query")
         lines.append("A majority vote stops drawing once no remaining completion can change its winner (the same "
-                     f"answer as all N): N is a cap; the last column is the completions a request draws on average "
-                     f"({how}).")
+                     "answer as all N): N is a cap; the " + ("column \"completions with early stop\"" if ruled else
+                                                              "last column") +
+                     f" is the completions a request draws on average ({how}).")
+        lines.append("")
+    if ruled:
+        lines.append("A context with a stopping rule draws its completions in waves and stops where the rule says "
+                     "(docs/rules.md), N being the cap; the last column is the exact expected completions under the "
+                     "rule alone" + (" (serve also stops a decided vote, so it may draw fewer)." if mv else "."))
         lines.append("")
     if pf.arm_estimates is not None:
         lines.append(f"The file keeps the {pf.arm_estimates['completions']} training completions as per-arm estimates: "
@@ -406,7 +430,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
     try:
         result = optimize(args.target, args.agent, args.budget, args.out, seed=args.seed, run=args.run,
-                          check=args.check, spec=args.spec, cache=args.cache, progress=not args.quiet)
+                          check=args.check, spec=args.spec, cache=args.cache, progress=not args.quiet,
+                          rules=args.rules)
     except BudgetExhausted as exc:
         print(f"iapo-gym optimize: stopped: {exc}; raise the spec's cap and run the same command again (what was "
               "answered is in the response cache)", file=sys.stderr)
@@ -445,5 +470,8 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--spec", help="table target: the collection spec it was collected with (prompt texts, scorer), "
                                   "needed to serve the policy")
     p.add_argument("--cache", help="live target: response cache file (default: the spec's cache, else DIR/cache.sqlite)")
+    p.add_argument("--rules", action="store_true",
+                   help="table target: stopping rules are arms too (the env's rule_arms); the policy file carries the "
+                        "rule the agent chose per context, and serve applies it (docs/rules.md)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_optimize)
