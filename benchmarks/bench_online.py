@@ -3,11 +3,17 @@ driver's requests per second.
 
 Results mode (default): held-out levels of the chosen families under each schedule, a few runs each, every
 agent through ``run_online``; prints the mean cumulative regret at T/10, T/2 and T (and its spread over the
-level x run pairs). ``--speed``: requests per second at T = 100K on a 27-context table, of the driver with a
-trivial agent (one fixed arm) through ``env.step``, through ``run_online`` one request at a time and in
-batches, and of the UCB agent.
+level x run pairs). Agents are ``make_online`` names or the peers of ``online_peers.py`` (``vw``, ``mabwiser``).
+``--speed``: requests per second at T = 100K on a 27-context table, of the driver with a trivial agent (one fixed
+arm) through ``env.step``, through ``run_online`` one request at a time and in batches, of the recommended agent
+``iapo_online`` through ``env.step`` and in batches, of the UCB agent (T = 20K) and of the peers (T = 1K).
 ``--tune c`` / ``--tune discount`` / ``--tune sigma``: UCB's exploration weight and discount, Thompson sampling's
 sigma, on tuning levels (never held-out).
+
+``--out DIR``: the same grid through the leaderboard's runner (``iapo-gym leaderboard --protocol online``):
+resumable (rerun the command to continue after an interruption), ``--jobs`` worker processes, rows in
+``DIR/results.sqlite``; prints the online report (cumulative regret at the checkpoints, each agent paired against
+``--baseline``, default ``etc_auto``).
 
 Run: ``.venv/bin/python benchmarks/bench_online.py`` (about two minutes on two cores),
 ``.venv/bin/python benchmarks/bench_online.py --speed``, ``.venv/bin/python benchmarks/bench_online.py --tune c``.
@@ -17,16 +23,26 @@ This is the first, small slice of issue 53's benchmark, not the full one (20 lev
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from agents.online import make_online
-from iapo_gym.online import OnlineAgentBase, OnlineEnv, Requests, run_online
+from iapo_gym.online import OnlineAgent, OnlineAgentBase, OnlineEnv, Requests, run_online
 from iapo_gym.tasks.generated import HELD_OUT_LEVELS, TUNING_LEVELS
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from online_peers import PEERS  # noqa: E402  (benchmarks/ is not a package)
+
 SPEED_TABLE = ("bon_shift", 1_000_017)  # 23 prompts, 924 queries, 27 contexts, N_max 44
+
+
+def make_agent(name: str) -> OnlineAgent:
+    """An agent of ``make_online`` or a peer of ``online_peers.PEERS`` (``vw``, ``mabwiser``), by name."""
+    return PEERS[name]() if name in PEERS else make_online(name)
 
 
 class FixedArm(OnlineAgentBase):
@@ -49,7 +65,7 @@ def results(families: list[str], schedules: list[str], agents: list[str], levels
                 env = OnlineEnv(family=family, level=level, schedule=schedule, horizon=horizon)
                 for run in range(runs):
                     for name in agents:
-                        result = run_online(env, make_online(name), seed=run, batch_size=batch_size)
+                        result = run_online(env, make_agent(name), seed=run, batch_size=batch_size)
                         rows.setdefault((family, schedule, name), []).append(result.cumulative_regret)
     elapsed = time.perf_counter() - start
     print(f"T = {horizon}, held-out levels {HELD_OUT_LEVELS.start}..{HELD_OUT_LEVELS.start + levels - 1} x "
@@ -61,6 +77,24 @@ def results(families: list[str], schedules: list[str], agents: list[str], levels
         at = c[:, [9, 49, 99]] if c.shape[1] == 100 else c[:, [c.shape[1] // 10 - 1, c.shape[1] // 2 - 1, -1]]
         mean, sd = at.mean(axis=0), at[:, 2].std(ddof=1) if len(at) > 1 else 0.0
         print(f"| {family} | {schedule} | {name} | {mean[0]:.1f} | {mean[1]:.1f} | {mean[2]:.1f} ± {sd:.1f} |")
+
+
+def through_runner(out: str, families: list[str], schedules: list[str], agents: list[str], levels: int, runs: int,
+                   horizon: int, batch_size: int, jobs: int, baseline: str) -> None:
+    """The results grid through the leaderboard's runner into ``out`` (resumable), then its online report."""
+    from iapo_gym.leaderboard.report.online import online_markdown, online_report
+    from iapo_gym.leaderboard.run.online import parse_online_spec, run_online_sweep
+    from iapo_gym.leaderboard.run.specs import resolve_task
+
+    first = HELD_OUT_LEVELS.start
+    tasks = [resolve_task(f"generated:{family}:{first}-{first + levels - 1}") for family in families]
+    summary = run_online_sweep(out, tasks, [parse_online_spec(a) for a in agents], schedules, [horizon], runs,
+                               jobs=jobs, batch_size=batch_size)
+    print(f"{summary.added} runs added, {summary.skipped} already in {out}, {len(summary.failures)} failed; "
+          f"{summary.seconds:.0f} s")
+    report = online_report(out, baseline=baseline, tasks=[t.name for t in tasks])
+    if report is not None:
+        print(online_markdown(report))
 
 
 def rate(fn: Any, requests: int) -> float:
@@ -93,11 +127,34 @@ def speed(horizon: int) -> None:
     for b in (1, 64, 1024):
         r = rate(lambda b=b: run_online(env, FixedArm(), seed=0, batch_size=b), horizon)
         print(f"  trivial agent, run_online batch {b:>5}:     {r:>10,.0f} requests/s")
+
+    def agent_loop(name: str) -> None:
+        agent = make_online(name)
+        obs, _ = env.reset(seed=0)
+        agent.start(env, 0)
+        while True:
+            action = agent.choose(obs)
+            next_obs, _, done, _, info = env.step(action)
+            agent.update(obs, action, info)
+            obs = next_obs
+            if done:
+                return
+
+    r = rate(lambda: agent_loop("iapo_online"), horizon)
+    print(f"  iapo_online, env.step loop:               {r:>10,.0f} requests/s")
+    for b in (16, 64, 256, 1024):
+        r = rate(lambda b=b: run_online(env, make_online("iapo_online"), seed=0, batch_size=b), horizon)
+        print(f"  iapo_online, run_online batch {b:>5}:       {r:>10,.0f} requests/s")
     short = min(horizon, 20_000)
     env_short = OnlineEnv(family=family, level=level, horizon=short)
     for b in (1, 256):
         r = rate(lambda b=b: run_online(env_short, make_online("ucb"), seed=0, batch_size=b), short)
         print(f"  ucb, run_online batch {b:>5} (T = {short}): {r:>10,.0f} requests/s")
+    tiny = min(horizon, 1_000)
+    env_tiny = OnlineEnv(family=family, level=level, horizon=tiny)
+    for name in PEERS:
+        r = rate(lambda name=name: run_online(env_tiny, make_agent(name), seed=0, batch_size=16), tiny)
+        print(f"  {name}, run_online batch 16 (T = {tiny}):   {r:>10,.0f} requests/s")
 
 
 def tune(horizon: int, what: str) -> None:
@@ -125,8 +182,10 @@ def tune(horizon: int, what: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", default="mv_categorical,mv_binary,bon_shift")
-    parser.add_argument("--schedules", default="stationary,drift,arrival")
-    parser.add_argument("--agents", default="ucb,ucb_discounted,thompson,etc_auto,etc_psst")
+    parser.add_argument("--schedules", default="stationary,drift,arrival,retirement,model_arrival")
+    parser.add_argument("--agents", default="iapo_online,ucb,ucb_discounted,thompson,etc_auto,etc_psst",
+                        help="names of agents.online.make_online and, without --out, of online_peers.PEERS "
+                             "(vw, mabwiser)")
     parser.add_argument("--levels", type=int, default=3, help="held-out levels per family (from 1,000,000)")
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--horizon", type=int, default=10_000)
@@ -134,8 +193,14 @@ def main() -> None:
     parser.add_argument("--speed", action="store_true", help="requests per second at T = 100K instead")
     parser.add_argument("--tune", choices=("c", "discount", "sigma"),
                         help="UCB's c or discount, or Thompson's sigma, on tuning levels instead")
+    parser.add_argument("--out", help="run through the leaderboard's runner into this folder (resumable)")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes with --out (default: 1)")
+    parser.add_argument("--baseline", default="etc_auto", help="with --out: the agent the others pair against")
     args = parser.parse_args()
-    if args.speed:
+    if args.out:
+        through_runner(args.out, args.families.split(","), args.schedules.split(","), args.agents.split(","),
+                       args.levels, args.runs, args.horizon, args.batch_size, args.jobs, args.baseline)
+    elif args.speed:
         speed(100_000)
     elif args.tune:
         tune(args.horizon, args.tune)

@@ -10,6 +10,7 @@ from iapo_gym.online import OnlineAgent
 
 #: name -> ("module:Class", default parameters) of the online agents.
 ONLINE_REGISTRY: dict[str, tuple[str, dict[str, Any]]] = {
+    "iapo_online": ("agents.online.iapo_online:IAPOOnline", {}),
     "ucb": ("agents.online.ucb:ContextUCB", {}),
     "ucb_discounted": ("agents.online.ucb:ContextUCB", {"discount": 0.9999}),
     "thompson": ("agents.online.thompson:ContextThompson", {}),

@@ -4,7 +4,9 @@ Before request 0 the agent spends ``budget`` completions training an offline age
 registered name) through its public ``train`` API on ``OnlineEnv.offline_env``: the table of request 0, the
 prompts available then, the train split. Those completions are not requests of the run and carry no regret.
 It then serves the trained policy's arm for each context and never learns again: after a drift or an
-arrival its regret keeps growing (what the online agents are measured against).
+arrival its regret keeps growing (what the online agents are measured against). When a committed prompt is
+retired, the context is served a prompt drawn uniformly (the agent's generator, once per retirement) among those
+available, at its committed N: it still learns nothing.
 """
 
 from __future__ import annotations
@@ -48,8 +50,13 @@ class ExploreThenCommit(OnlineAgentBase):
         arms = np.array(policy.arms, dtype=np.int64)
         arms[:, 0] = keep[arms[:, 0]]
         self.arms = arms
+        self.serving = arms.copy()  # the committed arms, with a drawn stand-in for each retired prompt
 
     def choose_batch(self, requests: Requests) -> tuple[np.ndarray, np.ndarray]:
-        """The committed arm of each request's context."""
-        arms = self.arms[requests.contexts]
+        """The committed arm of each request's context (a drawn available prompt at its N once it is retired)."""
+        gone = ~requests.available[self.serving[:, 0]]
+        if gone.any():  # at a schedule change only (a batch never crosses one): the same draws for any batch size
+            live = np.flatnonzero(requests.available)
+            self.serving[gone, 0] = live[self.rng.integers(live.size, size=int(gone.sum()))]
+        arms = self.serving[requests.contexts]
         return arms[:, 0], arms[:, 1]

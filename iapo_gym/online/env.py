@@ -101,9 +101,11 @@ class OnlineEnv(gym.Env[dict[str, Any], tuple[int, int]]):
                 raise ValueError("OnlineEnv needs family=... and level=..., a task name, or a table")
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        self.table = table
         self.split = split
         self.schedule: Schedule = build_schedule(schedule, table, horizon)
+        if self.schedule.grown is not None:  # the schedule adds prompts (model_arrival): the run serves the grown table
+            table = self.schedule.grown
+        self.table = table
         self.horizon = self.schedule.horizon
         self._queries = table.split_indices(split)
         self._cost = np.ascontiguousarray(table.cost_matrix())
@@ -207,7 +209,21 @@ class OnlineEnv(gym.Env[dict[str, Any], tuple[int, int]]):
         if not isinstance(action, (tuple, list)) or len(action) != 2:
             raise ValueError(f"action must be a pair (p, N), got {action!r}")
         t = self._t
-        requests = self.arrivals(1)
+        p, n = action
+        if t < self.horizon and type(p) is int and type(n) is int:  # the one-request path, on scalars
+            segment = self.schedule.segment_at(t)
+            seg = self.schedule.segments[segment]
+            if 0 <= p < self.table.n_prompts and 1 <= n <= self.table.n_max and seg.available[p]:
+                q, q_star_c, sampler = self._segment(segment)
+                c = int(self._contexts[t])
+                query, atoms, utilities = self._draw_one(p, n, sampler)
+                self._t += 1
+                u = utilities[:, 0]
+                q_star, q_chosen = float(q_star_c[c]), float(q[c, p, n - 1])
+                info = {"t": t, "context": c, "query": query, "regret": q_star - q_chosen, "q_star": q_star,
+                        "q_chosen": q_chosen, "atoms": atoms, "cost": float(self._cost[p, query]), "utilities": u}
+                return self._observation(), float(u[c]), self._t >= self.horizon, False, info
+        requests = self.arrivals(1)  # anything else: the batch path's checks name what is wrong
         served = self.serve(requests, np.array([action[0]]), np.array([action[1]]))
         pulls = served.pulls
         info = {"t": t, "context": int(requests.contexts[0]), "query": int(pulls.queries[0]),
@@ -215,6 +231,16 @@ class OnlineEnv(gym.Env[dict[str, Any], tuple[int, int]]):
                 "q_chosen": float(served.q_chosen[0]), "atoms": pulls.atoms, "cost": float(served.costs[0]),
                 "utilities": served.utilities[:, 0]}
         return self._observation(), float(served.rewards[0]), self._t >= self.horizon, False, info
+
+    def _draw_one(self, p: int, n: int, sampler: AliasSampler) -> tuple[int, np.ndarray, np.ndarray]:
+        """(query, atoms (n,), utilities (C, 1)) of one request served with (p, n): the draws of a batch of one."""
+        pool = self._queries
+        query = int(pool[int(self._rng_queries.random() * pool.size)])
+        atoms = sampler.sample_row(p * self.table.n_queries + query, n, self._rng_atoms)
+        prompts, queries = np.array([p]), np.array([query])
+        if self.table.aggregator == "bon":
+            return query, atoms, self._bon_utilities(prompts, queries, np.array([n]), atoms, np.array([0, n]))
+        return query, atoms, block_utilities(self.table, prompts, queries, atoms[None, :])
 
     # ---- the batch path -----------------------------------------------------------------------------
     def arrivals(self, count: int) -> Requests:
@@ -244,23 +270,24 @@ class OnlineEnv(gym.Env[dict[str, Any], tuple[int, int]]):
         q, q_star_c, sampler = self._segment(self.schedule.segment_at(self._t))
         table = self.table
         pool = self._queries
-        if b == 1:  # one request (``step``): the same draws as a batch, without the batch bookkeeping
-            query = int(pool[int(self._rng_queries.random() * pool.size)])
+        if b == 1:  # one request: the same draws as a batch, without the batch bookkeeping
             n = int(ns[0])
-            atoms = sampler.sample_row(int(prompts[0]) * table.n_queries + query, n, self._rng_atoms)
+            query, atoms, utilities = self._draw_one(int(prompts[0]), n, sampler)
             queries, offsets = np.array([query]), np.array([0, n])
-            utilities = block_utilities(table, prompts, queries, atoms[None, :])
         else:
             queries = pool[(self._rng_queries.random(b) * pool.size).astype(np.int64)]
             rows = np.repeat(prompts * table.n_queries + queries, ns)
             atoms = sampler.sample(rows, self._rng_atoms)
             offsets = np.zeros(b + 1, dtype=np.int64)
             np.cumsum(ns, out=offsets[1:])
-            utilities = np.empty((table.n_contexts, b))
-            for n in np.unique(ns):
-                idx = np.flatnonzero(ns == n)
-                blocks = atoms[offsets[idx][:, None] + np.arange(n)[None, :]]
-                utilities[:, idx] = block_utilities(table, prompts[idx], queries[idx], blocks)
+            if table.aggregator == "bon":  # every completion scored at once, then each pull's maximum
+                utilities = self._bon_utilities(prompts, queries, ns, atoms, offsets)
+            else:
+                utilities = np.empty((table.n_contexts, b))
+                for n in np.unique(ns):
+                    idx = np.flatnonzero(ns == n)
+                    blocks = atoms[offsets[idx][:, None] + np.arange(n)[None, :]]
+                    utilities[:, idx] = block_utilities(table, prompts[idx], queries[idx], blocks)
         pulls = Pulls(prompts, ns, queries, atoms, offsets)
         contexts = requests.contexts
         q_chosen = q[contexts, prompts, ns - 1]
@@ -268,6 +295,20 @@ class OnlineEnv(gym.Env[dict[str, Any], tuple[int, int]]):
         self._t += b
         return Served(pulls, utilities, utilities[contexts, np.arange(b)], self._cost[prompts, queries],
                       q_star, q_chosen, q_star - q_chosen)
+
+    def _bon_utilities(self, prompts: np.ndarray, queries: np.ndarray, ns: np.ndarray, atoms: np.ndarray,
+                       offsets: np.ndarray) -> np.ndarray:
+        """(C, B) Best-of-N utilities of a batch's pulls: every completion's score under every context (one
+        objective at a time, a fixed order), each pull's maximum over its completions, plus its cost term."""
+        table = self.table
+        assert table.atoms is not None
+        vectors = table.atoms[np.repeat(prompts, ns), np.repeat(queries, ns), atoms]  # (completions, K)
+        weights = table.context_weights
+        scores = weights[:, :1] * vectors[None, :, 0]
+        for d in range(1, vectors.shape[1]):
+            scores += weights[:, d:d + 1] * vectors[None, :, d]
+        best: np.ndarray = np.maximum.reduceat(scores, offsets[:-1], axis=1)
+        return best + weights[:, -1:] * (ns * self._cost[prompts, queries])[None, :]
 
     def _check(self, requests: Requests, prompts: np.ndarray, ns: np.ndarray) -> None:
         n_p, n_max = self.table.n_prompts, self.table.n_max
@@ -281,5 +322,8 @@ class OnlineEnv(gym.Env[dict[str, Any], tuple[int, int]]):
         if late.any():
             i = int(np.flatnonzero(late)[0])
             p = int(prompts[i])
-            raise ValueError(f"prompt {p} is not available at step {requests.start + i}: it arrives at step "
-                             f"{int(self.schedule.arrival[p])} (schedule {self.schedule.kind!r})")
+            t = requests.start + i
+            retired = self.schedule.retired
+            why = (f"it was retired at step {int(retired[p])}" if retired is not None and retired[p] <= t
+                   else f"it arrives at step {int(self.schedule.arrival[p])}")
+            raise ValueError(f"prompt {p} is not available at step {t}: {why} (schedule {self.schedule.kind!r})")

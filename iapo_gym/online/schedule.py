@@ -14,6 +14,11 @@ available prompts are fixed, so the exact tensor is computed once per segment. K
   steps); they keep their own costs.
 - ``context_shift``: the context mix changes at a change point, from the table's ``context_probs`` to a
   Dirichlet(1) draw; the outcome distributions (so every Q) stay the level's.
+- ``retirement``: a drawn share of the prompts are removed at their retirement step (one to three steps); at least
+  one prompt stays to the end.
+- ``model_arrival``: a new model arrives at a drawn step: the run's table grows by a copy of every prompt whose
+  outcome distributions are a second draw of the family's model (``redraw_table(family, level, "model")``) and whose
+  cost is the level's times a drawn factor; those prompts are unavailable before the arrival step.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import numpy as np
 from iapo_gym.seeding import derive_rng
 from iapo_gym.tables import OutcomeTable
 
-SCHEDULES = ("stationary", "drift", "arrival", "context_shift")
+SCHEDULES = ("stationary", "drift", "arrival", "context_shift", "retirement", "model_arrival")
 ONLINE_ROOT_SEED = 20_261_128
 #: Segments of a drift ramp (the mixture weight takes this many values on the way to its strength).
 RAMP_SEGMENTS = 4
@@ -37,6 +42,10 @@ DRIFT_RAMP = (0.1, 0.3)  # a ramp's length; half the levels step, half ramp
 ARRIVAL_SHARE = (0.2, 0.5)  # share of prompts that arrive late (at least one, never all)
 ARRIVAL_AT = (0.1, 0.7)  # their arrival steps
 SHIFT_AT = (0.3, 0.6)  # the context mix's change point
+RETIRE_SHARE = (0.2, 0.5)  # share of prompts retired during the run (at least one, never all)
+RETIRE_AT = (0.2, 0.8)  # their retirement steps
+MODEL_AT = (0.2, 0.6)  # the new model's arrival step
+MODEL_COST = (0.5, 2.0)  # its cost per completion: the level's times this factor
 
 
 class ScheduleError(ValueError):
@@ -60,7 +69,10 @@ class Schedule:
     """A schedule over ``horizon`` requests: its kind, the drawn parameters, the segments in order.
 
     ``drifting`` (P,) marks the prompts that mix toward ``target`` (the redraw; None unless ``drift``);
-    ``arrival`` (P,) is each prompt's first available step (0 for the prompts present from the start).
+    ``arrival`` (P,) is each prompt's first available step (0 for the prompts present from the start);
+    ``retired`` (P,) the step from which a prompt is no longer available (None: every prompt to the end);
+    ``grown`` the table the run serves when the schedule adds prompts (``model_arrival``: the level's prompts, then
+    the new model's), None when it is the level's.
     """
 
     kind: str
@@ -70,6 +82,8 @@ class Schedule:
     drifting: np.ndarray
     arrival: np.ndarray
     target: OutcomeTable | None = None
+    retired: np.ndarray | None = None
+    grown: OutcomeTable | None = None
 
     def segment_at(self, t: int) -> int:
         """Index of the segment holding request ``t``."""
@@ -112,6 +126,10 @@ def build_schedule(kind: str, table: OutcomeTable, horizon: int) -> Schedule:
         return Schedule(kind, horizon, {}, (Segment(0, horizon, 0.0, everyone),), none, arrival)
     if kind == "drift":
         return _drift(table, horizon, rng)
+    if kind == "retirement":
+        return _retirement(table, horizon, rng)
+    if kind == "model_arrival":
+        return _model_arrival(table, horizon, rng)
     if kind == "context_shift":
         if table.n_contexts < 2:
             raise ScheduleError(f"context_shift needs at least 2 contexts, {table.task} has {table.n_contexts}")
@@ -161,3 +179,59 @@ def _drift(table: OutcomeTable, horizon: int, rng: np.random.Generator) -> Sched
     target = redraw_table(str(family), int(level), "drift")
     params = {"share": share, "at": at, "strength": strength, "ramp": ramp}
     return Schedule("drift", horizon, params, segments, drifting, np.zeros(n_p, dtype=np.int64), target)
+
+
+def _steps(rng: np.random.Generator, horizon: int, bounds: tuple[float, float]) -> np.ndarray:
+    """One to three distinct steps drawn in ``bounds`` (fractions of the horizon), sorted; only those inside the run."""
+    times = np.sort(np.unique((horizon * rng.uniform(*bounds, int(rng.integers(1, 4)))).astype(np.int64)))
+    return times[(times > 0) & (times < horizon)]
+
+
+def _segments_by_step(horizon: int, arrival: np.ndarray, retired: np.ndarray) -> tuple[Segment, ...]:
+    """The segments between every arrival and retirement step; in each, the prompts arrived and not yet retired."""
+    cuts = np.unique(np.concatenate([arrival[arrival > 0], retired[retired < horizon]]))
+    bounds = [0, *cuts.tolist(), horizon]
+    return tuple(Segment(a, b, 0.0, (arrival <= a) & (retired > a))
+                 for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def _retirement(table: OutcomeTable, horizon: int, rng: np.random.Generator) -> Schedule:
+    n_p = table.n_prompts
+    if n_p < 2:
+        raise ScheduleError(f"retirement needs at least 2 prompts, {table.task} has {n_p}")
+    share = _fraction(rng, RETIRE_SHARE)
+    n_gone = min(n_p - 1, max(1, round(share * n_p)))
+    gone = rng.permutation(n_p)[:n_gone]
+    times = _steps(rng, horizon, RETIRE_AT)
+    arrival = np.zeros(n_p, dtype=np.int64)
+    retired = np.full(n_p, horizon, dtype=np.int64)
+    if times.size:  # else a horizon too short to cut: everyone throughout
+        retired[gone] = times[rng.integers(times.size, size=n_gone)]
+    none = np.zeros(n_p, dtype=bool)
+    return Schedule("retirement", horizon, {"share": share}, _segments_by_step(horizon, arrival, retired), none,
+                    arrival, retired=retired)
+
+
+def _model_arrival(table: OutcomeTable, horizon: int, rng: np.random.Generator) -> Schedule:
+    from iapo_gym.tasks.generated import redraw_table
+
+    family, level = table.attrs.get("family"), table.attrs.get("level")
+    if family is None or level is None:
+        raise ScheduleError(f"the model_arrival schedule draws the new model from a generated family's model; "
+                            f"{table.task} is not a generated level (use family=..., level=...)")
+    at, factor = _fraction(rng, MODEL_AT), _fraction(rng, MODEL_COST)
+    new = redraw_table(str(family), int(level), "model")
+    n_p = table.n_prompts
+    grown = replace(
+        table, probs=np.concatenate([table.probs, new.probs]),
+        cost=np.concatenate([table.cost, factor * table.cost]),
+        atoms=None if table.atoms is None else np.concatenate([table.atoms, new.atoms]),
+        prompts=(*table.prompts, *(f"{p}@model2" for p in table.prompts)), task=f"{table.task}:model_arrival")
+    step = int(at * horizon)
+    arrival = np.zeros(2 * n_p, dtype=np.int64)
+    if 0 < step < horizon:  # else a horizon too short to cut: both models throughout
+        arrival[n_p:] = step
+    retired = np.full(2 * n_p, horizon, dtype=np.int64)
+    none = np.zeros(2 * n_p, dtype=bool)
+    return Schedule("model_arrival", horizon, {"at": at, "cost_factor": factor},
+                    _segments_by_step(horizon, arrival, retired), none, arrival, retired=retired, grown=grown)

@@ -1,0 +1,400 @@
+"""``IAPOOnline`` (``iapo_online``), the recommended online agent: ``auto``'s plug-in estimate, served by UCB over
+prompts, refitted on a doubling schedule, with a change detector for drift and optimistic entry for new prompts.
+
+* **Estimate.** Every completion served goes into ``agents.plugin.PlugInEstimator``, the estimator of ``auto``: per
+  (prompt, query) outcome distributions read through the oracle's exact formulas with a prior shared across queries and
+  prompts, so one pull informs every context (cross-context reuse) and every N (nested reuse). The estimate is
+  refitted when the completions served since the last refit reach ``refit`` times those before (1: a doubling
+  schedule, about log2 of the completions refits in a run), never per request: a refit costs as much as thousands
+  of requests.
+* **Choice.** For a request of context c, each available prompt p scores ``max_N Q^(c, p, N) + width *
+  sqrt(log(t + 2) / n_p)`` with n_p the requests the prompt served, faded by ``discount`` per request; the request
+  gets the best prompt at its best N. The fading makes a prompt not served for a while worth a look again, so a
+  prompt that drifted while unserved is re-examined. Between refits a prompt's scores also move by its mean residual
+  (utility served minus estimate) since the last refit, shrunk by ``SHIFT_PRIOR``: the choice follows what is served
+  without paying for a refit.
+* **Optimistic entry.** A prompt never served (at the start, or one that arrives) comes before every other, at N =
+  ``entry_n``; the requests of one batch spread over the new prompts. The estimate is first read once every
+  available prompt has been served (the entry round), and a prompt that arrives later is read right after its
+  first request.
+* **Change detector.** Each served request's utility minus its estimate Q^(c_t, p_t, N_t), over the pooled residual
+  sd, feeds a two-sided CUSUM per prompt (slack ``slack``, threshold ``threshold``; every CUSUM starts over at a
+  refit). When one crosses, the prompt's completions before the CUSUM's change estimate (the crossing side's last
+  zero) are forgotten: the estimator is rebuilt from the completions kept, and the prompt's count restarts, so it
+  is explored again.
+
+Everything runs on the env's schema (``OnlineEnv.schema``); the estimator's env is an ``IAPOEnv`` on that schema
+whose completion source refuses to draw: the online env serves every completion.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from agents.plugin.estimator import PlugInEstimator, check_nonnegative, warm_up
+from iapo_gym import Pulls
+from iapo_gym.env import IAPOEnv
+from iapo_gym.online import OnlineAgentBase, OnlineEnv, Requests, Served
+
+#: Between refits a prompt's scores move by its mean residual (utility served minus estimate) since the last refit,
+#: shrunk to 0 as if this many residuals of 0 came first: the estimate follows what is served without a refit.
+SHIFT_PRIOR = 10.0
+#: Residuals the pooled sd is read from before the change detector is armed.
+ARM_RESIDUALS = 50
+#: A prompt's faded count below this is treated as this (its width stays finite).
+MIN_COUNT = 1e-3
+#: The lazily faded counts are renormalized when their scale passes this.
+_RESCALE = 1e150
+
+
+class _ServedElsewhere:
+    """The completion source of the estimator's env: the online env serves every completion, this one draws none."""
+
+    exact = False
+    no_exact = "the online agent's estimator env holds the schema only; the online env serves the completions"
+
+    def draw(self, prompts: np.ndarray, queries: np.ndarray, ns: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Never called by the estimator; a RuntimeError if anything tries."""
+        raise RuntimeError("the online agent's estimator env draws no completions; the online env serves them")
+
+    def draw_one(self, prompt: int, query: int, n: int, rng: np.random.Generator) -> np.ndarray:
+        """As ``draw``: a RuntimeError."""
+        return self.draw(np.array([prompt]), np.array([query]), np.array([n]), rng)
+
+    def restart(self) -> None:
+        """Nothing to restart."""
+
+
+class _Log:
+    """Pulls served (step, prompt, N, query, atoms): blocks of a batch's arrays, and single requests as scalars
+    (the one-request path), joined into one block when read."""
+
+    def __init__(self) -> None:
+        self.blocks: list[tuple[np.ndarray, Pulls]] = []
+        self.singles: list[tuple[int, int, int, int, np.ndarray]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks or self.singles)
+
+    def add(self, steps: np.ndarray, pulls: Pulls) -> None:
+        """A batch's pulls."""
+        self._flush()
+        self.blocks.append((steps, pulls))
+
+    def add_one(self, t: int, p: int, n: int, q: int, atoms: np.ndarray) -> None:
+        """One request's pull."""
+        self.singles.append((t, p, n, q, atoms))
+
+    def _flush(self) -> None:
+        if not self.singles:
+            return
+        t, p, n, q, atoms = zip(*self.singles, strict=True)
+        ns = np.array(n, dtype=np.int64)
+        offsets = np.zeros(ns.size + 1, dtype=np.int64)
+        np.cumsum(ns, out=offsets[1:])
+        pulls = Pulls(np.array(p, dtype=np.int64), ns, np.array(q, dtype=np.int64), np.concatenate(atoms), offsets)
+        self.blocks.append((np.array(t, dtype=np.int64), pulls))
+        self.singles = []
+
+    def read(self) -> tuple[np.ndarray, Pulls]:
+        """(steps, pulls) of everything logged, as one block (kept as that one block)."""
+        self._flush()
+        if not self.blocks:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, Pulls(empty, empty, empty, empty, np.zeros(1, dtype=np.int64))
+        if len(self.blocks) > 1:
+            steps = np.concatenate([b[0] for b in self.blocks])
+            self.blocks = [(steps, _concat([b[1] for b in self.blocks]))]
+        return self.blocks[0]
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Keep only the pulls where ``mask`` (over ``read()``'s block) is True."""
+        steps, pulls = self.read()
+        self.blocks = [(steps[mask], _select(pulls, mask))]
+
+    def clear(self) -> None:
+        """Forget everything."""
+        self.blocks, self.singles = [], []
+
+
+def _select(pulls: Pulls, mask: np.ndarray) -> Pulls:
+    """The pulls where ``mask`` is True, their atoms in draw order."""
+    ns = pulls.ns[mask]
+    offsets = np.zeros(ns.size + 1, dtype=np.int64)
+    np.cumsum(ns, out=offsets[1:])
+    return Pulls(pulls.prompts[mask], ns, pulls.queries[mask], pulls.atoms[np.repeat(mask, pulls.ns)], offsets)
+
+
+def _concat(parts: list[Pulls]) -> Pulls:
+    if len(parts) == 1:
+        return parts[0]
+    ns = np.concatenate([p.ns for p in parts])
+    offsets = np.zeros(ns.size + 1, dtype=np.int64)
+    np.cumsum(ns, out=offsets[1:])
+    return Pulls(np.concatenate([p.prompts for p in parts]), ns, np.concatenate([p.queries for p in parts]),
+                 np.concatenate([p.atoms for p in parts]), offsets)
+
+
+class IAPOOnline(OnlineAgentBase):
+    """UCB over prompts on ``auto``'s plug-in estimate, with a CUSUM change detector and optimistic entry.
+
+    :param width: exploration weight of a prompt's confidence width sqrt(log(t + 2) / n_p) (utility units).
+    :param discount: factor a prompt's request count n_p fades by per request (1: none); unserved prompts come back.
+    :param refit: the estimate is refitted when the completions since the last refit reach this times those before.
+    :param threshold: CUSUM threshold (in residual sds) at which a prompt's older completions are forgotten.
+    :param slack: CUSUM slack (in residual sds): shifts of a prompt's mean utility smaller than this go undetected.
+    :param entry_n: N of a never-served prompt's first pull (optimistic entry; capped at N_max).
+    :param prior: weight of the estimator's shared prior, times ``auto``'s (``alpha`` 32 pseudo-votes, ``bon_prior`` 1).
+    """
+
+    def __init__(self, seed: int | None = None, width: float = 0.025, discount: float = 0.9999, refit: float = 1.0,
+                 threshold: float = 25.0, slack: float = 0.25, entry_n: int = 4, prior: float = 0.1) -> None:
+        """Hyper-parameters as documented on the class; ``seed`` for ties."""
+        super().__init__(seed)
+        self.width, self.threshold, self.slack, self.prior = check_nonnegative(
+            width=width, threshold=threshold, slack=slack, prior=prior)
+        if isinstance(discount, bool) or not 0.0 < float(discount) <= 1.0:
+            raise ValueError(f"discount must be in (0, 1], got {discount!r}")
+        if isinstance(refit, bool) or not float(refit) > 0.0:
+            raise ValueError(f"refit must be a number > 0, got {refit!r}")
+        if isinstance(entry_n, bool) or not isinstance(entry_n, (int, np.integer)) or entry_n < 1:
+            raise ValueError(f"entry_n must be an integer >= 1, got {entry_n!r}")
+        self.discount, self.refit, self.entry_n = float(discount), float(refit), int(entry_n)
+        warm_up()
+
+    def params(self) -> dict[str, Any]:
+        """The hyper-parameters."""
+        return {"width": self.width, "discount": self.discount, "refit": self.refit, "threshold": self.threshold,
+                "slack": self.slack, "entry_n": self.entry_n, "prior": self.prior}
+
+    # ---- state ----------------------------------------------------------------------------------
+    def start(self, env: OnlineEnv, seed: int) -> None:
+        """Empty estimate over the env's schema."""
+        super().start(env, seed)
+        self.schema = env.schema
+        self._base = IAPOEnv(table=self.schema, source=_ServedElsewhere(), split=env.split)
+        n_c, n_p, n_max = self.schema.n_contexts, self.schema.n_prompts, self.schema.n_max
+        self._entry = min(self.entry_n, n_max)
+        self.est = PlugInEstimator(self._base, alpha=32.0 * self.prior, bon_prior=self.prior)
+        self.log = _Log()
+        self._pending = _Log()  # served, not yet in the estimator
+        self.value = np.zeros((n_c, n_p))  # max_N of the estimate (0 until a prompt is read)
+        self.best_n = np.full((n_c, n_p), self._entry, dtype=np.int64)
+        self.q = np.zeros((n_c, n_p, n_max))
+        self.served = np.zeros(n_p, dtype=bool)  # prompts served at least once (since a forget)
+        self.read = np.zeros(n_p, dtype=bool)  # prompts with an estimate
+        self.completions = np.zeros(n_p)  # completions of each prompt (kept ones)
+        self._drawn = 0.0  # completions kept (in the estimator or pending)
+        self._fitted_total = 0.0  # completions kept at the last refit
+        self._scaled = np.zeros(n_p)  # faded counts, times discount^-(t - _t0)
+        self._t0 = 0
+        self._tie = self.rng.random(n_p) * 1e-12  # a fixed random order among equal indices
+        self.t = 0
+        self._next_new = 0
+        # the change detector: pooled residual moments, per prompt two CUSUMs and their last zeros
+        self._res_n, self._res_ss = 0, 0.0
+        self._shift = np.zeros(n_p)  # per prompt: its mean residual since the last refit, shrunk (see SHIFT_PRIOR)
+        self._shift_n, self._shift_sum = [0] * n_p, [0.0] * n_p
+        self._n_served = self._n_read = 0
+        self._up = [0.0] * n_p
+        self._down = [0.0] * n_p
+        self._up_zero = [0] * n_p
+        self._down_zero = [0] * n_p
+        self.changes: list[tuple[int, int, int]] = []  # (step detected, prompt, change estimate)
+        self._avail_key = b""
+        self._blocked = np.zeros(n_p, dtype=bool)
+
+    def _fade(self) -> float:
+        """discount^(t - t0): the factor turning ``_scaled`` into the faded counts now."""
+        return self.discount ** (self.t - self._t0)
+
+    def _index(self) -> np.ndarray:
+        """(P,) each prompt's confidence width now (0 for none when width = 0); +inf for never-served prompts."""
+        counts = np.maximum(self._scaled * self._fade(), MIN_COUNT)
+        bonus = self.width * np.sqrt(math.log(self.t + 2) / counts) + self._tie + self._shift
+        bonus[~self.served] = np.inf
+        return bonus
+
+    def _set_available(self, available: np.ndarray) -> None:
+        key = available.tobytes()
+        if key != self._avail_key:
+            self._avail_key = key
+            self._blocked = ~np.asarray(available, dtype=bool)
+
+    # ---- choosing -------------------------------------------------------------------------------
+    def choose_batch(self, requests: Requests) -> tuple[np.ndarray, np.ndarray]:
+        """Per request the best available prompt by estimate plus width at its best N; never-served prompts first,
+        the batch's requests spread over them."""
+        self._set_available(requests.available)
+        bonus = self._index()
+        bonus[self._blocked] = -np.inf
+        fresh = np.flatnonzero(np.isposinf(bonus))
+        contexts = requests.contexts
+        b = contexts.size
+        if fresh.size:
+            k = np.arange(self._next_new, self._next_new + b)
+            self._next_new += b
+            prompts = fresh[k % fresh.size]
+            return prompts, np.full(b, self._entry, dtype=np.int64)
+        index = self.value[contexts] + bonus[None, :]
+        prompts = index.argmax(axis=1)
+        return prompts, self.best_n[contexts, prompts]
+
+    def choose(self, observation: dict[str, Any]) -> tuple[int, int]:
+        """(p, N) for one request: what ``choose_batch`` gives for a batch of one, without building one."""
+        self._set_available(observation["available"])
+        bonus = self._index()
+        bonus[self._blocked] = -np.inf
+        if np.isposinf(bonus).any():
+            fresh = np.flatnonzero(np.isposinf(bonus))
+            p = int(fresh[self._next_new % fresh.size])
+            self._next_new += 1
+            return p, self._entry
+        c = int(observation["context"])
+        p = int((self.value[c] + bonus).argmax())
+        return p, int(self.best_n[c, p])
+
+    # ---- learning -------------------------------------------------------------------------------
+    def update_batch(self, requests: Requests, served: Served) -> None:
+        """Detect changes on the batch's residuals, log its pulls, refit when due."""
+        pulls, contexts, start = served.pulls, requests.contexts, requests.start
+        b = contexts.size
+        detected: dict[int, int] = {}
+        read = self.read[pulls.prompts]
+        if read.any():
+            idx = np.flatnonzero(read)
+            prompts = pulls.prompts[idx]
+            residuals = served.rewards[idx] - self.q[contexts[idx], prompts, pulls.ns[idx] - 1]
+            for p, x, t in zip(prompts.tolist(), residuals.tolist(), (idx + start).tolist(), strict=True):
+                since = self._cusum(p, x, t)
+                if since >= 0 and p not in detected:
+                    detected[p] = since
+        steps = np.arange(start, start + b)
+        self.log.add(steps, pulls)
+        self._pending.add(steps, pulls)
+        ns = pulls.ns.astype(np.float64)
+        fade_now = self._fade()
+        self.t = start + b
+        np.add.at(self.completions, pulls.prompts, ns)
+        np.add.at(self._scaled, pulls.prompts, 1.0 / fade_now)
+        self.served[pulls.prompts] = True
+        self._n_served = int(self.served.sum())
+        self._drawn += float(ns.sum())
+        self._after(detected)
+
+    def update(self, observation: dict[str, Any], action: tuple[int, int], info: dict[str, Any]) -> None:
+        """One served request (``OnlineEnv.step``'s ``info``): what ``update_batch`` does with a batch of one, on
+        scalars (the one-request path of a plain Gymnasium loop)."""
+        p, n = int(action[0]), int(action[1])
+        atoms = np.asarray(info["atoms"], dtype=np.int64)
+        if atoms.size != n:
+            raise ValueError(f"info holds {atoms.size} outcomes, not the N = {n} of the action {action!r}")
+        c, t = int(observation["context"]), int(info["t"])
+        detected: dict[int, int] = {}
+        if self.read[p]:
+            since = self._cusum(p, float(info["utilities"][c]) - float(self.q[c, p, n - 1]), t)
+            if since >= 0:
+                detected[p] = since
+        q = int(info["query"])
+        self.log.add_one(t, p, n, q, atoms)
+        self._pending.add_one(t, p, n, q, atoms)
+        fade_now = self._fade()
+        self.t = t + 1
+        self.completions[p] += n
+        self._scaled[p] += 1.0 / fade_now
+        if not self.served[p]:
+            self.served[p] = True
+            self._n_served += 1
+        self._drawn += n
+        self._after(detected)
+
+    def _after(self, detected: dict[int, int]) -> None:
+        """After a request or batch is counted: forget on a detection, else refit when due."""
+        if self._fade() < 1.0 / _RESCALE:  # keep the lazily faded counts in range
+            self._scaled *= self._fade()
+            self._t0 = self.t
+        if detected:
+            self._forget(list(detected.items()))
+            return
+        if self._drawn - self._fitted_total >= self.refit * self._fitted_total:
+            if (self.served | self._blocked).all():  # after the entry round
+                self._refit()
+        elif self._n_served > self._n_read and (self.served | self._blocked).all():  # the entry round is over: read its prompts
+            self._refit()
+
+    def _cusum(self, p: int, residual: float, t: int) -> int:
+        """Feed one residual of prompt ``p`` (request ``t``) to its two CUSUMs: the change estimate (the crossing
+        side's last zero) when one crosses ``threshold``, else -1."""
+        n = self._shift_n[p] + 1
+        self._shift_n[p], self._shift_sum[p] = n, self._shift_sum[p] + residual
+        self._shift[p] = self._shift_sum[p] / (n + SHIFT_PRIOR)
+        self._res_n += 1
+        self._res_ss += residual * residual
+        if self._res_n < ARM_RESIDUALS or self._res_ss <= 0.0:
+            return -1
+        x = residual / math.sqrt(self._res_ss / self._res_n)
+        k = self.slack
+        u = self._up[p] + x - k
+        if u <= 0.0:
+            u, self._up_zero[p] = 0.0, t + 1
+        d = self._down[p] - x - k
+        if d <= 0.0:
+            d, self._down_zero[p] = 0.0, t + 1
+        self._up[p], self._down[p] = u, d
+        if u > self.threshold:
+            return self._up_zero[p]
+        if d > self.threshold:
+            return self._down_zero[p]
+        return -1
+
+    def _forget(self, detected: list[tuple[int, int]]) -> None:
+        """Drop each detected prompt's completions before its change estimate; rebuild the estimate from the rest."""
+        steps, pulls = self.log.read()
+        keep = np.ones(steps.size, dtype=bool)
+        for p, since in detected:
+            keep &= ~((pulls.prompts == p) & (steps < since))
+            self.changes.append((self.t, p, since))
+        self.log.keep(keep)
+        steps, pulls = self.log.read()
+        self.est = PlugInEstimator(self._base, alpha=32.0 * self.prior, bon_prior=self.prior)
+        ns = pulls.ns.astype(np.float64)
+        self.completions = np.bincount(pulls.prompts, weights=ns, minlength=self.completions.size).astype(np.float64)
+        fade = self.discount ** (self.t - steps - 1).astype(np.float64)
+        self._scaled = np.bincount(pulls.prompts, weights=fade, minlength=self.completions.size).astype(np.float64)
+        self._t0 = self.t
+        self.served = self.completions > 0
+        self._n_served = int(self.served.sum())
+        self.read[:] = False
+        self._n_read = 0
+        self._drawn = float(ns.sum())
+        self._pending.clear()
+        self._pending.add(steps, pulls)
+        self._refit()
+
+    def _refit(self) -> None:
+        """Move every pending pull into the estimator and read the estimates of the prompts they touched; every
+        CUSUM starts over (the residuals' reference moved)."""
+        self._fitted_total = self._drawn
+        n_p = len(self._up)
+        self._up, self._down = [0.0] * n_p, [0.0] * n_p
+        self._shift[:] = 0.0  # the refit reads the residuals' completions itself
+        self._shift_n, self._shift_sum = [0] * n_p, [0.0] * n_p
+        self._up_zero, self._down_zero = [self.t] * n_p, [self.t] * n_p
+        if not self._pending:
+            return
+        _, pulls = self._pending.read()
+        self._pending.clear()
+        if len(pulls) == 0:
+            return
+        self.est.update(pulls)
+        prompts = np.unique(pulls.prompts)
+        q = self.est.table.sums[:, prompts, :]  # the estimator's estimates of the pulled prompts (counts are 1)
+        self.q[:, prompts, :] = q
+        best = q.argmax(axis=2)
+        self.best_n[:, prompts] = best + 1
+        self.value[:, prompts] = np.take_along_axis(q, best[..., None], axis=2)[..., 0]
+        self.read[prompts] = True
+        self._n_read = int(self.read.sum())

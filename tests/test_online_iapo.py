@@ -1,0 +1,211 @@
+"""The recommended online agent (``iapo_online``, agents/online/iapo_online.py) and the retirement and model-arrival
+schedules: exact per-step regret against a recomputation from the schedule's documented draws, the one-request and
+batch paths, optimistic entry, and the drift property that catches an agent that stops exploring."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from agents.online import make_online
+from agents.online.explore_commit import ExploreThenCommit
+from agents.online.iapo_online import IAPOOnline
+from iapo_gym.online import OnlineEnv, Requests, ScheduleError, Served, build_schedule, run_online
+from iapo_gym.oracle import q_table
+from iapo_gym.seeding import derive_seed
+from iapo_gym.tasks.generated import level_table, redraw_table
+
+SMALL = [("mv_categorical", 2), ("mv_binary", 6), ("bon_flat", 7), ("bon_shift", 5)]
+
+
+class RandomArms(IAPOOnline):
+    """Uniform over the available prompts and every N (draws independent of what it saw); never learns."""
+
+    def choose_batch(self, requests: Requests) -> tuple[np.ndarray, np.ndarray]:
+        live = np.flatnonzero(requests.available)
+        u = self.rng.random((len(requests), 2))
+        return live[(u[:, 0] * live.size).astype(np.int64)], 1 + (u[:, 1] * self.schema.n_max).astype(np.int64)
+
+    def update_batch(self, requests: Requests, served: Served) -> None:
+        return None
+
+
+class StopsAtDrift(IAPOOnline):
+    """``iapo_online`` until request ``stop``, then its greedy arm per context, never exploring or learning again."""
+
+    def __init__(self, stop: int) -> None:
+        super().__init__()
+        self.stop = stop
+
+    def choose_batch(self, requests: Requests) -> tuple[np.ndarray, np.ndarray]:
+        if requests.start < self.stop:
+            return super().choose_batch(requests)
+        prompts = self.value[requests.contexts].argmax(axis=1)
+        return prompts, self.best_n[requests.contexts, prompts]
+
+    def update_batch(self, requests: Requests, served: Served) -> None:
+        if requests.start < self.stop:
+            super().update_batch(requests, served)
+
+
+def _by_hand(family: str, level: int, kind: str, horizon: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(Q (C, P', N_max), first step (P',), retirement step (P',)) rebuilt from the schedule's documented draws."""
+    base = level_table(family, level)
+    schedule = build_schedule(kind, base, horizon)
+    table = base
+    if kind == "model_arrival":
+        new = redraw_table(family, level, "model")
+        factor = schedule.params["cost_factor"]
+        assert 0.5 <= factor <= 2.0
+        table = replace(base, probs=np.concatenate([base.probs, new.probs]),
+                        cost=np.concatenate([base.cost, factor * base.cost]),
+                        atoms=None if base.atoms is None else np.concatenate([base.atoms, base.atoms]),
+                        prompts=base.prompts + tuple(f"{p}@new" for p in base.prompts))
+    retired = schedule.retired if schedule.retired is not None else np.full(table.n_prompts, horizon)
+    return q_table(table, base.split_indices("test")), schedule.arrival, retired
+
+
+@pytest.mark.parametrize("family,level", SMALL)
+@pytest.mark.parametrize("kind", ["retirement", "model_arrival"])
+def test_step_regret_is_the_exact_regret_of_the_new_schedules(family: str, level: int, kind: str) -> None:
+    horizon = 300
+    env = OnlineEnv(family=family, level=level, schedule=kind, horizon=horizon)
+    assert len(env.schedule.segments) >= 2  # the arms change within the run
+    q, arrival, retired = _by_hand(family, level, kind, horizon)
+    agent = RandomArms()
+    obs, _ = env.reset(seed=3)
+    agent.start(env, 3)
+    for t in range(horizon):
+        live = (arrival <= t) & (retired > t)
+        assert np.array_equal(obs["available"].astype(bool), live)
+        p, n = agent.choose(obs)
+        obs, _, _, _, info = env.step((p, n))
+        c = info["context"]
+        q_star = q[c][live].max()  # brute force over the live arms
+        assert info["q_star"] == pytest.approx(q_star, abs=1e-12)
+        assert info["regret"] == pytest.approx(q_star - q[c, p, n - 1], abs=1e-12)
+    if kind == "model_arrival":  # the new model's prompts: their own costs, unavailable before the step
+        n_p = level_table(family, level).n_prompts
+        assert env.table.n_prompts == 2 * n_p and (arrival[n_p:] > 0).all() and (arrival[:n_p] == 0).all()
+        factor = env.schedule.params["cost_factor"]
+        assert np.allclose(env.table.cost[n_p:], factor * env.table.cost[:n_p])
+    else:
+        assert (retired < horizon).any() and (retired == horizon).any()  # some go, at least one stays
+
+
+def test_retired_and_unarrived_prompts_are_refused_with_the_reason() -> None:
+    env = OnlineEnv(family="mv_categorical", level=2, schedule="retirement", horizon=400)
+    p = int(np.argmin(env.schedule.retired))
+    gone = int(env.schedule.retired[p])
+    stays = int(np.flatnonzero(env.schedule.retired == 400)[0])
+    env.reset(seed=0)
+    while env.t < gone:
+        env.step((stays, 1))
+    with pytest.raises(ValueError, match=rf"prompt {p} is not available at step {gone}: it was retired at step {gone}"):
+        env.step((p, 1))
+    assert env.t == gone
+    grown = OnlineEnv(family="bon_shift", level=5, schedule="model_arrival", horizon=400)
+    late = grown.table.n_prompts - 1
+    with pytest.raises(ValueError, match=rf"prompt {late} is not available at step 0: it arrives at step"):
+        grown.step((late, 1))
+    plain = replace(level_table("bon_shift", 5), attrs={})
+    with pytest.raises(ScheduleError, match="not a generated level"):
+        OnlineEnv(table=plain, schedule="model_arrival")
+
+
+def test_explore_then_commit_stands_in_for_a_retired_prompt_whatever_the_batch_size() -> None:
+    env = OnlineEnv(family="bon_shift", level=5, schedule="retirement", horizon=3_000)
+    runs = [run_online(env, ExploreThenCommit(budget=400), seed=1, batch_size=b) for b in (1, 9, 500)]
+    for other in runs[1:]:
+        assert np.array_equal(runs[0].regret, other.regret)
+
+
+def test_the_one_request_path_is_the_batch_path_of_one() -> None:
+    for family, level, kind in (("bon_shift", 5, "drift"), ("mv_binary", 6, "model_arrival")):
+        env = OnlineEnv(family=family, level=level, schedule=kind, horizon=2_000)
+        result = run_online(env, IAPOOnline(), seed=4, batch_size=1)
+        agent = IAPOOnline()
+        obs, _ = env.reset(seed=4)
+        agent.start(env, derive_seed(4, "agent"))
+        regret, done = [], False
+        while not done:
+            action = agent.choose(obs)
+            next_obs, _, done, _, info = env.step(action)
+            agent.update(obs, action, info)
+            regret.append(info["regret"])
+            obs = next_obs
+        assert np.array_equal(np.array(regret), result.regret)
+        again = run_online(env, IAPOOnline(), seed=4, batch_size=32)
+        assert np.array_equal(again.regret, run_online(env, IAPOOnline(), seed=4, batch_size=32).regret)
+
+
+@pytest.mark.parametrize("family,level", [("bon_shift", 5), ("mv_binary", 6)])
+def test_it_learns_on_a_stationary_level(family: str, level: int) -> None:
+    env = OnlineEnv(family=family, level=level, schedule="stationary", horizon=6_000)
+    result = run_online(env, make_online("iapo_online"), seed=2, batch_size=8)
+    assert result.regret[-1_000:].mean() < 0.25 * result.regret[:300].mean()
+    assert result.cumulative_regret[-1] < run_online(env, RandomArms(), seed=2, batch_size=8).cumulative_regret[-1] / 5
+
+
+def test_new_models_enter_optimistically() -> None:
+    env = OnlineEnv(family="mv_binary", level=6, schedule="model_arrival", horizon=4_000)
+    agent = IAPOOnline()
+    run_online(env, agent, seed=0, batch_size=4)
+    late = np.flatnonzero(env.schedule.arrival > 0)
+    assert late.size and agent.served[late].all() and agent.read[late].all()  # every new prompt tried and read
+
+
+def test_an_agent_that_stops_exploring_after_drift_is_caught_and_iapo_online_is_not() -> None:
+    """Per-request regret after the change point: it stays up for the agent that stops at the drift, and falls for
+    ``iapo_online`` (its detector forgets the drifted prompts' old completions)."""
+    horizon = 20_000
+    env = OnlineEnv(family="bon_shift", level=5, schedule="drift", horizon=horizon)
+    change = env.schedule.segments[1].start
+    assert env.schedule.segments[-1].weight > 0
+    stops = run_online(env, StopsAtDrift(change), seed=0, batch_size=16)
+    agent = IAPOOnline()
+    adapts = run_online(env, agent, seed=0, batch_size=16)
+    third = (horizon - change) // 3
+
+    def slope(result, a: int, b: int) -> float:  # type: ignore[no-untyped-def]
+        return float(result.regret[a:b].mean())
+
+    before = slope(adapts, change - 2_000, change)
+    assert slope(stops, change - 2_000, change) == before  # the same agent up to the change point
+    assert slope(stops, horizon - third, horizon) > 0.8 * slope(stops, change, change + third)  # caught: stays up
+    assert slope(stops, horizon - third, horizon) > 10 * before
+    assert slope(adapts, change, change + third) < 0.2 * slope(stops, change, change + third)  # it adapts at once
+    assert slope(adapts, horizon - third, horizon) < 0.2 * slope(stops, horizon - third, horizon)
+
+
+def test_the_change_detector_forgets_a_drifted_prompts_old_completions() -> None:
+    """With a lower threshold than the default, the CUSUM of the served prompt that drifts fires right after the
+    change point, dates the change near it, and the prompt's completions before that date are gone."""
+    env = OnlineEnv(family="bon_shift", level=5, schedule="drift", horizon=20_000)
+    change = env.schedule.segments[1].start
+    agent = IAPOOnline(threshold=15.0)
+    run_online(env, agent, seed=0, batch_size=16)
+    after = [(t, p, since) for t, p, since in agent.changes if t >= change]
+    assert after and all(env.schedule.drifting[p] for _, p, _ in after)
+    t, p, since = after[0]
+    assert t - change < 500 and abs(since - change) < 200  # detected and dated near the change
+    steps, pulls = agent.log.read()
+    last = max(s for _, q, s in agent.changes if q == p)
+    assert not ((pulls.prompts == p) & (steps < last)).any()  # forgotten
+    assert ((pulls.prompts != p) & (steps < change)).any()  # the other prompts' completions are kept
+
+
+def test_bad_hyper_parameters_name_the_value() -> None:
+    with pytest.raises(ValueError, match="width must be a number >= 0"):
+        IAPOOnline(width=-1.0)
+    with pytest.raises(ValueError, match=r"discount must be in \(0, 1\]"):
+        IAPOOnline(discount=0.0)
+    with pytest.raises(ValueError, match="refit must be a number > 0"):
+        IAPOOnline(refit=0)
+    with pytest.raises(ValueError, match="entry_n must be an integer >= 1"):
+        IAPOOnline(entry_n=0)
+    agent = make_online("iapo_online")
+    assert isinstance(agent, IAPOOnline) and set(agent.params()) == {
+        "width", "discount", "refit", "threshold", "slack", "entry_n", "prior"}
