@@ -7,7 +7,10 @@ size runs in its own subprocess; per step it records wall time and the tracemall
 reports its buffers to tracemalloc), plus the process's ru_maxrss. Steps: build (generate and
 validate the table), q_table on the test split (fresh table: nothing cached), PSST training at
 T = 10K and 100K, evaluate (exact test ACR of the PSST policy on a fresh table object, which
-computes only the policy's arms), and with ``--auto`` the ``auto`` agent at T = 100K.
+computes only the policy's arms), with ``--auto`` the ``auto`` agent at T = 100K, and with ``--rules`` the Q-table over
+the stopping rules, ``q_table(test, rules=True)`` (fresh table: the exact tensor and the rules' tensors computed; a
+table whose rules' tensors exceed ``iapo_gym.exact.TENSOR_LIMIT_BYTES`` is refused, shown as nan), beside today's
+``q_table`` with the ratio of the two.
 
 Each size also reports the Best-of-N kernel's throughput: the operations the per-weighting formula
 needs for that q_table, 2 x C' x P x Q' x M x N_max (C' distinct weightings, M atoms, Q' the test
@@ -25,6 +28,7 @@ and log(C) (P fixed). Run (the default finishes in a few minutes on 2 shared cor
 
     nice -n 10 .venv/bin/python benchmarks/bench_scale.py
     nice -n 10 .venv/bin/python benchmarks/bench_scale.py --prompts 1000 --contexts 1000 --auto
+    nice -n 10 .venv/bin/python benchmarks/bench_scale.py --prompts 16 32 --contexts 9 27 --rules
     nice -n 10 .venv/bin/python benchmarks/bench_scale.py --kernel 256 256 --repeats 3
     nice -n 10 .venv/bin/python benchmarks/bench_scale.py --kernel-paper --repeats 5
 """
@@ -92,7 +96,8 @@ def kernel_operations(table, queries: np.ndarray) -> float:
     return 2.0 * n_weightings * table.n_prompts * n_queries * table.n_atoms * table.n_max
 
 
-def measure(n_prompts: int, n_contexts: int, n_queries: int, n_max: int, with_auto: bool = False) -> dict[str, float]:
+def measure(n_prompts: int, n_contexts: int, n_queries: int, n_max: int, with_auto: bool = False,
+            with_rules: bool = False) -> dict[str, float]:
     """One size, all steps, in this process: {step: seconds, step_mb: peak MiB, maxrss_mb, GFLOP/s figures}."""
     import resource
     import tracemalloc
@@ -117,6 +122,11 @@ def measure(n_prompts: int, n_contexts: int, n_queries: int, n_max: int, with_au
     table = step("build", lambda: build(n_prompts, n_contexts, n_queries, n_max))
     test = table.split_indices("test")
     step("q_table", lambda: q_table(replace(table), test))
+    if with_rules:
+        try:
+            step("q_table_rules", lambda: q_table(replace(table), test, rules=True))
+        except ValueError:  # the rules' tensors exceed TENSOR_LIMIT_BYTES: refused
+            out["q_table_rules"] = out["q_table_rules_mb"] = float("nan")
     tracemalloc.stop()  # the reference products are timed untraced, as numpy runs them
     out["q_table_gflops"] = kernel_operations(table, test) / out["q_table"] / 1e9
     out["dgemm_shape_gflops"], out["dgemm_square_gflops"] = dgemm_gflops(table.n_atoms, n_contexts)
@@ -138,10 +148,11 @@ def measure(n_prompts: int, n_contexts: int, n_queries: int, n_max: int, with_au
     return out
 
 
-def run_size(n_prompts: int, n_contexts: int, n_queries: int, n_max: int, with_auto: bool) -> dict[str, float]:
+def run_size(n_prompts: int, n_contexts: int, n_queries: int, n_max: int, with_auto: bool,
+             with_rules: bool = False) -> dict[str, float]:
     """``measure`` in a fresh subprocess (so ru_maxrss is this size's alone)."""
     code = (f"import json, benchmarks.bench_scale as b; "
-            f"print(json.dumps(b.measure({n_prompts}, {n_contexts}, {n_queries}, {n_max}, {with_auto})))")
+            f"print(json.dumps(b.measure({n_prompts}, {n_contexts}, {n_queries}, {n_max}, {with_auto}, {with_rules})))")
     done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -186,10 +197,12 @@ def compare_kernels(n_prompts: int, n_contexts: int, n_queries: int, n_max: int,
 
 
 def slope(xs: list[int], ys: list[float]) -> float:
-    """Least-squares exponent of y ~ x^k."""
-    if len(xs) < 2:
+    """Least-squares exponent of y ~ x^k over the finite y (a refused step is nan)."""
+    keep = [(x, y) for x, y in zip(xs, ys, strict=True) if np.isfinite(y)]
+    if len(keep) < 2:
         return float("nan")
-    return float(np.polyfit(np.log(xs), np.log(np.maximum(ys, 1e-9)), 1)[0])
+    x, y = np.array(keep).T
+    return float(np.polyfit(np.log(x), np.log(np.maximum(y, 1e-9)), 1)[0])
 
 
 def main() -> None:
@@ -200,6 +213,8 @@ def main() -> None:
     parser.add_argument("--n-max", type=int, default=64)
     parser.add_argument("--json", help="also write all rows to this JSON file")
     parser.add_argument("--auto", action="store_true", help="also train the auto agent at T = 100K")
+    parser.add_argument("--rules", action="store_true",
+                        help="also time q_table(test, rules=True), the Q-table over the stopping rules, beside q_table")
     parser.add_argument("--kernel", type=int, nargs=2, metavar=("P", "C"),
                         help="only compare the grouped and the per-weighting kernel on one P x C table")
     parser.add_argument("--kernel-paper", action="store_true",
@@ -210,7 +225,7 @@ def main() -> None:
         p, c = args.kernel or (0, 0)
         compare_kernels(p, c, args.queries, args.n_max, args.repeats, paper_task=args.kernel_paper)
         return
-    steps = STEPS + (("auto_100k",) if args.auto else ())
+    steps = STEPS[:2] + (("q_table_rules",) if args.rules else ()) + STEPS[2:] + (("auto_100k",) if args.auto else ())
     p0, c0 = args.prompts[0], args.contexts[0]
     sizes = [(p, c0) for p in args.prompts] + [(p0, c) for c in args.contexts[1:]]
     rows = []
@@ -218,11 +233,12 @@ def main() -> None:
     print(f"{'P':>5} {'C':>5} " + " ".join(f"{s:>18}" for s in steps) + f" {'maxrss MiB':>11}"
           + "  kernel / dgemm (kernel's shape, square) GFLOP/s")
     for p, c in sizes:
-        r = run_size(p, c, args.queries, args.n_max, args.auto)
+        r = run_size(p, c, args.queries, args.n_max, args.auto, args.rules)
         rows.append({"P": p, "C": c, **r})
         cells = " ".join(f"{r[s]:8.3f}s {r[s + '_mb']:7.1f}M" for s in steps)
         print(f"{p:>5} {c:>5} {cells} {r['maxrss_mb']:11.1f}  {r['q_table_gflops']:6.1f} / "
-              f"{r['dgemm_shape_gflops']:.1f}, {r['dgemm_square_gflops']:.1f}", flush=True)
+              f"{r['dgemm_shape_gflops']:.1f}, {r['dgemm_square_gflops']:.1f}"
+              + (f"  rules / q_table {r['q_table_rules'] / r['q_table']:.1f}x" if args.rules else ""), flush=True)
     by_p = [r for r in rows if r["C"] == c0]
     by_c = [r for r in rows if r["P"] == p0]
     if len(sizes) < 2:

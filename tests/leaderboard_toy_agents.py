@@ -82,3 +82,29 @@ class Overspender(Greedy):
         base.pull(np.zeros(budget + 1, dtype=np.int64), np.ones(budget + 1, dtype=np.int64))
         base.reset(seed=0)
         return Policy(tuple((0, 1) for _ in range(base.n_contexts)))
+
+
+class SleepyOnline:
+    """An online agent (``iapo_gym.online.OnlineAgent``) that sleeps ``delay`` s at the start of a run, then
+    serves random available arms from its own generator (the online protocol's interruption test)."""
+
+    def __init__(self, delay: float = 0.05) -> None:
+        """``delay``: seconds slept in ``start``."""
+        self.delay = delay
+        self.rng = np.random.default_rng(0)
+        self.n_max = 1
+
+    def start(self, env: Any, seed: int) -> None:
+        """Sleep, then seed the generator."""
+        time.sleep(self.delay)
+        self.rng = np.random.default_rng(seed)
+        self.n_max = env.schema.n_max
+
+    def choose_batch(self, requests: Any) -> tuple[np.ndarray, np.ndarray]:
+        """A random available prompt and N per request."""
+        prompts = np.flatnonzero(requests.available)
+        b = len(requests)
+        return self.rng.choice(prompts, size=b), self.rng.integers(1, self.n_max + 1, size=b)
+
+    def update_batch(self, requests: Any, served: Any) -> None:
+        """Learns nothing."""

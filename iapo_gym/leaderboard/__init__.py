@@ -2,6 +2,7 @@
 
 ``run_sweep`` trains every agent on every (task, budget, run) and stores exact test ACRs in
 SQLite; ``build_report``/``write_report`` turn them into ranked tables, statistics and plots.
+``run_online_sweep`` runs the online protocol (docs/online.md) the same way, ``online_report`` reports it.
 This package and ``iapo_gym.cli`` are the only parts of ``iapo_gym`` that import ``agents``.
 Names are imported lazily so that ``iapo-gym --help`` stays fast.
 """
@@ -21,6 +22,8 @@ _EXPORTS = {
     "adjust_pvalues": "report.stats", "mean_sem": "report.stats", "paired_test": "report.stats",
     "pairwise": "report.stats", "summarize": "report.stats", "win_matrix": "report.stats",
     "ResultStore": "run.store", "RunResult": "run.store",
+    "OnlineRunResult": "run.online", "run_online_sweep": "run.online", "parse_online_spec": "run.online",
+    "online_report": "report.online",
 }
 
 __all__ = sorted(_EXPORTS)

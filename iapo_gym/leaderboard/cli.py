@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from iapo_gym.leaderboard.online_cli import add_online_options, leaderboard_online, paper_refuses
 from iapo_gym.leaderboard.report import CORRECTIONS, DEFAULT_ALPHA, TESTS
 from iapo_gym.leaderboard.run.specs import (
     DEFAULT_ROOT_SEED,
@@ -46,6 +47,8 @@ def _stats_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--correction", choices=CORRECTIONS, default="holm",
                         help="multiplicity correction within each (task, budget) (default: holm)")
     parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="significance level (default: 0.05)")
+    parser.add_argument("--baseline", metavar="LABEL",
+                        help="online runs: the agent label every agent is paired against (default: etc_auto)")
 
 
 def add_commands(subparsers: Any) -> None:
@@ -81,6 +84,10 @@ def add_commands(subparsers: Any) -> None:
     lb.add_argument("--quick", action="store_true",
                     help=f"preset: tasks {' '.join(QUICK.tasks)}, agents {' '.join(QUICK.agents)}, "
                          f"budgets {' '.join(map(str, QUICK.budgets))}, {QUICK.runs} runs (explicit options win)")
+    lb.add_argument("--rules", action="store_true",
+                    help="the arm set is (prompt, N, stopping rule): agents train on envs with rule_arms=True and are "
+                         "scored, with the optimum, over the stopping rules (docs/rules.md); one arm set per --out folder")
+    add_online_options(lb)
     lb.add_argument("--no-table", action="store_true", help="do not print the leaderboard at the end")
     lb.add_argument("--report", action="store_true", help="also write the full report (iapo-gym report OUT)")
     _stats_options(lb)
@@ -115,6 +122,12 @@ def _leaderboard(args: argparse.Namespace) -> int:
     from iapo_gym.leaderboard.report.write import markdown, write_report
     from iapo_gym.leaderboard.run.runner import run_sweep
 
+    if args.protocol == "online":
+        return leaderboard_online(args)
+    refused = paper_refuses(args)
+    if refused:
+        print(f"iapo-gym leaderboard: error: {refused}", file=sys.stderr)
+        return 2
     preset = QUICK if args.quick else PAPER
     task_names = args.tasks or list(preset.tasks)
     agent_texts = (args.agents or ([] if args.agent else list(preset.agents))) + args.agent
@@ -127,7 +140,7 @@ def _leaderboard(args: argparse.Namespace) -> int:
         if args.scheduler and args.scheduler != "local" and "://" not in args.scheduler:
             raise ValueError(f"--scheduler must be 'local' or an address like tcp://host:8786, got {args.scheduler!r}")
         summary = run_sweep(out, tasks, agents, budgets, runs, jobs=args.jobs, root_seed=args.seed,
-                            train_fraction=args.train_fraction, scheduler=args.scheduler)
+                            train_fraction=args.train_fraction, scheduler=args.scheduler, rules=args.rules)
     except KeyboardInterrupt:
         print(f"\ninterrupted: finished runs are saved in {out}; rerun the same command to continue", file=sys.stderr)
         return 130
@@ -154,12 +167,14 @@ def _report(args: argparse.Namespace) -> int:
 
     try:
         written = write_report(args.dir, args.report_dir, plots=not args.no_plots, test=args.test,
-                               correction=args.correction, alpha=args.alpha, html=args.html)
+                               correction=args.correction, alpha=args.alpha, html=args.html, baseline=args.baseline)
     except (FileNotFoundError, ValueError) as exc:
         print(f"iapo-gym report: error: {exc}", file=sys.stderr)
         return 1
     if not args.quiet:
         print(written["markdown"].read_text())
+        if "online_markdown" in written:
+            print(written["online_markdown"].read_text())
     for kind, path in written.items():
         print(f"wrote {kind}: {path}", file=sys.stderr)
     return 0

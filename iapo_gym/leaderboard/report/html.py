@@ -28,6 +28,7 @@ from iapo_gym.leaderboard.report.model import (
     labels_by_rank,
     optimal_means,
 )
+from iapo_gym.leaderboard.report.online import OnlineReport, online_site_views
 from iapo_gym.leaderboard.report.stats import win_matrix
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -93,6 +94,7 @@ def _task_view(report: Report, task: str) -> dict[str, Any]:
         "n_runs": max(s.n_runs for s in task_cells), "plot": f"assets/acr_vs_budget_{file_stem(task)}.png", "plot_alt": alt,
         "matrix_plot": f"assets/pairwise_{file_stem(task)}.png",
         "aggregator": info.aggregator if info else "", "digests": report.meta.get("checksums", {}).get(task, []),
+        "rules": report.meta.get("rules", {}).get(task),  # a --rules run: its stopping rules' labels
     }
 
 
@@ -111,7 +113,9 @@ def _provenance_view(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "name": e.get("name"), "kind": e.get("kind"), "sha256": e.get("sha256"), "status": status, "state": state,
             "created_at": manifest.get("created_at", ""), "software": manifest.get("software", {}),
             "protocol": manifest.get("protocol", {}), "tasks": manifest.get("tasks", []),
-            "agents": manifest.get("agents", []), "n_results": manifest.get("n_results"),
+            "agents": manifest.get("agents", []) + (manifest.get("online") or {}).get("agents", []),
+            "n_results": manifest.get("n_results"),
+            "online": manifest.get("online"),
             "problems": (verify or {}).get("agent_problems", []) + (verify or {}).get("table_problems", []),
             "error": e.get("error"),
         })
@@ -119,8 +123,11 @@ def _provenance_view(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def write_site(report: Report, out_dir: str | Path, site_dir: str | Path,
-               pairwise: Mapping[str, Path] | None = None) -> Path:
+               pairwise: Mapping[str, Path] | None = None, online: OnlineReport | None = None) -> Path:
     """Render the site for ``report`` (read from ``out_dir``) into ``site_dir``; returns its index.html.
+
+    ``online``: the folder's online runs (``report.online``): a section per task with its ranked regret table per
+    schedule and horizon and its regret curves.
 
     ``pairwise``: per task, its pairwise win-matrix plot already drawn for the report (copied, not
     drawn again); the others are drawn here. Written into a temporary sibling folder first and
@@ -144,11 +151,15 @@ def write_site(report: Report, out_dir: str | Path, site_dir: str | Path,
             else:
                 plot_win_matrices(report, task, assets / f"pairwise_{file_stem(task)}.png")
             views.append(_task_view(report, task))
+        online_views = online_site_views(online, assets) if online is not None else []
         for name in ASSETS:
             shutil.copyfile(TEMPLATES / name, assets / name)
         page = _environment().get_template("index.html.j2").render(
             tasks=views, meta=report.meta, test=report.test, correction=report.correction, alpha=report.alpha,
             provenance=_provenance_view(site_provenance(out_dir)), source=display_path(out_dir),
+            online=online_views, online_meta=None if online is None else {
+                "baseline": online.baseline, "n_runs": online.meta["n_runs"], "batch_size": online.meta["batch_size"],
+                "test": online.test, "correction": online.correction, "alpha": online.alpha},
         )
         (tmp / "index.html").write_text(page, encoding="utf-8")
     return site / "index.html"

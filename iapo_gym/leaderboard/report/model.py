@@ -59,6 +59,8 @@ def build_report(out_dir: str | Path, test: str = "wilcoxon", correction: str = 
         shapes[info.task].add((info.n_prompts, info.n_max, info.context_names))
     #: Tasks whose runs' tables differ in prompts, N_max or contexts (generated level ranges): no per-context policy view.
     meta["mixed_shapes"] = sorted(task for task, seen in shapes.items() if len(seen) > 1)
+    #: Per task run over (p, N, stopping rule) (``--rules``): its rules' labels, rule 0 first; absent: (p, N) arms.
+    meta["rules"] = {r.task: json.loads(r.arm_set) for r in results if r.arm_set is not None}
     return Report(results, infos, summary, pairs, rank_agents(summary, pairs), test, correction, alpha, meta)
 
 
@@ -78,11 +80,12 @@ def display_path(path: str | Path) -> str:
         return resolved.name
 
 
-ArmCounts = list[Counter[tuple[int, int]]]
+ArmCounts = list[Counter[tuple[int, ...]]]
 
 
 def modal_arms(results: Sequence[RunResult], task: str, label: str, budget: int) -> tuple[ArmCounts, ArmCounts]:
-    """Per context, counters of the chosen arms and of the test-optimal arms over the runs."""
+    """Per context, counters of the chosen arms and of the test-optimal arms over the runs: (p, N), or (p, N, rule)
+    in runs over stopping rules."""
     chosen: ArmCounts = []
     optimal: ArmCounts = []
     for r in results:
@@ -93,8 +96,8 @@ def modal_arms(results: Sequence[RunResult], task: str, label: str, budget: int)
             chosen.append(Counter())
             optimal.append(Counter())
         for c, (arm, opt) in enumerate(zip(arms, best, strict=True)):
-            chosen[c][(int(arm[0]), int(arm[1]))] += 1
-            optimal[c][(int(opt[0]), int(opt[1]))] += 1
+            chosen[c][tuple(int(x) for x in arm)] += 1
+            optimal[c][tuple(int(x) for x in opt)] += 1
     return chosen, optimal
 
 

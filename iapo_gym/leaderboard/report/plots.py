@@ -112,7 +112,7 @@ def plot_best_policy(report: Report, task: str, path: Path) -> Path | None:
     n_freq = np.zeros((n_ctx, info.n_max))
     for c, counter in enumerate(chosen):
         total = sum(counter.values())
-        for (p, n), k in counter.items():
+        for (p, n, *_), k in counter.items():  # (p, N) or (p, N, rule): the rule is not drawn
             prompt_freq[c, p] += k / total
             n_freq[c, n - 1] += k / total
     height = 1.5 + 0.22 * n_ctx
@@ -121,7 +121,7 @@ def plot_best_policy(report: Report, task: str, path: Path) -> Path | None:
         image = ax.imshow(freq, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
         ax.set_xlabel(what)
     for c, counter in enumerate(optimal):
-        (op, on), _ = counter.most_common(1)[0]
+        (op, on, *_), _ = counter.most_common(1)[0]
         ax_p.scatter([op], [c], s=40, facecolors="none", edgecolors="white", linewidths=1.2)
         ax_n.scatter([on - 1], [c], s=40, facecolors="none", edgecolors="white", linewidths=1.2)
     ax_n.set_xticks(range(0, info.n_max, 4), [str(n + 1) for n in range(0, info.n_max, 4)])

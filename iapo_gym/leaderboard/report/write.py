@@ -32,6 +32,7 @@ def markdown(report: Report, policies: bool = True) -> str:
                  f"root seed {report.meta.get('root_seed')}). Exact test ACR, mean ± SEM over runs. Pairwise "
                  f"{report.test} tests, {report.correction} correction per (task, budget), alpha {report.alpha}; "
                  "W/L = significant wins/losses summed over budgets.")
+    arm_rules: dict[str, list[str]] = report.meta.get("rules", {})
     by_cell = {(s.task, s.label, s.budget): s for s in report.summary}
     for task in sorted({s.task for s in report.summary}):
         info = report.tasks.get(task)
@@ -44,6 +45,9 @@ def markdown(report: Report, policies: bool = True) -> str:
         lines += ["", f"## {title} (`{task}`)", "",
                   f"Runs per cell: up to {n_runs}. Optimal test ACR {optimal:.4f}; the train-optimal policy "
                   f"reaches {train_opt:.4f} on the test split.", ""]
+        if task in arm_rules:
+            lines += [f"Arm set: (prompt, N, stopping rule) with the rules {', '.join(arm_rules[task])} "
+                      "(rule 0 is fixed N); the optimum and the regret are over this enlarged arm set.", ""]
         header = ["rank", "agent"] + [f"T={b}" for b in budgets] + ["mean regret", "W/L"]
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "|".join(["---:", ":---"] + ["---:"] * (len(budgets) + 2)) + "|")
@@ -59,13 +63,16 @@ def markdown(report: Report, policies: bool = True) -> str:
             lines += ["", "The runs' tables differ in prompts, N_max or contexts (one generated level per run): "
                       "no per-context policy table."]
         elif policies and best is not None and info is not None:
-            lines += ["", f"Policy of `{best}` at T={budgets[-1]} over the runs (prompt index p, completions N; "
-                      "synthetic runs are different instances, so compare the last column there):", ""]
-            lines += _policy_table(report, task, best, budgets[-1], info)
+            arm_kind = "p, N, rule" if task in arm_rules else "p, N"
+            lines += ["", f"Policy of `{best}` at T={budgets[-1]} over the runs (prompt index p, completions N"
+                      + (", stopping rule" if task in arm_rules else "")
+                      + "; synthetic runs are different instances, so compare the last column there):", ""]
+            lines += _policy_table(report, task, best, budgets[-1], info, arm_kind, arm_rules.get(task))
     return "\n".join(lines) + "\n"
 
 
-def _policy_table(report: Report, task: str, label: str, budget: int, info: TaskInfo) -> list[str]:
+def _policy_table(report: Report, task: str, label: str, budget: int, info: TaskInfo, arm_kind: str = "p, N",
+                  rules: list[str] | None = None) -> list[str]:
     chosen, optimal = modal_arms(report.results, task, label, budget)
     hits = [0] * len(chosen)
     runs = 0
@@ -74,13 +81,20 @@ def _policy_table(report: Report, task: str, label: str, budget: int, info: Task
             runs += 1
             for c, (arm, opt) in enumerate(zip(json.loads(r.arms), json.loads(r.optimal_arms), strict=True)):
                 hits[c] += arm == opt
-    lines = ["| context | most chosen (p, N) | share of runs | most often optimal (p, N) | runs choosing the optimal arm |",
+    lines = [f"| context | most chosen ({arm_kind}) | share of runs | most often optimal ({arm_kind}) "
+             "| runs choosing the optimal arm |",
              "|:---|---:|---:|---:|---:|"]
+
+    def shown(key: tuple[int, ...]) -> str:
+        if rules is not None and len(key) == 3:
+            return f"({key[0]}, {key[1]}, {rules[key[2]] if key[2] < len(rules) else key[2]})"
+        return "(" + ", ".join(map(str, key)) + ")"
+
     for c, (counter, opt) in enumerate(zip(chosen, optimal, strict=True)):
-        (p, n), k = counter.most_common(1)[0]
-        (op, on), _ = opt.most_common(1)[0]
+        most, k = counter.most_common(1)[0]
+        best, _ = opt.most_common(1)[0]
         name = info.context_names[c] if c < len(info.context_names) else str(c)
-        lines.append(f"| {name} | ({p}, {n}) | {k / runs:.0%} | ({op}, {on}) | {hits[c] / runs:.0%} |")
+        lines.append(f"| {name} | {shown(most)} | {k / runs:.0%} | {shown(best)} | {hits[c] / runs:.0%} |")
     return lines
 
 
@@ -105,17 +119,30 @@ def _write_csv(path: Path, rows: Sequence[Any], cls: type) -> None:
 
 def write_report(out_dir: str | Path, report_dir: str | Path | None = None, *, plots: bool = True,
                  test: str = "wilcoxon", correction: str = "holm", alpha: float = DEFAULT_ALPHA,
-                 html: bool = False) -> dict[str, Path]:
+                 html: bool = False, baseline: str | None = None) -> dict[str, Path]:
     """Write leaderboard.md, summary.csv, pairwise.csv, leaderboard.json and the PNG plots
     (``html``: also the static site ``site/index.html``, see ``iapo_gym.leaderboard.report.html``).
+    A folder with online runs (``--protocol online``) also gets the online report (``report.online``: online.md,
+    its CSV and JSON, the regret curves), its statistics paired against ``baseline`` (default ``etc_auto``).
 
     Returns the written paths by kind; ``report_dir`` defaults to ``out_dir/report``.
     """
+    from iapo_gym.leaderboard.report.online import online_report, write_online
+
     report = build_report(out_dir, test, correction, alpha)
-    if not report.results:
+    online = online_report(out_dir, test, correction, alpha, baseline)
+    if not report.results and online is None:
         raise ValueError(f"no results in {out_dir} yet (run `iapo-gym leaderboard --out {out_dir}` first)")
     target = Path(report_dir) if report_dir is not None else Path(out_dir) / "report"
     target.mkdir(parents=True, exist_ok=True)
+    if online is not None and not report.results:  # a folder of online runs only
+        only = write_online(online, target, plots)
+        only["markdown"] = only.pop("online_markdown")
+        if html:
+            from iapo_gym.leaderboard.report.html import write_site
+
+            only["html"] = write_site(report, out_dir, target / "site", online=online)
+        return only
     written: dict[str, Path] = {}
     written["markdown"] = target / "leaderboard.md"
     written["markdown"].write_text(markdown(report))
@@ -141,9 +168,11 @@ def write_report(out_dir: str | Path, report_dir: str | Path | None = None, *, p
             path = plot_best_policy(report, task, target / f"best_policy_{file_stem(task)}.png")
             if path is not None:
                 written[f"best_policy_{task}"] = path
+    if online is not None:
+        written.update(write_online(online, target, plots))
     if html:
         from iapo_gym.leaderboard.report.html import write_site
 
         drawn = {task: written[f"pairwise_{task}"] for task in {s.task for s in report.summary}} if plots else None
-        written["html"] = write_site(report, out_dir, target / "site", pairwise=drawn)
+        written["html"] = write_site(report, out_dir, target / "site", pairwise=drawn, online=online)
     return written

@@ -13,6 +13,10 @@ pending (agent, budget) on a fresh train-split env. Seeds (``iapo_gym.seeding``)
   not the display label; independent of the budget).
 
 Results therefore do not depend on the number, kind or order of workers.
+
+With ``rules`` (``iapo-gym leaderboard --rules``) the arm set is (prompt, N, stopping rule): every env is built with
+``rule_arms=True``, the Q-tables are ``q_table(..., rules=True)`` (the ceiling is the optimum over the enlarged set),
+and each row records the arm set (``RunResult.arm_set``) and the policy's rules (``arms`` as (p, N, r)).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from iapo_gym.leaderboard.run.specs import (
 from iapo_gym.leaderboard.run.store import ResultStore, RunResult, TaskInfo
 from iapo_gym.oracle import acr_from_q, greedy_policy, policy_arms, q_table
 from iapo_gym.progress import Progress
+from iapo_gym.rules import default_rules, rule_label
 from iapo_gym.seeding import derive_seed
 from iapo_gym.tables import OutcomeTable
 
@@ -59,6 +64,8 @@ class WorkUnit:
     jobs: tuple[tuple[AgentSpec, int], ...]
     root_seed: int = DEFAULT_ROOT_SEED
     train_fraction: float = DEFAULT_TRAIN_FRACTION
+    #: The arm set: False, the paper's (p, N); True, (p, N, stopping rule) over the table's ``default_rules``.
+    rules: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,10 @@ class UnitOutcome:
     results: list[RunResult] = field(default_factory=list)
     task_info: TaskInfo | None = None
     failures: list[Failure] = field(default_factory=list)
+
+
+#: The ``arm_set`` meta value of a results folder: the paper's (p, N) arms, or (p, N, stopping rule) (``--rules``).
+ARM_SETS = {False: "fixed", True: "rules"}
 
 
 class BudgetExceededError(RuntimeError):
@@ -158,6 +169,12 @@ def run_setup(task: TaskRef, run: int, root_seed: int = DEFAULT_ROOT_SEED,
     return RunSetup(table, checksum, run_table, split_seed, derive_seed(root_seed, "env", task.name, run))
 
 
+def arm_set_json(aggregator: str) -> str:
+    """What a run over (p, N, rule) records as its arm set: JSON of the labels of the aggregator's stopping rules
+    (``iapo_gym.rules.rule_label`` of ``default_rules``, rule 0 first), the index a policy's rule refers to."""
+    return json.dumps([rule_label(r) for r in default_rules(aggregator)])
+
+
 def agent_seed_for(root_seed: int, task: str, run: int, spec: AgentSpec) -> int:
     """The agent's seed in one (task, run): from its name and canonical parameters, not its label."""
     return derive_seed(root_seed, "agent", task, run, spec.key)
@@ -174,15 +191,22 @@ def run_unit(unit: WorkUnit) -> UnitOutcome:
     outcome.task_info = TaskInfo(task.name, checksum, task.title or task.name, table.aggregator,
                                  table.n_prompts, table.n_max, tuple(table.context_names))
     probs = run_table.context_probs
-    q_test = q_table(run_table, run_table.split_indices("test"))
-    q_train = q_table(run_table, run_table.split_indices("train"))
-    optimal = np.array(greedy_policy(q_test).arms, dtype=np.int64)
+    rules = unit.rules
+    q_test = q_table(run_table, run_table.split_indices("test"), rules=rules)
+    q_train = q_table(run_table, run_table.split_indices("train"), rules=rules)
+    if rules:  # the ceiling is the optimum over the enlarged arm set (p, N, rule)
+        optimal = np.array(greedy_policy(q_test).triples, dtype=np.int64)
+        train_optimal = np.array(greedy_policy(q_train).triples, dtype=np.int64)
+    else:
+        optimal = np.array(greedy_policy(q_test).arms, dtype=np.int64)
+        train_optimal = np.array(greedy_policy(q_train).arms, dtype=np.int64)
     optimal_acr = acr_from_q(q_test, optimal, probs)
-    train_optimal_acr = acr_from_q(q_test, np.array(greedy_policy(q_train).arms, dtype=np.int64), probs)
+    train_optimal_acr = acr_from_q(q_test, train_optimal, probs)
     optimal_json = json.dumps(optimal.tolist())
     env_seed = setup.env_seed
     context = _UnitContext(task.name, checksum, unit, split_seed, env_seed, run_table, q_test, probs,
-                           optimal_acr, train_optimal_acr, optimal_json)
+                           optimal_acr, train_optimal_acr, optimal_json,
+                           arm_set_json(run_table.aggregator) if rules else None)
     by_label: dict[str, tuple[AgentSpec, list[int]]] = {}  # labels are unique in a sweep
     for spec, budget in unit.jobs:
         by_label.setdefault(spec.label, (spec, []))[1].append(budget)
@@ -216,6 +240,14 @@ class _UnitContext:
     optimal_acr: float
     train_optimal_acr: float
     optimal_json: str
+    #: ``arm_set_json`` of a run over (p, N, rule) (``--rules``); None for the paper's (p, N).
+    arm_set: str | None = None
+
+    def env(self) -> IAPOEnv:
+        """A fresh train-split env of the run's table and arm set, reset with the run's env seed."""
+        env = IAPOEnv(table=self.table, rule_arms=self.arm_set is not None)
+        env.reset(seed=self.env_seed)
+        return env
 
     def result(self, spec: AgentSpec, budget: int, agent_seed: int, policy: Any, seconds: float,
                spent: int, effective_params: str | None) -> RunResult:
@@ -223,6 +255,11 @@ class _UnitContext:
         if spent > budget:
             raise BudgetExceededError(f"drew {spent} completions with a budget of {budget}")
         arms = policy_arms(policy, self.table)
+        if self.arm_set is not None and arms.shape[1] == 2:  # a run over rules records each context's rule
+            arms = np.column_stack([arms, np.zeros(len(arms), dtype=np.int64)])
+        if self.arm_set is None and arms.shape[1] == 3:
+            raise ValueError(f"the policy stops by rules {[int(r) for r in arms[:, 2]]} in a run over the paper's "
+                             "(p, N) arms; stopping rules are arms only with --rules")
         acr = acr_from_q(self.q_test, arms, self.probs)
         return RunResult(
             task=self.task, table_sha256=self.checksum, agent=spec.name, params=spec.params_json, label=spec.label,
@@ -230,7 +267,7 @@ class _UnitContext:
             env_seed=self.env_seed, agent_seed=agent_seed, acr=acr, optimal_acr=self.optimal_acr,
             train_optimal_acr=self.train_optimal_acr, regret=self.optimal_acr - acr, arms=json.dumps(arms.tolist()),
             optimal_arms=self.optimal_json, train_seconds=seconds, budget_spent=spent, version=__version__,
-            effective_params=effective_params,
+            effective_params=effective_params, arm_set=self.arm_set,
         )
 
 
@@ -259,8 +296,7 @@ def _failure(context: _UnitContext, spec: AgentSpec, budget: int, exc: BaseExcep
 def _run_one(context: _UnitContext, spec: AgentSpec, budget: int, agent_seed: int, outcome: UnitOutcome) -> None:
     """A fresh agent on a freshly seeded env, trained for one budget."""
     try:
-        env = IAPOEnv(table=context.table)
-        env.reset(seed=context.env_seed)
+        env = context.env()
         agent = build_agent(spec, agent_seed)
         effective = effective_params_json(agent)
         start = time.perf_counter()
@@ -279,8 +315,7 @@ def _run_shared(context: _UnitContext, spec: AgentSpec, budgets: list[int], agen
     Each row's ``train_seconds`` is the trajectory's time up to that budget's policy; the
     meter is restored with the env around each branch, so ``budget_spent`` is the branch's own.
     """
-    env = IAPOEnv(table=context.table)
-    env.reset(seed=context.env_seed)
+    env = context.env()
     pending = sorted(budgets)
     seconds = 0.0
     try:
@@ -316,7 +351,7 @@ def _run_unit_safely(unit: WorkUnit) -> UnitOutcome:
 
 def plan_units(tasks: Sequence[TaskRef], agents: Sequence[AgentSpec], budgets: Sequence[int], runs: int,
                done: set[tuple[str, str, str, int, int]], root_seed: int = DEFAULT_ROOT_SEED,
-               train_fraction: float = DEFAULT_TRAIN_FRACTION) -> list[WorkUnit]:
+               train_fraction: float = DEFAULT_TRAIN_FRACTION, rules: bool = False) -> list[WorkUnit]:
     """Units of the (task, agent, budget, run) grid not in ``done``, in (task, run) order."""
     units = []
     for task in tasks:
@@ -324,16 +359,16 @@ def plan_units(tasks: Sequence[TaskRef], agents: Sequence[AgentSpec], budgets: S
             jobs = tuple((spec, int(b)) for spec in agents for b in budgets
                          if (task.name, spec.name, spec.params_json, int(b), run) not in done)
             if jobs:
-                units.append(WorkUnit(task, run, jobs, root_seed, train_fraction))
+                units.append(WorkUnit(task, run, jobs, root_seed, train_fraction, rules))
     return units
 
 
 # ---- executors -------------------------------------------------------------------------------
 
 
-def _serial(units: Sequence[WorkUnit]) -> Generator[UnitOutcome, None, None]:
+def _serial(units: Sequence[Any], fn: Callable[[Any], Any] = _run_unit_safely) -> Generator[Any, None, None]:
     for unit in units:
-        yield _run_unit_safely(unit)
+        yield fn(unit)
 
 
 def _ignore_sigint() -> None:
@@ -341,10 +376,11 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _local_pool(units: Sequence[WorkUnit], jobs: int) -> Generator[UnitOutcome, None, None]:
+def _local_pool(units: Sequence[Any], jobs: int,
+                fn: Callable[[Any], Any] = _run_unit_safely) -> Generator[Any, None, None]:
     pool = multiprocessing.get_context().Pool(processes=jobs, initializer=_ignore_sigint)
     try:
-        yield from pool.imap_unordered(_run_unit_safely, units, chunksize=1)
+        yield from pool.imap_unordered(fn, units, chunksize=1)
     except BaseException:
         pool.terminate()
         raise
@@ -354,7 +390,8 @@ def _local_pool(units: Sequence[WorkUnit], jobs: int) -> Generator[UnitOutcome, 
         pool.join()
 
 
-def _dask(units: Sequence[WorkUnit], scheduler: str, jobs: int) -> Generator[UnitOutcome, None, None]:
+def _dask(units: Sequence[Any], scheduler: str, jobs: int,
+          fn: Callable[[Any], Any] = _run_unit_safely) -> Generator[Any, None, None]:
     try:
         from distributed import Client, LocalCluster
         from distributed import as_completed as dask_as_completed
@@ -367,7 +404,7 @@ def _dask(units: Sequence[WorkUnit], scheduler: str, jobs: int) -> Generator[Uni
     else:
         client = Client(scheduler)
     try:
-        futures = [client.submit(_run_unit_safely, u, pure=False) for u in units]
+        futures = [client.submit(fn, u, pure=False) for u in units]
         try:
             for future in dask_as_completed(futures):
                 yield future.result()
@@ -378,6 +415,17 @@ def _dask(units: Sequence[WorkUnit], scheduler: str, jobs: int) -> Generator[Uni
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+def execute(units: Sequence[Any], fn: Callable[[Any], Any], jobs: int = 1,
+            scheduler: str | None = None) -> Generator[Any, None, None]:
+    """``fn`` over ``units`` on a Dask ``scheduler``, ``jobs`` local processes, or in this process (jobs 1), as the
+    outcomes finish; the online protocol's sweep (``online.py``) runs its units through it."""
+    if scheduler:
+        return _dask(units, scheduler, jobs, fn)
+    if jobs > 1:
+        return _local_pool(units, jobs, fn)
+    return _serial(units, fn)
 
 
 # ---- the sweep -------------------------------------------------------------------------------
@@ -399,11 +447,14 @@ def run_sweep(out_dir: str | os.PathLike[str], tasks: Sequence[TaskRef], agents:
               budgets: Sequence[int], runs: int, *, jobs: int = 1, root_seed: int = DEFAULT_ROOT_SEED,
               train_fraction: float = DEFAULT_TRAIN_FRACTION, scheduler: str | None = None,
               log: TextIO | None = None, bar: bool | None = None,
-              on_outcome: Callable[[UnitOutcome], None] | None = None) -> SweepSummary:
+              on_outcome: Callable[[UnitOutcome], None] | None = None, rules: bool = False) -> SweepSummary:
     """Run (or continue) the sweep into ``out_dir/results.sqlite``; finished rows are skipped.
 
     ``jobs`` local worker processes (1: in this process), or ``scheduler`` = a Dask scheduler
     address (``tcp://host:port``) or ``"local"`` (a Dask LocalCluster of ``jobs`` workers).
+    ``rules``: the arm set is (p, N, stopping rule) (``--rules``): the agents train on envs with
+    ``rule_arms=True`` and are scored, with the optimum, by ``q_table(rules=True)``. A results folder holds one
+    arm set (its meta ``arm_set``, ``fixed`` or ``rules``); the other is refused there.
     """
     log = log if log is not None else sys.stderr
     if runs < 1:
@@ -429,8 +480,11 @@ def run_sweep(out_dir: str | os.PathLike[str], tasks: Sequence[TaskRef], agents:
     with ResultStore(out_dir) as store:
         store.claim_meta("root_seed", str(root_seed))
         store.claim_meta("train_fraction", repr(float(train_fraction)))
+        if store.get_meta("arm_set") is None and store.count():
+            store.claim_meta("arm_set", ARM_SETS[False])  # written before arm sets were recorded: (p, N) runs
+        store.claim_meta("arm_set", ARM_SETS[bool(rules)])
         done = store.done_keys()
-        units = plan_units(ready, agents, budgets, runs, done, root_seed, train_fraction)
+        units = plan_units(ready, agents, budgets, runs, done, root_seed, train_fraction, rules)
         pending = sum(len(u.jobs) for u in units)
         summary.planned = sum(task.run_count(runs) for task in ready) * len(agents) * len(budgets)
         summary.skipped = summary.planned - pending

@@ -20,6 +20,7 @@ import ast
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,8 +131,11 @@ def default_label(name: str, params: dict[str, Any]) -> str:
     return base + "[" + ",".join(f"{k}={v}" for k, v in params.items()) + "]"
 
 
-def parse_agent_spec(text: str, label: str | None = None) -> AgentSpec:
-    """Parse one agent spec string (see the module docstring); ``label`` overrides the display label."""
+def parse_agent_spec(text: str, label: str | None = None, registry: Mapping[str, Any] | None = None) -> AgentSpec:
+    """Parse one agent spec string (see the module docstring); ``label`` overrides the display label.
+
+    ``registry``: the names a plain name may take (default: the offline agents' ``agents.REGISTRY``; the online
+    protocol passes ``agents.online.ONLINE_REGISTRY``)."""
     raw = text.strip()
     if "@" in raw:
         raw, _, suffix = raw.rpartition("@")
@@ -150,10 +154,11 @@ def parse_agent_spec(text: str, label: str | None = None) -> AgentSpec:
         raise ValueError(f"agent spec {raw!r} must be 'name', 'name:k=v,...', 'module:Class' or 'module:Class:k=v,...'")
     name = ":".join(p.strip() for p in parts)
     if len(parts) == 1:
-        from agents import REGISTRY, available
+        from agents import REGISTRY
 
-        if name not in REGISTRY:
-            raise ValueError(f"unknown agent {name!r} in spec {raw!r}; registered: {', '.join(available())} "
+        names = REGISTRY if registry is None else registry
+        if name not in names:
+            raise ValueError(f"unknown agent {name!r} in spec {raw!r}; registered: {', '.join(sorted(names))} "
                              "(or give an import path 'module:Class')")
     else:
         from agents.base import load_class

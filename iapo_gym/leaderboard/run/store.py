@@ -46,6 +46,7 @@ CREATE TABLE IF NOT EXISTS runs (
     version TEXT NOT NULL,
     created_at TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')),
     effective_params TEXT,
+    arm_set TEXT,
     PRIMARY KEY (task, agent, params, budget, run)
 );
 CREATE TABLE IF NOT EXISTS tasks (
@@ -80,7 +81,7 @@ class RunResult:
     optimal_acr: float
     train_optimal_acr: float
     regret: float
-    arms: str  # JSON [[p, N], ...] per context
+    arms: str  # JSON [[p, N], ...] per context; [[p, N, rule], ...] in a run over rules
     optimal_arms: str  # JSON: the test-optimal policy of this run
     train_seconds: float
     budget_spent: int
@@ -88,6 +89,9 @@ class RunResult:
     #: JSON of the agent's ``params()``, its effective parameters with the defaults; None for runs stored before
     #: they were recorded, or an agent without ``params()``.
     effective_params: str | None = None
+    #: The arm set of a run over (p, N, stopping rule) (``--rules``): JSON of its rules' labels, rule 0 (fixed N)
+    #: first, which ``arms``' third entries index; None for the paper's (p, N) arms.
+    arm_set: str | None = None
 
     @property
     def key(self) -> tuple[str, str, str, int, int]:
@@ -135,6 +139,8 @@ class ResultStore:
             columns = {row[1] for row in cur.execute("PRAGMA table_info(runs)").fetchall()}
             if "effective_params" not in columns:  # a database written before the column existed
                 cur.execute("ALTER TABLE runs ADD COLUMN effective_params TEXT")
+            if "arm_set" not in columns:
+                cur.execute("ALTER TABLE runs ADD COLUMN arm_set TEXT")
         stored = self.get_meta("schema_version")
         if stored != str(SCHEMA_VERSION):
             raise RuntimeError(f"{self.path} has results schema {stored}, this iapo-gym writes {SCHEMA_VERSION}")

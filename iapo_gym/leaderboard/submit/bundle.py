@@ -38,8 +38,10 @@ from iapo_gym import schemas
 from iapo_gym._version import __version__
 from iapo_gym.atomic import atomic_path
 from iapo_gym.data.download import file_hashes
+from iapo_gym.leaderboard.run.online import OnlineRunResult, read_online
 from iapo_gym.leaderboard.run.specs import AgentSpec
 from iapo_gym.leaderboard.run.store import DB_NAME, ResultStore, RunResult, TaskInfo
+from iapo_gym.leaderboard.submit.online import ONLINE_MEMBER, ONLINE_SCHEMA_VERSION, online_jsonl, online_manifest
 
 BUNDLE_FORMAT = "iapo-gym-bundle"
 #: Version of the manifest schema this iapo-gym writes and the newest it reads.
@@ -116,8 +118,13 @@ def _source_modules(cls: type) -> list[ModuleType]:
 
 def agent_source_digest(name: str) -> dict[str, Any]:
     """``{"sha256": combined, "modules": {module: sha256 of its file}}`` of an agent's source modules."""
+    return source_digest(agent_class(name))
+
+
+def source_digest(cls: type) -> dict[str, Any]:
+    """``agent_source_digest`` of a class (the online protocol's agents are looked up by their own registry)."""
     modules = {}
-    for module in _source_modules(agent_class(name)):
+    for module in _source_modules(cls):
         modules[module.__name__] = file_hashes(str(module.__file__))[1]
     combined = sha256_bytes(json.dumps(modules, sort_keys=True).encode())
     return {"sha256": combined, "modules": modules}
@@ -188,11 +195,14 @@ def _utc_now() -> str:
 
 
 def build_manifest(results: list[RunResult], tasks: list[TaskInfo], meta: dict[str, str | None],
-                   files: dict[str, str]) -> dict[str, Any]:
-    """The provenance of ``results`` (see the module docstring); ``files`` maps member name -> sha256."""
-    if not results:
+                   files: dict[str, str], online: list[OnlineRunResult] | None = None) -> dict[str, Any]:
+    """The provenance of ``results`` (see the module docstring); ``files`` maps member name -> sha256.
+
+    ``online``: the folder's online runs (``submit.online``): the manifest gains their ``online`` section and
+    schema version 2; a folder of online runs only records no train fraction (null) and no paper runs."""
+    if not results and not online:
         raise BundleError("no runs to bundle")
-    if meta.get("root_seed") is None or meta.get("train_fraction") is None:
+    if meta.get("root_seed") is None or (results and meta.get("train_fraction") is None):
         raise BundleError("the results database records no root seed or train fraction")
     infos = {t.task: t for t in tasks}
     task_entries = []
@@ -209,6 +219,12 @@ def build_manifest(results: list[RunResult], tasks: list[TaskInfo], meta: dict[s
         generated = _generated_entry(task)
         if generated is not None:
             entry["generated"] = generated
+        arm_sets = {r.arm_set for r in rows}
+        if len(arm_sets) > 1:
+            raise BundleError(f"task {task!r} has runs over different arm sets ({', '.join(sorted(map(str, arm_sets)))}); "
+                              "a bundle holds one arm set per task")
+        if rows[0].arm_set is not None:
+            entry["rules"] = json.loads(rows[0].arm_set)
         task_entries.append(entry)
     agent_entries = []
     for name, params, label in sorted({(r.agent, r.params, r.label) for r in results}):
@@ -218,19 +234,40 @@ def build_manifest(results: list[RunResult], tasks: list[TaskInfo], meta: dict[s
         except (ImportError, AttributeError, ValueError) as exc:
             raise BundleError(f"cannot read the source of agent {spec.spec!r}: {exc}") from None
         agent_entries.append({"name": name, "params": spec.params, "label": label, "spec": spec.spec, "source": source})
-    return {
+    fraction = None if meta.get("train_fraction") is None else float(str(meta["train_fraction"]))
+    protocol: dict[str, Any] = {"root_seed": int(str(meta["root_seed"])), "train_fraction": fraction,
+                                "budgets": sorted({r.budget for r in results}), "runs": len({r.run for r in results})}
+    if any(r.arm_set is not None for r in results):
+        if not all(r.arm_set is not None for r in results):
+            raise BundleError("the runs mix the paper's (p, N) arms and (p, N, rule) arms; bundle each arm set apart")
+        protocol["arm_set"] = "rules"  # absent: the paper's (p, N) (manifests of such runs are unchanged)
+    manifest = {
         "format": BUNDLE_FORMAT, "schema_version": BUNDLE_SCHEMA_VERSION, "created_at": _utc_now(),
         "software": {"iapo_gym": __version__, "python": platform.python_version(), "numpy": np.__version__,
                      "platform": platform.platform(terse=True), "result_versions": sorted({r.version for r in results}),
                      **numeric_stack()},
-        "protocol": {"root_seed": int(str(meta["root_seed"])), "train_fraction": float(str(meta["train_fraction"])),
-                     "budgets": sorted({r.budget for r in results}), "runs": len({r.run for r in results})},
+        "protocol": protocol,
         "n_results": len(results), "tasks": task_entries, "agents": agent_entries, "files": files,
     }
+    if online:
+        try:
+            manifest["online"] = online_manifest(online, tasks, meta, source_digest)
+        except ValueError as exc:
+            raise BundleError(str(exc)) from None
+        manifest["schema_version"] = ONLINE_SCHEMA_VERSION
+    return manifest
+
+
+def _result_row(r: RunResult) -> dict[str, Any]:
+    """A run as a results.jsonl row; ``arm_set`` only in a run over rules (rows of (p, N) runs are unchanged)."""
+    row = asdict(r)
+    if row["arm_set"] is None:
+        del row["arm_set"]
+    return row
 
 
 def _results_jsonl(results: list[RunResult]) -> bytes:
-    return "".join(json.dumps(asdict(r), sort_keys=True) + "\n" for r in results).encode()
+    return "".join(json.dumps(_result_row(r), sort_keys=True) + "\n" for r in results).encode()
 
 
 def _tasks_jsonl(tasks: list[TaskInfo]) -> bytes:
@@ -242,9 +279,16 @@ def collect(out_dir: str | os.PathLike[str]) -> Bundle:
     with ResultStore(out_dir, create=False) as store:
         results = store.results()
         tasks = store.tasks()
-        meta = {"root_seed": store.get_meta("root_seed"), "train_fraction": store.get_meta("train_fraction")}
+        meta = {"root_seed": store.get_meta("root_seed"), "train_fraction": store.get_meta("train_fraction"),
+                "online_batch_size": store.get_meta("online_batch_size")}
+    online = read_online(out_dir)
     files = {RESULTS: sha256_bytes(_results_jsonl(results)), TASKS: sha256_bytes(_tasks_jsonl(tasks))}
-    return Bundle(build_manifest(results, tasks, meta, files), results, tasks, str(out_dir))
+    if online:
+        files[ONLINE_MEMBER] = sha256_bytes(online_jsonl(online))
+    bundle = Bundle(build_manifest(results, tasks, meta, files, online), results, tasks, str(out_dir))
+    if online:
+        bundle.extra["online"] = online
+    return bundle
 
 
 def archive_kind(path: str | os.PathLike[str]) -> str:
@@ -263,6 +307,8 @@ def write_bundle(out_dir: str | os.PathLike[str], target: str | os.PathLike[str]
     bundle = collect(out_dir)
     members = {MANIFEST: json.dumps(bundle.manifest, indent=1, sort_keys=True).encode() + b"\n",
                RESULTS: _results_jsonl(bundle.results), TASKS: _tasks_jsonl(bundle.tasks)}
+    if bundle.extra.get("online"):
+        members[ONLINE_MEMBER] = online_jsonl(bundle.extra["online"])
     target = Path(target)
     with atomic_path(target) as tmp, tmp.open("wb") as fh:
         if kind == "zip":
@@ -359,7 +405,7 @@ def _check_member_set(path: Path, names: list[str]) -> None:
     if MANIFEST not in names:
         raise BundleError(f"{path.name} is not an iapo-gym bundle: it has no {MANIFEST} "
                           f"(members: {', '.join(sorted(names)[:5]) or 'none'})")
-    unknown = sorted(set(names) - set(MEMBERS))
+    unknown = sorted(set(names) - set(MEMBERS) - {ONLINE_MEMBER})
     if unknown:
         raise BundleError(f"{path.name}: unexpected member(s) {', '.join(map(repr, unknown))}; "
                           f"a bundle holds only {', '.join(MEMBERS)}")
@@ -385,9 +431,9 @@ def validate_manifest(manifest: Any, where: str = "bundle") -> dict[str, Any]:
     if fmt != BUNDLE_FORMAT:
         raise BundleError(f"{where} is not an iapo-gym bundle: manifest format {fmt!r}, expected {BUNDLE_FORMAT!r}")
     version = manifest.get("schema_version")
-    if isinstance(version, int) and not isinstance(version, bool) and version > BUNDLE_SCHEMA_VERSION:
+    if isinstance(version, int) and not isinstance(version, bool) and version > ONLINE_SCHEMA_VERSION:
         raise BundleError(f"{where}: manifest schema version {version} is newer than this iapo-gym "
-                          f"({__version__}) reads (up to {BUNDLE_SCHEMA_VERSION}); upgrade iapo-gym")
+                          f"({__version__}) reads (up to {ONLINE_SCHEMA_VERSION}); upgrade iapo-gym")
     schemas.check("iapo_gym.leaderboard.submit", SCHEMA_FILE, manifest, f"{where}: {MANIFEST}", BundleError)
     return manifest
 
@@ -418,6 +464,10 @@ def _utf8(text: str) -> bool:
     return True
 
 
+#: Row fields written only when set (``_result_row``), with the rows that have them.
+_WRITTEN_WHEN_SET = {"arm_set": "runs over stopping rules (--rules)"}
+
+
 def _parse_rows(where: str, member: str, data: bytes, cls: type) -> list[Any]:
     """The rows of a JSON-lines member: each has every field of ``cls`` (those with a default may be absent:
     bundles written before them still read)."""
@@ -434,9 +484,11 @@ def _parse_rows(where: str, member: str, data: bytes, cls: type) -> list[Any]:
             raise BundleError(f"{where}: {member} line {lineno} is not JSON ({exc})") from None
         if not isinstance(obj, dict) or not required <= set(obj) <= names:
             got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-            optional = f" (optional: {sorted(names - required)})" if names != required else ""
+            older = names - required - set(_WRITTEN_WHEN_SET)
+            optional = f" (optional: {sorted(older)})" if older else ""
+            also = "".join(f"; {what} also have {name!r}" for name, what in _WRITTEN_WHEN_SET.items() if name in names)
             raise BundleError(f"{where}: {member} line {lineno} must have the fields {sorted(required)}{optional}, "
-                              f"got {got}")
+                              f"got {got}{also}")
         for name in list(obj):
             kind = kinds[name]
             ok, obj[name] = _row_value(kind, obj[name])
@@ -479,7 +531,33 @@ def read_bundle(path: str | os.PathLike[str]) -> Bundle:
         raise BundleError(f"{where}: a member is not UTF-8 text ({exc})") from None
     if len(results) != manifest["n_results"]:
         raise BundleError(f"{where}: {RESULTS} has {len(results)} runs, the manifest says {manifest['n_results']}")
-    return Bundle(manifest, results, tasks, str(path), file_hashes(path)[1])
+    bundle = Bundle(manifest, results, tasks, str(path), file_hashes(path)[1])
+    _read_online(where, manifest, members, bundle)
+    return bundle
+
+
+def _read_online(where: str, manifest: dict[str, Any], members: dict[str, bytes], bundle: Bundle) -> None:
+    """Check and parse the member ``online.jsonl`` into ``bundle.extra["online"]`` (``submit.online``): present
+    exactly when the manifest has an ``online`` section, its digest the manifest's, its rows as many as it says."""
+    section = manifest.get("online")
+    if (section is None) != (ONLINE_MEMBER not in members) or (section is None) != (ONLINE_MEMBER not in manifest["files"]):
+        raise BundleError(f"{where}: the manifest's 'online' section, its files entry and the member {ONLINE_MEMBER} "
+                          "must be present together")
+    if section is None:
+        if not bundle.results:
+            raise BundleError(f"{where}: the bundle holds no runs")
+        return
+    digest = sha256_bytes(members[ONLINE_MEMBER])
+    if digest != manifest["files"][ONLINE_MEMBER]:
+        raise BundleError(f"{where}: {ONLINE_MEMBER} has sha256 {digest}, but the manifest records "
+                          f"{manifest['files'][ONLINE_MEMBER]} (the member was changed after bundling)")
+    try:
+        rows = _parse_rows(where, ONLINE_MEMBER, members[ONLINE_MEMBER], OnlineRunResult)
+    except UnicodeDecodeError as exc:
+        raise BundleError(f"{where}: a member is not UTF-8 text ({exc})") from None
+    if len(rows) != section["n_results"]:
+        raise BundleError(f"{where}: {ONLINE_MEMBER} has {len(rows)} runs, the manifest says {section['n_results']}")
+    bundle.extra["online"] = rows
 
 
 def load(source: str | os.PathLike[str]) -> Bundle:

@@ -17,14 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from iapo_gym.atomic import atomic_directory
+from iapo_gym.leaderboard.run.online import OnlineRunResult, OnlineStore
 from iapo_gym.leaderboard.run.specs import AgentSpec, check_unique_labels
 from iapo_gym.leaderboard.run.store import ResultStore, RunResult, TaskInfo
 from iapo_gym.leaderboard.submit.bundle import Bundle, BundleError
+from iapo_gym.leaderboard.submit.online import merge_online
 from iapo_gym.leaderboard.submit.provenance import PROVENANCE, ProvenanceError, load_source, provenance_entries
 
 #: Fields of a run that a re-run reproduces exactly (everything but wall time, label and bookkeeping).
 COMPUTED = ("table_sha256", "root_seed", "split_seed", "env_seed", "agent_seed", "acr", "optimal_acr",
-            "train_optimal_acr", "regret", "arms", "optimal_arms", "budget_spent")
+            "train_optimal_acr", "regret", "arms", "optimal_arms", "budget_spent", "arm_set")
 
 
 class MergeError(ProvenanceError):
@@ -36,14 +38,24 @@ def run_name(r: RunResult) -> str:
     return f"{r.task}/{r.label} budget={r.budget} run={r.run}"
 
 
+def arm_set(bundle: Bundle) -> str:
+    """The bundle's arm set: ``rules`` ((p, N, stopping rule), ``--rules``) or ``fixed`` (the paper's (p, N))."""
+    return str(bundle.manifest["protocol"].get("arm_set", "fixed"))
+
+
 def _check_protocol(bundles: Sequence[Bundle]) -> None:
     first = bundles[0]
     for key in ("root_seed", "train_fraction"):
         for other in bundles[1:]:
             a, b = first.manifest["protocol"][key], other.manifest["protocol"][key]
-            if a != b:
+            if a != b and None not in (a, b):  # a bundle of online runs alone has no train fraction (null)
                 raise MergeError(f"{first.name} was run with {key}={a}, {other.name} with {key}={b}; "
                                  "runs of different protocol parameters are not merged")
+    for other in bundles[1:]:
+        a, b = arm_set(first), arm_set(other)
+        if a != b:
+            raise MergeError(f"{first.name} holds runs over the arm set {a!r}, {other.name} over {b!r} "
+                             "(iapo-gym leaderboard --rules); runs of different arm sets are not merged")
     sources: dict[tuple[str, str], tuple[str, str]] = {}
     for bundle in bundles:
         for agent in bundle.manifest["agents"]:
@@ -104,12 +116,35 @@ def merge(sources: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[
     except BundleError as exc:
         raise MergeError(str(exc)) from None
     results, infos, duplicates = merge_results(bundles)
+    online, online_duplicates, batch_size = _merge_online(bundles)
     provenance = [entry for b in bundles for entry in provenance_entries(b)]
     protocol = bundles[0].manifest["protocol"]
+    fraction = next((b.manifest["protocol"]["train_fraction"] for b in bundles
+                     if b.manifest["protocol"]["train_fraction"] is not None), None)
     with atomic_directory(out) as tmp:  # an empty --out is replaced
         with ResultStore(tmp) as store:
             store.claim_meta("root_seed", str(protocol["root_seed"]))
-            store.claim_meta("train_fraction", repr(float(protocol["train_fraction"])))
+            if fraction is not None:
+                store.claim_meta("train_fraction", repr(float(fraction)))
+            store.claim_meta("arm_set", arm_set(bundles[0]))
             store.add(results, infos)
+        if online:
+            with OnlineStore(tmp) as online_store:
+                online_store.claim_meta("online_batch_size", str(batch_size))
+                online_store.add_online(online, infos)
         (tmp / PROVENANCE).write_text(json.dumps({"inputs": provenance}, indent=1, sort_keys=True) + "\n")
-    return {"inputs": len(bundles), "runs": len(results), "duplicates": duplicates}
+    return {"inputs": len(bundles), "runs": len(results) + len(online), "duplicates": duplicates + online_duplicates}
+
+
+def _merge_online(bundles: Sequence[Bundle]) -> tuple[list[OnlineRunResult], int, int | None]:
+    """The inputs' online runs merged (``submit.online.merge_online``): (runs, duplicates, batch size); inputs of
+    different batch sizes are refused, as different root seeds are."""
+    sizes = {b.name: b.manifest["online"]["batch_size"] for b in bundles if "online" in b.manifest}
+    if len(set(sizes.values())) > 1:
+        raise MergeError(f"online runs of different batch sizes ({', '.join(f'{k}: {v}' for k, v in sizes.items())}) "
+                         "are not merged")
+    try:
+        online, duplicates = merge_online([(b.name, b.extra.get("online") or []) for b in bundles])
+    except ValueError as exc:
+        raise MergeError(str(exc)) from None
+    return online, duplicates, next(iter(sizes.values()), None)

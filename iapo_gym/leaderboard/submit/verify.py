@@ -25,8 +25,9 @@ from iapo_gym.atomic import atomic_write_text
 from iapo_gym.leaderboard.run.runner import WorkUnit, run_unit
 from iapo_gym.leaderboard.run.specs import AgentSpec, TaskRef, resolve_task, task_available
 from iapo_gym.leaderboard.run.store import RunResult
-from iapo_gym.leaderboard.submit.bundle import Bundle, agent_source_digest, numeric_stack, read_bundle
+from iapo_gym.leaderboard.submit.bundle import Bundle, agent_source_digest, numeric_stack, read_bundle, source_digest
 from iapo_gym.leaderboard.submit.merge import run_name
+from iapo_gym.leaderboard.submit.online import check_online_sources, choose_online_sample, rerun_online_sample
 from iapo_gym.leaderboard.submit.provenance import verify_record_path
 from iapo_gym.seeding import derive_rng
 
@@ -127,9 +128,10 @@ def choose_sample(results: list[RunResult], k: int | None, seed: int) -> list[Ru
     return [ordered[i] for i in picked]
 
 
-def _task_refs(bundle: Bundle, tables: dict[str, str]) -> dict[str, TaskRef]:
+def _task_refs(bundle: Bundle, tables: dict[str, str],
+               entries: list[dict[str, Any]] | None = None) -> dict[str, TaskRef]:
     refs = {}
-    for task in bundle.manifest["tasks"]:
+    for task in bundle.manifest["tasks"] if entries is None else entries:
         name = task["name"]
         if name in tables:
             ref = resolve_task(tables[name])
@@ -153,10 +155,14 @@ def verify_bundle(path: str | os.PathLike[str], sample: int | None = None, seed:
         assert isinstance(entropy, int)
         seed = entropy % (1 << 63)  # fresh, so submitters cannot predict it
     chosen = choose_sample(bundle.results, sample, seed)
-    outcome = VerifyOutcome(bundle.name, str(bundle.sha256), seed, len(chosen), len(bundle.results))
+    online = bundle.extra.get("online") or []  # the online protocol's runs (submit.online): their own sample
+    chosen_online = choose_online_sample(online, sample, seed)
+    outcome = VerifyOutcome(bundle.name, str(bundle.sha256), seed, len(chosen) + len(chosen_online),
+                            len(bundle.results) + len(online))
     outcome.agent_problems = check_agent_sources(bundle)
     refs = _task_refs(bundle, tables or {})
     protocol = bundle.manifest["protocol"]
+    rules = protocol.get("arm_set") == "rules"  # the runs' arms are (p, N, stopping rule): re-run over those
     groups: dict[tuple[str, int], list[RunResult]] = defaultdict(list)
     for r in chosen:
         groups[(r.task, r.run)].append(r)
@@ -167,7 +173,7 @@ def verify_bundle(path: str | os.PathLike[str], sample: int | None = None, seed:
             outcome.checks += [RunCheck(run_name(r), r.acr, None, False, "no table") for r in rows]
             continue
         jobs = tuple((AgentSpec(r.agent, json.loads(r.params), r.label), r.budget) for r in rows)
-        unit = WorkUnit(refs[task], run, jobs, int(protocol["root_seed"]), float(protocol["train_fraction"]))
+        unit = WorkUnit(refs[task], run, jobs, int(protocol["root_seed"]), float(protocol["train_fraction"]), rules)
         result = run_unit(unit)
         digest = result.task_info.table_sha256 if result.task_info else None
         bundled = {r.table_sha256 for r in rows}
@@ -184,10 +190,22 @@ def verify_bundle(path: str | os.PathLike[str], sample: int | None = None, seed:
                 note = failed.get((r.label, r.budget), "no result")
                 outcome.checks.append(RunCheck(run_name(r), r.acr, None, False, f"re-run failed: {note}"))
                 continue
-            note = "" if x.acr == r.acr else f"differs by {x.acr - r.acr:+.3g}"
+            notes = [] if x.acr == r.acr else [f"differs by {x.acr - r.acr:+.3g}"]
             if x.arms != r.arms:
-                note += ("; " if note else "") + "policy differs"
-            outcome.checks.append(RunCheck(run_name(r), r.acr, x.acr, x.acr == r.acr and x.arms == r.arms, note))
+                notes.append("policy differs")
+            if x.arm_set != r.arm_set:
+                notes.append(f"arm set differs: bundle {r.arm_set or 'fixed N'}, here {x.arm_set or 'fixed N'}")
+            if (x.optimal_acr, x.regret) != (r.optimal_acr, r.regret):
+                notes.append(f"optimal ACR or regret differs (bundle {r.optimal_acr!r}, {r.regret!r}; "
+                             f"here {x.optimal_acr!r}, {x.regret!r})")
+            outcome.checks.append(RunCheck(run_name(r), r.acr, x.acr, not notes, "; ".join(notes)))
+    if online:
+        section = bundle.manifest["online"]
+        outcome.agent_problems += check_online_sources(section, source_digest)
+        checks, problems = rerun_online_sample(chosen_online, section, _task_refs(bundle, tables or {},
+                                                                                  section["tasks"]))
+        outcome.table_problems += problems
+        outcome.checks += [RunCheck(*check) for check in checks]
     if not all(c.match for c in outcome.checks):
         outcome.stack_differences = stack_differences(bundle.manifest["software"])
     outcome.seconds = time.monotonic() - start
