@@ -14,17 +14,17 @@ a SEM band per agent, one panel per schedule and horizon); the HTML site gets a 
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from iapo_gym.leaderboard.report.files import jsonable, write_csv
 from iapo_gym.leaderboard.report.model import display_path, file_stem
 from iapo_gym.leaderboard.report.stats import DEFAULT_ALPHA, adjust_pvalues, mean_sem, paired_test
 from iapo_gym.leaderboard.run.online import DEFAULT_BASELINE, OnlineRunResult, OnlineStore
@@ -245,29 +245,10 @@ def online_markdown(report: OnlineReport) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_csv(path: Path, rows: Sequence[Any], cls: type) -> None:
-    names = [f.name for f in fields(cls)]
-    with path.open("w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(names)
-        for row in rows:
-            writer.writerow([getattr(row, n) for n in names])
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
 def plot_regret_curves(report: OnlineReport, task: str, path: Path) -> Path:
     """Mean cumulative regret against requests served with SEM bands, one panel per (schedule, horizon) of
     ``task``, one line per agent (colours as in the paper protocol's plots)."""
-    from iapo_gym.leaderboard.report.plots import _colors, plt
+    from iapo_gym.leaderboard.report.plots import _colors, figure_legend, plt
 
     cells = [c for c in report.cells() if c[0] == task]
     colors = _colors(sorted({r.label for r in report.results}))
@@ -285,17 +266,10 @@ def plot_regret_curves(report: OnlineReport, task: str, path: Path) -> Path:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(cells):]:
         ax.set_visible(False)
-    handles, names = [], []
-    for ax in axes.flat:
-        for h, n in zip(*ax.get_legend_handles_labels(), strict=True):
-            if n not in names:
-                handles.append(h)
-                names.append(n)
     info = report.tasks.get(task)
     fig.suptitle(info.title if info else task, fontsize=10)
     fig.tight_layout()
-    fig.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(5, len(names)),
-               fontsize=8, frameon=False)
+    figure_legend(fig, axes)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
@@ -312,15 +286,15 @@ def write_online(report: OnlineReport, target: Path, plots: bool = True) -> dict
     written["online_markdown"] = target / "online.md"
     written["online_markdown"].write_text(online_markdown(report))
     written["online_summary_csv"] = target / "online_summary.csv"
-    _write_csv(written["online_summary_csv"], report.summary, OnlineSummaryRow)
+    write_csv(written["online_summary_csv"], report.summary, OnlineSummaryRow)
     written["online_pairwise_csv"] = target / "online_pairwise.csv"
-    _write_csv(written["online_pairwise_csv"], report.pairs, OnlinePairRow)
+    write_csv(written["online_pairwise_csv"], report.pairs, OnlinePairRow)
     written["online_json"] = target / "online.json"
     payload = {"meta": report.meta, "test": report.test, "correction": report.correction, "alpha": report.alpha,
                "baseline": report.baseline, "tasks": {k: asdict(v) for k, v in report.tasks.items()
                                                       if k in {r.task for r in report.results}},
                "summary": [asdict(s) for s in report.summary], "pairwise": [asdict(p) for p in report.pairs]}
-    written["online_json"].write_text(json.dumps(_jsonable(payload), indent=1))
+    written["online_json"].write_text(json.dumps(jsonable(payload), indent=1))
     if plots:
         for task in sorted({r.task for r in report.results}):
             written[f"regret_curves_{task}"] = plot_regret_curves(report, task, target / curve_plot_name(task))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -49,18 +50,23 @@ def plot_acr_vs_budget(report: Report, path: Path) -> Path:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(tasks):]:
         ax.set_visible(False)
+    fig.tight_layout()
+    figure_legend(fig, axes)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def figure_legend(fig: Any, axes: Any) -> None:
+    """One legend below the figure for the lines of every panel in ``axes`` (each label once, in first-seen order)."""
     handles, names = [], []
     for ax in axes.flat:
         for h, n in zip(*ax.get_legend_handles_labels(), strict=True):
             if n not in names:
                 handles.append(h)
                 names.append(n)
-    fig.tight_layout()
     fig.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(5, len(names)),
                fontsize=8, frameon=False)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
 
 
 def plot_win_matrices(report: Report, task: str, path: Path) -> Path:

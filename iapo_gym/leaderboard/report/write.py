@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import math
-from collections.abc import Sequence
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
+from iapo_gym.leaderboard.report.files import jsonable, write_csv
 from iapo_gym.leaderboard.report.model import Report, build_report, file_stem, modal_arms, optimal_means
 from iapo_gym.leaderboard.report.stats import DEFAULT_ALPHA, PairwiseRow, SummaryRow
 from iapo_gym.leaderboard.run.store import TaskInfo
@@ -98,25 +96,6 @@ def _policy_table(report: Report, task: str, label: str, budget: int, info: Task
     return lines
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
-def _write_csv(path: Path, rows: Sequence[Any], cls: type) -> None:
-    names = [f.name for f in fields(cls)]
-    with path.open("w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(names)
-        for row in rows:
-            writer.writerow([getattr(row, n) for n in names])
-
-
 def write_report(out_dir: str | Path, report_dir: str | Path | None = None, *, plots: bool = True,
                  test: str = "wilcoxon", correction: str = "holm", alpha: float = DEFAULT_ALPHA,
                  html: bool = False, baseline: str | None = None) -> dict[str, Path]:
@@ -147,9 +126,9 @@ def write_report(out_dir: str | Path, report_dir: str | Path | None = None, *, p
     written["markdown"] = target / "leaderboard.md"
     written["markdown"].write_text(markdown(report))
     written["summary_csv"] = target / "summary.csv"
-    _write_csv(written["summary_csv"], report.summary, SummaryRow)
+    write_csv(written["summary_csv"], report.summary, SummaryRow)
     written["pairwise_csv"] = target / "pairwise.csv"
-    _write_csv(written["pairwise_csv"], report.pairs, PairwiseRow)
+    write_csv(written["pairwise_csv"], report.pairs, PairwiseRow)
     written["json"] = target / "leaderboard.json"
     payload = {
         "meta": report.meta, "test": report.test, "correction": report.correction, "alpha": report.alpha,
@@ -158,7 +137,7 @@ def write_report(out_dir: str | Path, report_dir: str | Path | None = None, *, p
         "summary": [asdict(s) for s in report.summary],
         "pairwise": [asdict(p) for p in report.pairs],
     }
-    written["json"].write_text(json.dumps(_jsonable(payload), indent=1))
+    written["json"].write_text(json.dumps(jsonable(payload), indent=1))
     if plots:
         from iapo_gym.leaderboard.report.plots import plot_acr_vs_budget, plot_best_policy, plot_win_matrices
 

@@ -36,10 +36,10 @@ from iapo_gym.leaderboard.run.specs import (
     DEFAULT_ROOT_SEED,
     AgentSpec,
     TaskRef,
+    available_tasks,
     check_unique_labels,
     parse_agent_spec,
     table_checksum,
-    task_available,
 )
 from iapo_gym.leaderboard.run.store import ResultStore, TaskInfo
 from iapo_gym.online import SCHEDULES, OnlineEnv, run_online
@@ -420,14 +420,7 @@ def run_online_sweep(out_dir: str | os.PathLike[str], tasks: Sequence[TaskRef], 
     check_unique_labels(list(agents))
     check_schedules(schedules, tasks)
     summary = OnlineSweepSummary()
-    ready = []
-    for task in tasks:
-        why = task_available(task)
-        if why is None:
-            ready.append(task)
-        else:
-            print(why, file=log, flush=True)
-            summary.skipped_tasks.append(task.name)
+    ready = available_tasks(tasks, log, summary.skipped_tasks)
     start = time.monotonic()
     with OnlineStore(out_dir) as store:
         store.claim_meta("root_seed", str(root_seed))

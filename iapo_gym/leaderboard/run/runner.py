@@ -43,9 +43,9 @@ from iapo_gym.leaderboard.run.specs import (
     DEFAULT_TRAIN_FRACTION,
     AgentSpec,
     TaskRef,
+    available_tasks,
     check_unique_labels,
     table_checksum,
-    task_available,
 )
 from iapo_gym.leaderboard.run.store import ResultStore, RunResult, TaskInfo
 from iapo_gym.oracle import acr_from_q, greedy_policy, policy_arms, q_table
@@ -468,14 +468,7 @@ def run_sweep(out_dir: str | os.PathLike[str], tasks: Sequence[TaskRef], agents:
         raise ValueError("no agents to run")
     check_unique_labels(list(agents))
     summary = SweepSummary()
-    ready = []
-    for task in tasks:
-        why = task_available(task)
-        if why is None:
-            ready.append(task)
-        else:
-            print(why, file=log, flush=True)
-            summary.skipped_tasks.append(task.name)
+    ready = available_tasks(tasks, log, summary.skipped_tasks)
     start = time.monotonic()
     with ResultStore(out_dir) as store:
         store.claim_meta("root_seed", str(root_seed))

@@ -20,10 +20,10 @@ import ast
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -272,6 +272,20 @@ def task_available(ref: TaskRef) -> str | None:
     except (MissingTableError, DownloadError, OSError, ValueError) as exc:
         return f"skipping task {ref.name!r}: {exc}"
     return None
+
+
+def available_tasks(tasks: Sequence[TaskRef], log: TextIO, skipped: list[str]) -> list[TaskRef]:
+    """The ``tasks`` whose tables can be had here (``task_available``); each other one's reason goes to ``log`` and its
+    name to ``skipped`` (a sweep runs what it can and says what it could not)."""
+    ready = []
+    for task in tasks:
+        why = task_available(task)
+        if why is None:
+            ready.append(task)
+        else:
+            print(why, file=log, flush=True)
+            skipped.append(task.name)
+    return ready
 
 
 def table_checksum(table: OutcomeTable) -> str:
