@@ -14,7 +14,8 @@ rule would have done on it at every cap k <= n. Two readings, one per kind of ag
 * ``plugin_rule_values`` (``auto``, ``plugin_halving``): the exact rule expectations of ``iapo_gym.rules`` (the
   oracle's kernels) applied to the plug-in estimator's per-(prompt, query) distributions give each rule's change
   against fixed N, in reward and in expected completions x cost; their mean over the prompt's seen queries is added
-  to the plug-in estimate of fixed N, so rule 0 is that estimate unchanged.
+  to the plug-in estimate of fixed N, so rule 0 is that estimate unchanged. ``trusted_rule_values`` keeps a rule's
+  arm a candidate only at the caps where those distributions are trusted (``RULE_CAP``).
 
 ``best_rule_arms`` reads a policy over (p, N, r) out of either.
 """
@@ -33,6 +34,11 @@ from iapo_gym.utility import mv_credit
 
 #: Cells of the (pulls, starts, draws[, answers or contexts]) work arrays per chunk of ``block_readings``' callers.
 CHUNK_CELLS = 1 << 22
+
+#: The plug-in read-out's rule arms (p, N, r >= 1) are candidates only at caps N <= RULE_CAP x the cap of the context's
+#: best fixed-N arm (``trusted_rule_values``): far above the caps fixed N's own choice trusts, the smoothed
+#: distributions' credit is too high (docs/agents.md, "Stopping rules"). Chosen on tuning levels (1, 1.5, 2, 3, 4 tried).
+RULE_CAP = 2.0
 
 
 def block_layout(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -309,4 +315,29 @@ def plugin_rule_values(est: Any, prompts: np.ndarray) -> np.ndarray:
     n_seen = np.bincount(p_pos, minlength=prompts.size).astype(np.float64)
     mean_change = np.where(n_seen[None, :, None, None] > 0, sums / np.maximum(n_seen, 1.0)[None, :, None, None], 0.0)
     out[:, prompts] += mean_change
+    return out
+
+
+def trusted_rule_values(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``values`` (C, P, N_max, R) of ``plugin_rule_values`` with every rule r >= 1 set to nan (no candidate) at caps
+    N > ``RULE_CAP`` x N*_c, N*_c the cap of context c's best fixed-N arm (rule 0) among ``mask`` (C, P, N_max) (ties:
+    the largest cap). Rule 0 is unchanged, so the fixed-N choice stays a candidate.
+
+    Why: the plug-in values read the smoothed per-(prompt, query) distributions, whose credit at caps far above what
+    the draws support is too high (majority vote: the prior's pseudo-votes make near-even queries look decided;
+    Best-of-N: a plug-in maximum from a query's few completions). Fixed N never pays for it, its cost grows with N;
+    a rule that stops early makes such a cap cheap, and its overestimated credit won the read-out (tuning levels of
+    mv_binary, mv_few_queries and bon_multi). The rule's change against fixed N at the same cap is estimated well;
+    a noise-scaled shrinkage of it changed nothing on the tuning levels.
+    """
+    n_contexts, n_prompts, n_max, _ = values.shape
+    fixed = np.where(np.asarray(mask, dtype=bool), np.nan_to_num(values[..., 0], nan=-np.inf), -np.inf)
+    flat = fixed.reshape(n_contexts, -1)
+    top = (flat == flat.max(axis=1, keepdims=True)) & np.isfinite(flat)
+    caps = np.tile(np.arange(1, n_max + 1), n_prompts)
+    n_star = np.where(top, caps[None, :], 0).max(axis=1)
+    n_star = np.where(top.any(axis=1), n_star, n_max)  # a context without an estimate: every cap
+    out = values.copy()
+    too_far = np.arange(1, n_max + 1)[None, :] > RULE_CAP * n_star[:, None]  # (C, N_max)
+    out[..., 1:][np.broadcast_to(too_far[:, None, :], out.shape[:3])] = np.nan
     return out

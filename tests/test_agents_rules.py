@@ -10,7 +10,14 @@ import pytest
 import agents
 from agents.estimator import Estimator
 from agents.plugin.estimator import PlugInEstimator
-from agents.rule_readings import RuleEstimator, block_readings, plugin_rule_values
+from agents.rule_readings import (
+    RULE_CAP,
+    RuleEstimator,
+    best_rule_arms,
+    block_readings,
+    plugin_rule_values,
+    trusted_rule_values,
+)
 from iapo_gym import IAPOEnv, Policy
 from iapo_gym.oracle import expected_cost
 from iapo_gym.rules import context_thresholds, sampled_stop
@@ -118,6 +125,31 @@ def test_plugin_rule_values_converge_to_the_exact_rule_q_table() -> None:
         assert np.abs(wrong - q4).max() > 4 * tol, name
     some = plugin_rule_values(est, np.array([2]))  # only where asked
     assert np.isnan(some[:, :2]).all() and np.array_equal(some[:, 2], got[:, 2])
+
+
+def test_trusted_rule_values_drop_rules_far_above_the_fixed_n_choice() -> None:
+    rng = np.random.default_rng(0)
+    values = rng.uniform(0.0, 0.5, size=(2, 3, 10, 4))
+    mask = np.ones((2, 3, 10), dtype=bool)
+    mask[0, 2] = False  # context 0 may not choose prompt 2
+    values[0, 2, 9, 0] = 2.0  # the best fixed arm overall, but masked out in context 0
+    values[0, 1, 2, 0] = 1.0  # context 0's best fixed arm among its mask: cap 3
+    values[1, 2, 9, 0] = 2.0  # context 1's: cap 10
+    values[0, 0, 9, 3] = 5.0  # a rule far above context 0's cap 3: no candidate
+    values[0, 0, 4, 1] = 4.0  # a rule at cap 5 <= RULE_CAP x 3: kept
+    values[0, 1, :, 2] = np.nan  # no estimate stays none
+    got = trusted_rule_values(values, mask)
+    np.testing.assert_array_equal(got[..., 0], values[..., 0])  # fixed N unchanged
+    limit = int(RULE_CAP * 3)
+    assert np.isnan(got[0, :, limit:, 1:]).all()
+    np.testing.assert_array_equal(got[0, :, :limit], values[0, :, :limit])
+    np.testing.assert_array_equal(got[1], values[1])  # cap 10 is N_max: every rule stays
+    policy = best_rule_arms(got, np.random.default_rng(1), mask)
+    assert policy.triples[0] == (0, 5, 1) and policy.triples[1] == (2, 10, 0)
+    values[0, 0, 4, 1] = 0.0  # without the kept rule, context 0 falls back on its fixed-N best, not the dropped rule
+    assert best_rule_arms(trusted_rule_values(values, mask), np.random.default_rng(1), mask).triples[0] == (1, 3, 0)
+    nothing = np.full_like(values, np.nan)  # a context without any estimate keeps every cap
+    assert np.isnan(trusted_rule_values(nothing, mask)).all()
 
 
 def _train(name: str, table: object, rule_arms: bool, budget: int, seed: int = 0) -> tuple[Policy, IAPOEnv]:

@@ -20,7 +20,7 @@ from agents.base import Agent
 from agents.plugin.common import QueryStream, keep_top
 from agents.plugin.estimator import PlugInEstimator, check_nonnegative, warm_up
 from agents.psst import rounds_to_one
-from agents.rule_readings import best_rule_arms, plugin_rule_values
+from agents.rule_readings import best_rule_arms, plugin_rule_values, trusted_rule_values
 from iapo_gym import Policy
 
 #: Completions per (prompt, query) at least: two draws show a query's spread, one does not.
@@ -201,8 +201,9 @@ class AnytimePlugIn(Agent):
 def read_policy(base: Any, est: PlugInEstimator, alive: np.ndarray, rng: np.random.Generator) -> Policy:
     """The plug-in agents' read-out: per context the best (p, N) of its ``alive`` (C, P) prompts by ``est``; with the
     env's ``rule_arms``, the best (p, N, r), the rules' values added to the live prompts' estimates only
-    (``agents.rule_readings.plugin_rule_values``)."""
+    (``agents.rule_readings.plugin_rule_values``), a rule only at the caps ``trusted_rule_values`` keeps."""
     mask = np.repeat(alive[:, :, None], est.n_max, axis=2)
     if not base.rule_arms:
         return est.best_arms(rng, mask)
-    return best_rule_arms(plugin_rule_values(est, np.flatnonzero(alive.any(axis=0))), rng, mask)
+    values = plugin_rule_values(est, np.flatnonzero(alive.any(axis=0)))
+    return best_rule_arms(trusted_rule_values(values, mask), rng, mask)
