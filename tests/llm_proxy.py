@@ -140,24 +140,33 @@ def main() -> None:
             self.send_header("Connection", "close")
             self.end_headers()
             self.close_connection = True
+            # each line is counted before it is relayed, so a caller that has read the stream's end reads counters
+            # that include it (counting after the write raced with the caller's next /__stats)
             indices: set[int] = set()
+            forwarded = False
             for line in resp:  # type: ignore[attr-defined]
+                if line.strip() == b"data: [DONE]":
+                    with lock:
+                        stats["forwarded"] += 1
+                    forwarded = True
+                elif line.startswith(b"data: "):
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or {}
+                    with lock:
+                        stats["completion_tokens"] += int(usage.get("completion_tokens", 0))
+                        stats["prompt_tokens"] += int(usage.get("prompt_tokens", 0))
+                        for c in chunk.get("choices") or ():
+                            index = int(c.get("index", 0))
+                            if index not in indices:
+                                indices.add(index)
+                                stats["choices"] += 1
+                            if (c.get("delta") or {}).get("content") or c.get("text"):
+                                stats["stream_deltas"] += 1
                 self.wfile.write(line)
                 self.wfile.flush()
-                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                usage = chunk.get("usage") or {}
+            if not forwarded:
                 with lock:
-                    stats["completion_tokens"] += int(usage.get("completion_tokens", 0))
-                    stats["prompt_tokens"] += int(usage.get("prompt_tokens", 0))
-                    for c in chunk.get("choices") or ():
-                        indices.add(int(c.get("index", 0)))
-                        if (c.get("delta") or {}).get("content") or c.get("text"):
-                            stats["stream_deltas"] += 1
-            with lock:
-                stats["forwarded"] += 1
-                stats["choices"] += len(indices)
+                    stats["forwarded"] += 1
 
     server = ThreadingHTTPServer(("127.0.0.1", opts.port), Handler)
     server.daemon_threads = True
