@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from iapo_gym.leaderboard.run.specs import (
     parse_agent_spec,
     resolve_task,
 )
+from iapo_gym.leaderboard.sweep_cli import check_scheduler, run_sweep_command
 from iapo_gym.tasks import TASKS
 
 
@@ -134,32 +136,21 @@ def _leaderboard(args: argparse.Namespace) -> int:
     budgets = [t for group in args.budgets for t in group] if args.budgets else list(preset.budgets)
     runs = args.runs if args.runs is not None else preset.runs
     out = args.out or ("results/quick" if args.quick else DEFAULT_OUT)
-    try:
+    def sweep() -> tuple[Any, list[Any]]:
         tasks = [resolve_task(t) for t in task_names]
         agents = [parse_agent_spec(a) for a in agent_texts]
-        if args.scheduler and args.scheduler != "local" and "://" not in args.scheduler:
-            raise ValueError(f"--scheduler must be 'local' or an address like tcp://host:8786, got {args.scheduler!r}")
-        summary = run_sweep(out, tasks, agents, budgets, runs, jobs=args.jobs, root_seed=args.seed,
-                            train_fraction=args.train_fraction, scheduler=args.scheduler, rules=args.rules)
-    except KeyboardInterrupt:
-        print(f"\ninterrupted: finished runs are saved in {out}; rerun the same command to continue", file=sys.stderr)
-        return 130
-    except (ValueError, RuntimeError) as exc:
-        print(f"iapo-gym leaderboard: error: {exc}", file=sys.stderr)
-        return 2
-    if len(summary.skipped_tasks) == len(tasks):
-        print("iapo-gym leaderboard: error: none of the tasks has a table here (see above)", file=sys.stderr)
-        return 1
-    print(f"{summary.added} runs added, {summary.skipped} already done, {len(summary.failures)} failed "
-          f"in {summary.seconds:.1f} s; results in {out}/results.sqlite", file=sys.stderr)
-    if summary.added + summary.skipped and not args.no_table:
+        check_scheduler(args.scheduler)
+        return run_sweep(out, tasks, agents, budgets, runs, jobs=args.jobs, root_seed=args.seed,
+                         train_fraction=args.train_fraction, scheduler=args.scheduler, rules=args.rules), tasks
+
+    def table(tasks: Sequence[Any]) -> str | None:
         report = build_report(out, args.test, args.correction, args.alpha, tasks=[t.name for t in tasks])
-        if report.results:
-            print(markdown(report, policies=False))
-    if args.report and summary.added + summary.skipped:
-        written = write_report(out, test=args.test, correction=args.correction, alpha=args.alpha)
-        print(f"report written to {written['markdown'].parent}", file=sys.stderr)
-    return 1 if summary.failures else 0
+        return markdown(report, policies=False) if report.results else None
+
+    return run_sweep_command(
+        out, sweep, "runs", None if args.no_table else table,
+        (lambda: write_report(out, test=args.test, correction=args.correction, alpha=args.alpha)) if args.report
+        else None)
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from iapo_gym.leaderboard.run.online import (
@@ -18,6 +20,7 @@ from iapo_gym.leaderboard.run.online import (
     PROTOCOLS,
 )
 from iapo_gym.leaderboard.run.specs import DEFAULT_TRAIN_FRACTION
+from iapo_gym.leaderboard.sweep_cli import check_scheduler, run_sweep_command
 from iapo_gym.online.schedule import SCHEDULES
 from iapo_gym.tasks import TASKS
 
@@ -79,32 +82,22 @@ def leaderboard_online(args: argparse.Namespace) -> int:
     schedules = list(dict.fromkeys(args.schedule or DEFAULT_SCHEDULES))
     horizons = list(dict.fromkeys(args.horizon or [DEFAULT_HORIZON]))
     batch_size = args.batch_size if args.batch_size is not None else DEFAULT_BATCH_SIZE
-    try:
+    def sweep() -> tuple[Any, list[Any]]:
         tasks = [resolve_task(t) for t in task_names]
         agents = [parse_online_spec(a) for a in agent_texts]
-        if args.scheduler and args.scheduler != "local" and "://" not in args.scheduler:
-            raise ValueError(f"--scheduler must be 'local' or an address like tcp://host:8786, got {args.scheduler!r}")
-        summary = run_online_sweep(out, tasks, agents, schedules, horizons, runs, jobs=args.jobs, root_seed=args.seed,
-                                   batch_size=batch_size, scheduler=args.scheduler)
-    except KeyboardInterrupt:
-        print(f"\ninterrupted: finished runs are saved in {out}; rerun the same command to continue", file=sys.stderr)
-        return 130
-    except (ValueError, RuntimeError) as exc:
-        print(f"iapo-gym leaderboard: error: {exc}", file=sys.stderr)
-        return 2
-    if len(summary.skipped_tasks) == len(tasks):
-        print("iapo-gym leaderboard: error: none of the tasks has a table here (see above)", file=sys.stderr)
-        return 1
-    print(f"{summary.added} online runs added, {summary.skipped} already done, {len(summary.failures)} failed "
-          f"in {summary.seconds:.1f} s; results in {out}/results.sqlite", file=sys.stderr)
-    done = summary.added + summary.skipped
-    if done and not args.no_table:
+        check_scheduler(args.scheduler)
+        return run_online_sweep(out, tasks, agents, schedules, horizons, runs, jobs=args.jobs, root_seed=args.seed,
+                                batch_size=batch_size, scheduler=args.scheduler), tasks
+
+    def table(tasks: Sequence[Any]) -> str | None:
         report = online_report(out, args.test, args.correction, args.alpha, args.baseline,
                                tasks=[t.name for t in tasks])
-        if report is not None:
-            print(online_markdown(report))
-    if args.report and done:
-        written: dict[str, Any] = write_report(out, test=args.test, correction=args.correction, alpha=args.alpha,
-                                               baseline=args.baseline)
-        print(f"report written to {written['markdown'].parent}", file=sys.stderr)
-    return 1 if summary.failures else 0
+        return online_markdown(report) if report is not None else None
+
+    def write() -> dict[str, Path]:
+        written: dict[str, Path] = write_report(out, test=args.test, correction=args.correction, alpha=args.alpha,
+                                                baseline=args.baseline)
+        return written
+
+    return run_sweep_command(out, sweep, "online runs", None if args.no_table else table,
+                             write if args.report else None)
