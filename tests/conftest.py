@@ -104,3 +104,38 @@ def shape_bon_table(seed: int = 0, n_prompts: int = 6, n_queries: int = 50, n_ma
         context_probs=np.full(weights.shape[0], 1.0 / weights.shape[0]),
         objective_names=tuple(f"o{k}" for k in range(n_objectives)), split=split,
     )
+
+
+def rows_in(db: Path, table: str) -> int:
+    """Rows of ``table`` in the results database ``db`` (0 before the file or the table exists)."""
+    import sqlite3
+
+    if not db.is_file():
+        return 0
+    conn = sqlite3.connect(db, timeout=30)
+    try:
+        return int(conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0])
+    except sqlite3.OperationalError:  # the table is created with the first unit
+        return 0
+    finally:
+        conn.close()
+
+
+def kill_sweep_midway(args: list[str], out: Path, table: str, at_least: int, repo: Path) -> int:
+    """Start ``iapo-gym`` ``args`` --out ``out`` as a process, kill it with -9 once ``table`` has ``at_least`` rows
+    (or after 60 s, or when it ends), and return the rows it left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    command = [sys.executable, "-m", "iapo_gym.cli", *args, "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    proc = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    db = out / "results.sqlite"
+    deadline = time.monotonic() + 60
+    while rows_in(db, table) < at_least and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return rows_in(db, table)

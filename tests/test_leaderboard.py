@@ -5,11 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import signal
 import sqlite3
-import subprocess
-import sys
-import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -36,7 +32,7 @@ from iapo_gym.leaderboard.run.specs import AgentSpec
 from iapo_gym.policy import Policy
 from iapo_gym.seeding import derive_seed
 from iapo_gym.tables import read_table, write_table
-from tests.conftest import tiny_bon_table, tiny_mv_table
+from tests.conftest import kill_sweep_midway, tiny_bon_table, tiny_mv_table
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = "tests.leaderboard_toy_agents"
@@ -204,31 +200,10 @@ def test_synthetic_tasks_use_instance_r_for_run_r(tmp_path: Path) -> None:
 # ---- interruption, concurrency, Dask --------------------------------------------------------
 
 
-def _count(db: Path) -> int:
-    if not db.is_file():
-        return 0
-    conn = sqlite3.connect(db, timeout=30)
-    try:
-        return int(conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0])
-    except sqlite3.OperationalError:
-        return 0
-    finally:
-        conn.close()
-
-
 def test_kill_minus_9_then_rerun_equals_a_clean_sweep(tmp_path: Path, tables: dict[str, str]) -> None:
     args = ["leaderboard", "--tasks", tables["mv"], "--agents", f"{TOY}:Sleepy:delay=0.02", "--budgets", "6", "30",
             "--runs", "40", "--no-table"]
-    command = [sys.executable, "-m", "iapo_gym.cli", *args, "--out", str(tmp_path / "killed")]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    db = tmp_path / "killed" / "results.sqlite"
-    deadline = time.monotonic() + 60
-    while _count(db) < 10 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    stopped_at = _count(db)
+    stopped_at = kill_sweep_midway(args, tmp_path / "killed", "runs", 10, REPO)
     assert 10 <= stopped_at < 80, "the sweep should have been killed mid-way"
     assert stopped_at % 2 == 0  # whole (task, run) units only: one transaction per unit
     assert main([*args, "--out", str(tmp_path / "killed")]) == 0

@@ -9,11 +9,7 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import sqlite3
-import subprocess
-import sys
-import time
 import zipfile
 from dataclasses import asdict
 from pathlib import Path
@@ -40,7 +36,7 @@ from iapo_gym.leaderboard.submit.merge import MergeError, merge
 from iapo_gym.leaderboard.submit.verify import verify_bundle
 from iapo_gym.online import OnlineEnv, checkpoints, run_online
 from iapo_gym.tables import read_table, write_table
-from tests.conftest import tiny_bon_table, tiny_mv_table
+from tests.conftest import kill_sweep_midway, tiny_bon_table, tiny_mv_table
 
 REPO = Path(__file__).resolve().parents[1]
 AGENTS = ("ucb", "thompson", "etc_auto:budget=150@etc_auto")
@@ -114,32 +110,11 @@ def test_a_rerun_skips_done_runs_and_the_batch_size_is_the_folders(swept: Path, 
         _sweep(swept, tables, batch_size=4)
 
 
-def _count(db: Path) -> int:
-    if not db.is_file():
-        return 0
-    conn = sqlite3.connect(db, timeout=30)
-    try:
-        return int(conn.execute("SELECT COUNT(*) FROM online_runs").fetchone()[0])
-    except sqlite3.OperationalError:  # the table is created with the first unit
-        return 0
-    finally:
-        conn.close()
-
-
 def test_kill_minus_9_then_rerun_equals_a_clean_sweep(tmp_path: Path, tables: dict[str, str]) -> None:
     args = ["leaderboard", "--protocol", "online", "--tasks", tables["mv"], "--agents", "ucb",
             "tests.leaderboard_toy_agents:SleepyOnline:delay=0.05", "--schedule", "stationary", "arrival",
             "--horizon", "200", "--runs", "15", "--no-table"]
-    command = [sys.executable, "-m", "iapo_gym.cli", *args, "--out", str(tmp_path / "killed")]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    db = tmp_path / "killed" / "results.sqlite"
-    deadline = time.monotonic() + 60
-    while _count(db) < 6 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    stopped_at = _count(db)
+    stopped_at = kill_sweep_midway(args, tmp_path / "killed", "online_runs", 6, REPO)
     assert 6 <= stopped_at < 60, "the sweep should have been killed mid-way"
     assert stopped_at % 2 == 0  # whole (level, schedule, horizon, run) units only: one transaction per unit
     assert main([*args, "--out", str(tmp_path / "killed")]) == 0
