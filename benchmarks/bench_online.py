@@ -6,14 +6,18 @@ agent through ``run_online``; prints the mean cumulative regret at T/10, T/2 and
 level x run pairs). Agents are ``make_online`` names or the peers of ``online_peers.py`` (``vw``, ``mabwiser``).
 ``--speed``: requests per second at T = 100K on a 27-context table, of the driver with a trivial agent (one fixed
 arm) through ``env.step``, through ``run_online`` one request at a time and in batches, of the recommended agent
-``iapo_online`` through ``env.step`` and in batches, of the UCB agent (T = 20K) and of the peers (T = 1K).
+``iapo_online`` through ``env.step`` and in batches, of the UCB agent (T = 20K) and of the peers (T = 2K);
+``--speed-peers``: the peers' rows alone.
 ``--tune c`` / ``--tune discount`` / ``--tune sigma``: UCB's exploration weight and discount, Thompson sampling's
 sigma, on tuning levels (never held-out).
 
 ``--out DIR``: the same grid through the leaderboard's runner (``iapo-gym leaderboard --protocol online``):
 resumable (rerun the command to continue after an interruption), ``--jobs`` worker processes, rows in
-``DIR/results.sqlite``; prints the online report (cumulative regret at the checkpoints, each agent paired against
-``--baseline``, default ``etc_auto``).
+``DIR/results.sqlite``; the peers run as the agent specs ``online_peers:VowpalWabbit@vw`` and
+``online_peers:MABWiserLinUCB@mabwiser`` (worker processes import ``online_peers`` from this folder, on the
+``sys.path`` they inherit). Prints the online report (cumulative regret at the checkpoints, each agent paired
+against the first ``--baseline``, default ``etc_auto``) and each agent's paired comparison against every further
+``--baseline`` (default ``vw``, when it has runs).
 
 Run: ``.venv/bin/python benchmarks/bench_online.py`` (about two minutes on two cores),
 ``.venv/bin/python benchmarks/bench_online.py --speed``, ``.venv/bin/python benchmarks/bench_online.py --tune c``.
@@ -38,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from online_peers import PEERS  # noqa: E402  (benchmarks/ is not a package)
 
 SPEED_TABLE = ("bon_shift", 1_000_017)  # 23 prompts, 924 queries, 27 contexts, N_max 44
+PEER_SPEED_HORIZON = 2_000  # the peers' speed rows: VW and MABWiser are far slower than the suite's agents
 
 
 def make_agent(name: str) -> OnlineAgent:
@@ -79,22 +84,56 @@ def results(families: list[str], schedules: list[str], agents: list[str], levels
         print(f"| {family} | {schedule} | {name} | {mean[0]:.1f} | {mean[1]:.1f} | {mean[2]:.1f} ± {sd:.1f} |")
 
 
+def runner_spec(name: str) -> str:
+    """The leaderboard agent spec of a ``--agents`` name: a peer becomes ``online_peers:Class@name`` (its module is
+    importable here and in the worker processes, which inherit this script's ``sys.path``), anything else stays."""
+    return f"online_peers:{PEERS[name].__name__}@{name}" if name in PEERS else name
+
+
+def versus_markdown(report: Any) -> str:
+    """Every agent against ``report.baseline`` at T/2 and T of each (task, schedule, horizon): the mean ratio of
+    cumulative regret, the adjusted p and the verdict (the report's paired statistics, ``pair_online``)."""
+    lines = [f"Against `{report.baseline}` ({report.test} test, {report.correction} correction, alpha "
+             f"{report.alpha}; ratio = agent's mean cumulative regret / `{report.baseline}`'s on the paired runs; "
+             "**less** / **more**: significantly less / more regret):", "",
+             "| task | schedule | T | agent | at T/2 | at T |", "|---|---|---:|---|---:|---:|"]
+    cells: dict[tuple[str, str, int, str], dict[int, Any]] = {}  # per (task, schedule, T, label): checkpoint -> row
+    for p in report.pairs:
+        cells.setdefault((p.task, p.schedule, p.horizon, p.label), {})[p.checkpoint] = p
+    for (task, schedule, horizon, label), at in sorted(cells.items()):
+        shown = []
+        for point in (horizon // 2, horizon):
+            p = at[min(at, key=lambda c: abs(c - point))]  # noqa: B023  (the tested checkpoint nearest T/2, T)
+            word = {1: "**less**", -1: "**more**", 0: "n.s."}[p.winner]
+            shown.append(f"{p.mean_ratio:.2f}x, p {p.p_adjusted:.3g}, {word}")
+        lines.append(f"| {task} | {schedule} | {horizon} | {label} | {shown[0]} | {shown[1]} |")
+    return "\n".join(lines) + "\n"
+
+
 def through_runner(out: str, families: list[str], schedules: list[str], agents: list[str], levels: int, runs: int,
-                   horizon: int, batch_size: int, jobs: int, baseline: str) -> None:
-    """The results grid through the leaderboard's runner into ``out`` (resumable), then its online report."""
+                   horizon: int, batch_size: int, jobs: int, baselines: list[str]) -> None:
+    """The results grid through the leaderboard's runner into ``out`` (resumable), then its online report paired
+    against the first of ``baselines`` and the paired comparisons against each other one that has runs."""
     from iapo_gym.leaderboard.report.online import online_markdown, online_report
     from iapo_gym.leaderboard.run.online import parse_online_spec, run_online_sweep
     from iapo_gym.leaderboard.run.specs import resolve_task
 
     first = HELD_OUT_LEVELS.start
     tasks = [resolve_task(f"generated:{family}:{first}-{first + levels - 1}") for family in families]
-    summary = run_online_sweep(out, tasks, [parse_online_spec(a) for a in agents], schedules, [horizon], runs,
-                               jobs=jobs, batch_size=batch_size)
+    summary = run_online_sweep(out, tasks, [parse_online_spec(runner_spec(a)) for a in agents], schedules,
+                               [horizon], runs, jobs=jobs, batch_size=batch_size)
     print(f"{summary.added} runs added, {summary.skipped} already in {out}, {len(summary.failures)} failed; "
           f"{summary.seconds:.0f} s")
-    report = online_report(out, baseline=baseline, tasks=[t.name for t in tasks])
-    if report is not None:
-        print(online_markdown(report))
+    for k, baseline in enumerate(baselines):
+        report = online_report(out, baseline=baseline, tasks=[t.name for t in tasks])
+        if report is None:
+            return
+        if k == 0:
+            print(online_markdown(report))
+        elif any(r.label == baseline for r in report.results):
+            print(versus_markdown(report))
+        else:
+            print(f"No runs of `{baseline}` in {out}: no comparison against it.\n")
 
 
 def rate(fn: Any, requests: int) -> float:
@@ -130,6 +169,7 @@ def speed(horizon: int) -> None:
 
     def agent_loop(name: str) -> None:
         agent = make_online(name)
+        assert isinstance(agent, OnlineAgentBase)  # the one-request forms choose / update
         obs, _ = env.reset(seed=0)
         agent.start(env, 0)
         while True:
@@ -150,11 +190,17 @@ def speed(horizon: int) -> None:
     for b in (1, 256):
         r = rate(lambda b=b: run_online(env_short, make_online("ucb"), seed=0, batch_size=b), short)
         print(f"  ucb, run_online batch {b:>5} (T = {short}): {r:>10,.0f} requests/s")
-    tiny = min(horizon, 1_000)
-    env_tiny = OnlineEnv(family=family, level=level, horizon=tiny)
+    peer_speed(min(horizon, PEER_SPEED_HORIZON))
+
+
+def peer_speed(horizon: int) -> None:
+    """Print the peers' requests per second at ``horizon`` on the 27-context table, batch size 16."""
+    family, level = SPEED_TABLE
+    env = OnlineEnv(family=family, level=level, horizon=horizon)
+    env.segment_tensors(0)
     for name in PEERS:
-        r = rate(lambda name=name: run_online(env_tiny, make_agent(name), seed=0, batch_size=16), tiny)
-        print(f"  {name}, run_online batch 16 (T = {tiny}):   {r:>10,.0f} requests/s")
+        r = rate(lambda name=name: run_online(env, make_agent(name), seed=0, batch_size=16), horizon)
+        print(f"  {name}, run_online batch 16 (T = {horizon}):   {r:>10,.0f} requests/s")
 
 
 def tune(horizon: int, what: str) -> None:
@@ -184,24 +230,33 @@ def main() -> None:
     parser.add_argument("--families", default="mv_categorical,mv_binary,bon_shift")
     parser.add_argument("--schedules", default="stationary,drift,arrival,retirement,model_arrival")
     parser.add_argument("--agents", default="iapo_online,ucb,ucb_discounted,thompson,etc_auto,etc_psst",
-                        help="names of agents.online.make_online and, without --out, of online_peers.PEERS "
-                             "(vw, mabwiser)")
+                        help="comma-separated names of agents.online.make_online and of online_peers.PEERS (vw, "
+                             "mabwiser); with --out also leaderboard online agent specs (module:Class[:k=v][@label], "
+                             "one parameter each, as commas separate the agents)")
     parser.add_argument("--levels", type=int, default=3, help="held-out levels per family (from 1,000,000)")
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--horizon", type=int, default=10_000)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--speed", action="store_true", help="requests per second at T = 100K instead")
+    parser.add_argument("--speed-peers", action="store_true",
+                        help=f"only the peers' requests per second (T = {PEER_SPEED_HORIZON:,}) instead")
     parser.add_argument("--tune", choices=("c", "discount", "sigma"),
                         help="UCB's c or discount, or Thompson's sigma, on tuning levels instead")
     parser.add_argument("--out", help="run through the leaderboard's runner into this folder (resumable)")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes with --out (default: 1)")
-    parser.add_argument("--baseline", default="etc_auto", help="with --out: the agent the others pair against")
+    parser.add_argument("--baseline", action="append", metavar="LABEL",
+                        help="with --out: an agent label the others pair against; repeatable, the first gets the "
+                             "full report, each other one a table of paired comparisons (default: etc_auto, then "
+                             "vw when it has runs)")
     args = parser.parse_args()
     if args.out:
         through_runner(args.out, args.families.split(","), args.schedules.split(","), args.agents.split(","),
-                       args.levels, args.runs, args.horizon, args.batch_size, args.jobs, args.baseline)
+                       args.levels, args.runs, args.horizon, args.batch_size, args.jobs,
+                       args.baseline or ["etc_auto", "vw"])
     elif args.speed:
         speed(100_000)
+    elif args.speed_peers:
+        peer_speed(PEER_SPEED_HORIZON)
     elif args.tune:
         tune(args.horizon, args.tune)
     else:

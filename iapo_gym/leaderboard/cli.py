@@ -67,7 +67,12 @@ def add_commands(subparsers: Any) -> None:
                "(one level, resplit per run); see docs/tasks.md.")
     lb.add_argument("--tasks", nargs="+", metavar="TASK", help=f"default: all six ({', '.join(TASKS)}); "
                     "tasks whose table is missing are skipped")
-    lb.add_argument("--agents", nargs="+", metavar="SPEC", help="default: the paper's ten agents")
+    lb.add_argument("--agents", nargs="+", metavar="SPEC",
+                    help="default: the paper's ten agents (online: every agents.online name). With --protocol "
+                         "online a spec is an agents.online name or a module:Class[:k=v,...] implementing "
+                         "iapo_gym.online.OnlineAgent, imported in every worker: a module outside an installed "
+                         "package needs its folder on PYTHONPATH, e.g. the peers of docs/online.md: "
+                         "PYTHONPATH=benchmarks ... --agent online_peers:VowpalWabbit@vw")
     lb.add_argument("--agent", action="append", default=[], metavar="SPEC", help="add one agent spec (repeatable)")
     lb.add_argument("--budgets", nargs="+", type=_budget_list, metavar="T",
                     help="training budgets, space- or comma-separated (`--budgets 1000 3000` or `--budgets 1000,3000`); "

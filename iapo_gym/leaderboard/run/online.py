@@ -18,6 +18,7 @@ workers (the executors are the paper protocol's, ``runner.execute``).
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -188,12 +189,46 @@ def read_online(out_dir: str | os.PathLike[str]) -> list[OnlineRunResult]:
 # ---- specs -----------------------------------------------------------------------------------------------------
 
 
+#: What a ``module:Class`` online agent must have (``iapo_gym.online.OnlineAgent``).
+ONLINE_AGENT_METHODS = ("start", "choose_batch", "update_batch")
+
+
 def parse_online_spec(text: str) -> AgentSpec:
     """An online agent spec: a name of ``agents.online.make_online`` (``ucb``, ``etc_auto:budget=2000``, ...)
-    or a ``module:Class`` implementing ``iapo_gym.online.OnlineAgent``, with ``@label`` as for the paper's."""
+    or a ``module:Class`` implementing ``iapo_gym.online.OnlineAgent``, with ``@label`` as for the paper's.
+
+    ``module`` is imported as Python imports it, here and in every worker process (local workers inherit this
+    process's ``sys.path``; Dask workers need the module installed or on their ``PYTHONPATH``): an agent outside
+    an installed package runs with its folder on ``PYTHONPATH``, e.g. ``PYTHONPATH=benchmarks`` for the peers
+    ``online_peers:VowpalWabbit`` and ``online_peers:MABWiserLinUCB`` (docs/online.md, "Peers"). The class is
+    resolved now, so a spec that cannot build an online agent is refused before any run."""
     from agents.online import ONLINE_REGISTRY
 
-    return parse_agent_spec(text, registry=ONLINE_REGISTRY)
+    try:
+        spec = parse_agent_spec(text, registry=ONLINE_REGISTRY)
+    except ValueError as exc:
+        message = str(exc)
+        if "cannot import module" in message:
+            raise ValueError(f"{message}; a module outside an installed package needs its folder on PYTHONPATH "
+                             "(e.g. PYTHONPATH=benchmarks for online_peers:VowpalWabbit)") from None
+        if message.startswith("module "):  # load_class's "module ... has no attribute ...": name the spec
+            raise ValueError(f"agent spec {text.strip()!r}: {message}") from None
+        raise
+    if spec.name not in ONLINE_REGISTRY:
+        cls = online_agent_class(spec.name)  # imported by parse_agent_spec already
+        missing = [m for m in ONLINE_AGENT_METHODS if not callable(getattr(cls, m, None))]
+        if not isinstance(cls, type) or missing:
+            what = "not a class" if not isinstance(cls, type) else f"a class without {', '.join(missing)}"
+            raise ValueError(f"agent spec {text.strip()!r}: {spec.name!r} is {what}; an online agent spec names a "
+                             "class implementing iapo_gym.online.OnlineAgent (start, choose_batch, update_batch)")
+    if "seed" in spec.params:
+        raise ValueError(f"agent spec {text.strip()!r}: 'seed' is derived by the leaderboard (use --seed), not an "
+                         "agent parameter")
+    try:
+        inspect.signature(online_agent_class(spec.name)).bind(**spec.params)
+    except TypeError as exc:
+        raise ValueError(f"agent spec {text.strip()!r}: its class does not take these parameters ({exc})") from None
+    return spec
 
 
 def online_agent_class(name: str) -> type:
