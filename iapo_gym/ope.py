@@ -21,14 +21,35 @@ logged distribution of contexts):
 
 - IPS: mean of w_i r_i;
 - self-normalized IPS (SNIPS): sum w_i r_i / sum w_i;
-- doubly robust (DR): mean of q^(x_i, pi_e(x_i)) + w_i (r_i - q^(x_i, pi_e(x_i))), with the direct-method model
-  q^ the plug-in mean of the logged utilities of (context, arm), cross-fitted by leaving row i out
-  (q^_{-i}: the mean over the other rows of that context and arm; 0 where there is none, when DR is IPS);
+- doubly robust (DR): mean of q^_{-i} + o_i / P_i (y_i - q^_{-i}), where o_i says whether row i observed the
+  candidate's utility y_i in context x_i, P_i is the probability of that observation under the logging
+  distribution at row i, and q^_{-i} is a direct-method model of the candidate's utility cross-fitted by leaving
+  row i out ("DR's observation model" below);
 - the logging policy's on-policy value, the mean of r_i, and DR minus it, on paired per-row terms.
+
+DR's observation model. Where the log determines the logging policy's whole distribution at every row
+(``logging_model``: the exploring learner of ``serve --learn``, whose rows record the greedy arm and whether
+they explored: greedy with probability 1 - s, each of the other K - 1 arms s / (K - 1), s = 0 where its budget
+left nothing to explore), and for a Best-of-N candidate arm (p, n) of fixed N: a row served prompt p with
+N_i >= n completions, valued by its scores (no feedback), observes the candidate's utility y_i = the best of its
+first n weighted scores + cost_weight * n * unit_cost (the completions are independent draws, so their first n
+are n draws: nested reuse, only completions the row drew); P_i = the probability that the learner served
+prompt p with some N >= n at row i (all K arms' probabilities summed), larger than the exact arm's propensity;
+q^_{-i} = the mean over every other logged Best-of-N row (any context) that drew >= n completions of prompt p of
+the best of its first n under x_i's objective weights (the logged objective score vectors) plus the cost term:
+a pooled model, exact in expectation where queries do not depend on the context, and DR stays unbiased when
+it is not (the model only moves the variance). Rows where P_i = 0 (the budget left the learner only its
+greedy arm, and it does not observe the candidate's) get q^ alone (counted as ``unobservable``). Otherwise
+(majority vote, feedback-valued rows, an arm with a stopping rule, or a log whose distribution is not
+determined: a fixed stochastic logger records only the served arm's propensity) y_i is observed on the exact
+arm, P_i is its propensity, and q^_{-i} the plug-in mean of the logged utilities of (context, candidate's arm)
+without row i (0 where no other row has it). ``Evaluation.dr_observation`` says which model DR used;
+``observed`` counts the rows that observed the candidate.
 
 Each comes with a 95 % normal confidence interval over the per-request terms (mean +- 1.96 standard errors;
 for SNIPS the delta method: the terms w_i (r_i - SNIPS) / mean(w)). A context where the candidate's arm was
-never logged has no estimate (``support`` 0): no estimator can say anything of an arm never served there.
+never logged has no IPS or SNIPS estimate (``support`` 0), one with no row observing the candidate no DR
+estimate; the overall estimate needs every context's.
 The estimators assume the recorded propensities are the true ones, and that rows with feedback are not
 chosen by their outcome.
 """
@@ -46,7 +67,8 @@ import numpy as np
 from iapo_gym.outcome_log import LogError, LogRow
 from iapo_gym.policyfile import PolicyContext, PolicyFile
 
-__all__ = ["Estimate", "Evaluation", "Z95", "arm_key", "evaluate", "row_utility"]
+__all__ = ["Estimate", "Evaluation", "LoggingModel", "Z95", "arm_key", "evaluate", "logging_model",
+           "row_utility"]
 
 #: The normal quantile of a two-sided 95 % interval.
 Z95 = 1.959963984540054
@@ -102,6 +124,9 @@ class Evaluation:
     dr: Estimate | None = None
     dr_minus_logged: Estimate | None = None
     logged_arms: dict[str, int] = field(default_factory=dict)
+    observed: int = 0  # rows where DR observed the candidate's utility
+    unobservable: int = 0  # rows where the logging distribution gave the candidate's arm no chance to be observed
+    dr_observation: str | None = None  # overall: what DR's observation model was (module docstring)
 
     def to_dict(self) -> dict[str, Any]:
         """As JSON."""
@@ -110,7 +135,8 @@ class Evaluation:
         return {"context": self.name, "weights": None if self.weights is None else list(self.weights),
                 "candidate_arm": self.candidate_arm, "rows": self.rows, "support": self.support,
                 "logged": est(self.logged), "ips": est(self.ips), "snips": est(self.snips), "dr": est(self.dr),
-                "dr_minus_logged": est(self.dr_minus_logged), "logged_arms": self.logged_arms}
+                "dr_minus_logged": est(self.dr_minus_logged), "logged_arms": self.logged_arms,
+                "observed": self.observed, "unobservable": self.unobservable, "dr_observation": self.dr_observation}
 
 
 def arm_key(prompt: str, n: int, rule: Mapping[str, Any] | None) -> str:
@@ -149,8 +175,7 @@ def row_utility(row: LogRow, costs: Mapping[str, float]) -> float | None:
         raise LogError(f"the log has no cost per completion for prompt {row.prompt!r} (the serving policy had no "
                        f"arm_estimates), and the contexts' cost weights need one: give --cost {row.prompt}=VALUE in "
                        "the unit of the cost weights")
-    fixed = not row.rule or row.rule.get("name") == "fixed"
-    completions = row.n if fixed else row.drawn
+    completions = row.n if _fixed(row.rule) else row.drawn
     return quality + cost_weight * completions * float(unit)
 
 
@@ -158,15 +183,104 @@ def _same(a: Sequence[float], b: Sequence[float]) -> bool:
     return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12) for x, y in zip(a, b, strict=True))
 
 
-def evaluate(rows: Iterable[LogRow], candidate: PolicyFile, *,
-             costs: Mapping[str, float] | None = None) -> tuple[list[Evaluation], Evaluation, dict[str, int]]:
+def _fixed(rule: Mapping[str, Any] | None) -> bool:
+    return not rule or rule.get("name") == "fixed"
+
+
+@dataclass(frozen=True)
+class LoggingModel:
+    """The logging policy's whole distribution over arms at each logged request, where the log determines it: the
+    exploring learner of ``serve --learn`` (greedy arm with probability 1 - s, each of the other K - 1 candidate
+    arms s / (K - 1); s = 0 where its budget left nothing to explore), whose arms are every prompt of the policy
+    with every N of its contexts (module docstring, "DR's observation model")."""
+
+    prompts: frozenset[str]  # the prompts served (a prompt of the K / len(ns) never served is not named)
+    ns: tuple[int, ...]
+    share: float
+    arms: int  # K
+
+    def has_prompt(self, prompt: str) -> bool:
+        """Whether ``prompt`` is one of the learner's: served, or possibly one of those never served."""
+        return prompt in self.prompts or len(self.prompts) < self.arms // len(self.ns)
+
+
+def logging_model(rows: Sequence[LogRow]) -> tuple[LoggingModel | None, str]:
+    """The ``LoggingModel`` the rows were drawn from, with a sentence saying how it was found, or None and why not.
+
+    Every row must carry ``outcomes["learn"]`` (``{"explored", "greedy"}``, as ``serve --learn`` writes it) or be
+    served with propensity 1. The share s is 1 - the propensity of the greedy rows that could explore, one value
+    for all; K is 1 + s / the explored rows' propensity, one value for all (within 1e-9); the Ns are those served
+    (greedy or explored), and K must be a multiple of their number, with at most K / len(Ns) prompts served. A log
+    of another logging policy (a fixed stochastic one, a policy swap that changed the arms, a learner that
+    explores otherwise) fails these checks and gets None."""
+    prompts: set[str] = set()
+    ns: set[int] = set()
+    shares: list[float] = []
+    explored: list[float] = []
+    for row in rows:
+        learn = row.outcomes.get("learn")
+        if learn is None:
+            if row.propensity != 1.0:
+                return None, f"row {row.id} has propensity {row.propensity} and no learner record (outcomes.learn)"
+            continue
+        greedy = learn.get("greedy")
+        if not isinstance(greedy, list) or len(greedy) != 2:
+            return None, f"row {row.id}'s learner record has no greedy arm [prompt, N]"
+        prompts.update((row.prompt, str(greedy[0])))
+        ns.update((int(row.n), int(greedy[1])))
+        if bool(learn.get("explored")) == ((row.prompt, int(row.n)) == (str(greedy[0]), int(greedy[1]))):
+            return None, f"row {row.id} says explored={learn.get('explored')} and served {row.prompt}/{row.n} with " \
+                         f"greedy arm {greedy[0]}/{greedy[1]} (an explored row serves another arm than the greedy one)"
+        if learn.get("explored"):
+            explored.append(row.propensity)
+        elif row.propensity < 1.0:
+            shares.append(1.0 - row.propensity)
+    if not shares or not explored:
+        return None, "no explored row and greedy row of an exploring learner (outcomes.learn, propensity below 1)"
+    share = shares[0]
+    if any(not math.isclose(s, share, rel_tol=1e-9, abs_tol=1e-12) for s in shares):
+        return None, "the greedy rows' propensities differ (not one explore share)"
+    k = 1 + share / explored[0]
+    arms = round(k)
+    if arms < 2 or abs(k - arms) > 1e-6 or any(not math.isclose(p, share / (arms - 1), rel_tol=1e-9, abs_tol=1e-12)
+                                   for p in explored):
+        return None, "the explored rows' propensities are not one share / (K - 1)"
+    if arms % len(ns) or len(prompts) > arms // len(ns):
+        return None, (f"K = {arms} arms do not fit the {len(prompts)} prompts x {len(ns)} Ns served (another "
+                      "logging policy, or a policy swap that changed the arms)")
+    model = LoggingModel(frozenset(prompts), tuple(sorted(ns)), share, arms)
+    return model, (f"serve --learn's exploration: greedy arm 1 - {share:g}, each other of the K = {arms} arms "
+                   f"({arms // len(ns)} prompts x N in {sorted(ns)}) {share:g}/{arms - 1}")
+
+
+def _scored(row: LogRow) -> bool:
+    """Whether a row's utility is its completions' scores (Best-of-N without feedback), so that a candidate arm of the
+    same prompt and a smaller N is observed from its first completions."""
+    return row.outcomes.get("aggregator") == "bon" and row.reward is None and _fixed(row.rule) and \
+        isinstance(row.outcomes.get("scores"), list) and len(row.outcomes["scores"]) >= 1
+
+
+def _unit(row: LogRow, prompt: str, costs: Mapping[str, float]) -> float:
+    unit = row.unit_cost if row.unit_cost is not None and row.prompt == prompt else costs.get(prompt)
+    if unit is None:
+        raise LogError(f"the log has no cost per completion for prompt {prompt!r} (the serving policy had no "
+                       f"arm_estimates), and the contexts' cost weights need one: give --cost {prompt}=VALUE in "
+                       "the unit of the cost weights")
+    return float(unit)
+
+
+def evaluate(rows: Iterable[LogRow], candidate: PolicyFile, *, costs: Mapping[str, float] | None = None,
+             terms: dict[str, np.ndarray] | None = None) -> tuple[list[Evaluation], Evaluation, dict[str, int]]:
     """Per logged context and overall, the candidate's estimated value and the logging policy's (module
-    docstring); the counts of rows ``used``, ``unrated`` (no utility) and ``uncovered`` (no candidate context)."""
+    docstring); the counts of rows ``used``, ``unrated`` (no utility), ``uncovered`` (no candidate context),
+    ``observed`` (where DR observed the candidate's utility) and ``unobservable`` (where the logging distribution
+    gave the candidate's arm no chance to be observed: DR's term there is its model's alone). ``terms``: a dict
+    to receive DR's per-row inputs over the rows used, in order (``y``, ``observed``, ``probability``, ``model``,
+    ``dr``), for a check of the estimator by another implementation (``research/ope_vs_obp.py``)."""
     costs = dict(costs or {})
+    kept: list[LogRow] = []
     keys: list[tuple[float, ...]] = []
     names: dict[tuple[float, ...], str] = {}
-    arms: list[str] = []
-    props: list[float] = []
     utils: list[float] = []
     counts = {"used": 0, "unrated": 0, "uncovered": 0}
     target: dict[tuple[float, ...], PolicyContext | None] = {}
@@ -182,32 +296,65 @@ def evaluate(rows: Iterable[LogRow], candidate: PolicyFile, *,
         if r is None:
             counts["unrated"] += 1
             continue
-        if not (row.propensity > 0 and math.isfinite(row.propensity)):
-            raise LogError(f"row {row.id}: propensity {row.propensity!r} is not a probability > 0")
+        if not (0 < row.propensity <= 1 and math.isfinite(row.propensity)):
+            raise LogError(f"row {row.id}: propensity {row.propensity!r} is not a probability in (0, 1]")
+        kept.append(row)
         keys.append(key)
-        arms.append(arm_key(row.prompt, row.n, row.rule))
-        props.append(row.propensity)
         utils.append(r)
         counts["used"] += 1
     if not keys:
         raise LogError(f"no logged request can be evaluated: {counts['unrated']} without a utility (majority vote "
                        f"without feedback), {counts['uncovered']} in contexts the candidate does not have")
+    n_rows = len(kept)
     r_all = np.asarray(utils, dtype=np.float64)
-    p_all = np.asarray(props, dtype=np.float64)
+    p_all = np.fromiter((row.propensity for row in kept), dtype=np.float64, count=n_rows)
+    arms = [arm_key(row.prompt, row.n, row.rule) for row in kept]
     ctx_index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
-    ctx_of = np.fromiter((ctx_index[k] for k in keys), dtype=np.int64, count=len(keys))
+    ctx_of = np.fromiter((ctx_index[k] for k in keys), dtype=np.int64, count=n_rows)
     target_arm = {k: _context_arm(c) for k, c in target.items() if c is not None}
-    match = np.fromiter((a == target_arm[k] for a, k in zip(arms, keys, strict=True)), dtype=bool, count=len(keys))
+    match = np.fromiter((a == target_arm[k] for a, k in zip(arms, keys, strict=True)), dtype=bool, count=n_rows)
     w = np.where(match, 1.0 / p_all, 0.0)
-    # the plug-in q^(x, pi_e(x)) with row i left out: per context, the sum and count of the candidate arm's rows
-    n_ctx = len(ctx_index)
-    s = np.bincount(ctx_of, weights=np.where(match, r_all, 0.0), minlength=n_ctx)
-    c = np.bincount(ctx_of, weights=match.astype(np.float64), minlength=n_ctx)
-    s_i = s[ctx_of] - np.where(match, r_all, 0.0)
-    c_i = c[ctx_of] - match
-    q_hat = np.divide(s_i, c_i, out=np.zeros_like(s_i), where=c_i > 0)
-    dr_terms = q_hat + w * (r_all - q_hat)
     ips_terms = w * r_all
+    n_ctx = len(ctx_index)
+
+    # DR's observation of the candidate's utility y_i, its probability o_i and the cross-fitted model q^_{-i}
+    model, how = logging_model(kept)
+    observed = match.copy()
+    y = np.where(match, r_all, 0.0)
+    o_prob = np.where(match, p_all, 1.0)  # without a logging model: the exact arm, its logged propensity
+    q_hat = np.zeros(n_rows)
+    pooled: _PooledScores | None = None
+    nested = np.zeros(n_ctx, dtype=bool)  # contexts whose DR uses the nested observation and the pooled model
+    for key, ci in ctx_index.items():
+        ctx = target[key]
+        assert ctx is not None
+        sel = np.flatnonzero(ctx_of == ci)
+        fixed = getattr(ctx, "rule", None) is None
+        if model is not None:
+            o_prob[sel] = [_arm_probability(kept[j], model, ctx.prompt, ctx.n, fixed and _scored(kept[j]))
+                           for j in sel]
+        if model is not None and fixed and candidate.aggregator == "bon":
+            nested[ci] = True
+            for j in sel:
+                row = kept[j]
+                if row.prompt == ctx.prompt and _scored(row) and row.n >= ctx.n:
+                    observed[j] = True
+                    unit = _unit(row, ctx.prompt, costs) if ctx.cost_weight != 0 else 0.0
+                    y[j] = max(row.outcomes["scores"][:ctx.n]) + ctx.cost_weight * ctx.n * unit
+            pooled = pooled if pooled is not None else _PooledScores(kept, costs)
+            q_hat[sel] = pooled.model(n_rows, sel, ctx)
+        else:
+            s = float(y[sel][observed[sel]].sum())
+            c = int(observed[sel].sum())
+            s_i = s - np.where(observed[sel], y[sel], 0.0)
+            c_i = c - observed[sel]
+            q_hat[sel] = np.divide(s_i, c_i, out=np.zeros(sel.size), where=c_i > 0)
+    unobservable = o_prob <= 0
+    dr_terms = q_hat + np.where(observed & ~unobservable, (y - q_hat) / np.where(unobservable, 1.0, o_prob), 0.0)
+    counts["observed"] = int(observed.sum())
+    counts["unobservable"] = int(unobservable.sum())
+    if terms is not None:
+        terms.update(y=y, observed=observed, probability=o_prob, model=q_hat, dr=dr_terms)
 
     def block(name: str, weights: tuple[float, ...] | None, arm: dict[str, Any] | None, sel: np.ndarray) -> Evaluation:
         r, wt = r_all[sel], w[sel]
@@ -215,15 +362,17 @@ def evaluate(rows: Iterable[LogRow], candidate: PolicyFile, *,
         for a in (arms[i] for i in np.flatnonzero(sel)):
             logged_arms[a] = logged_arms.get(a, 0) + 1
         ev = Evaluation(name, weights, arm, int(sel.sum()), int(match[sel].sum()), Estimate.of(r),
-                        logged_arms=logged_arms)
+                        logged_arms=logged_arms, observed=int(observed[sel].sum()),
+                        unobservable=int(unobservable[sel].sum()))
+        if ev.observed > 0:
+            ev.dr = Estimate.of(dr_terms[sel])
+            ev.dr_minus_logged = Estimate.of(dr_terms[sel] - r)
         if ev.support == 0:
             return ev
         ev.ips = Estimate.of(ips_terms[sel])
         mean_w = float(wt.mean())
         snips = float((wt * r).sum() / wt.sum())
         ev.snips = Estimate(snips, Estimate.of(wt * (r - snips) / mean_w).stderr, ev.rows)
-        ev.dr = Estimate.of(dr_terms[sel])
-        ev.dr_minus_logged = Estimate.of(dr_terms[sel] - r)
         return ev
 
     per_context = []
@@ -234,10 +383,85 @@ def evaluate(rows: Iterable[LogRow], candidate: PolicyFile, *,
         arm = {"context": ctx.name, "prompt": ctx.prompt, "n": ctx.n,
                "rule": rule.to_dict() if rule is not None else None}
         per_context.append(block(names[key], key, arm, ctx_of == i))
-    overall = block("overall", None, None, np.ones(len(keys), dtype=bool))
+    overall = block("overall", None, None, np.ones(n_rows, dtype=bool))
+    overall.dr_observation = (f"nested (Best-of-N: first N completions of the same prompt) under {how}"
+                              if nested.all() else
+                              f"the candidate's arm under {how}" if model is not None else
+                              f"the candidate's arm with its logged propensity (no logging distribution: {how})")
     if any(e.support == 0 for e in per_context):
-        overall.ips = overall.snips = overall.dr = overall.dr_minus_logged = None  # a context it cannot estimate
+        overall.ips = overall.snips = None  # a context it cannot estimate
+    if any(e.dr is None for e in per_context):
+        overall.dr = overall.dr_minus_logged = None
     return per_context, overall, counts
+
+
+def _arm_probability(row: LogRow, model: LoggingModel, prompt: str, n: int, nested: bool) -> float:
+    """The probability that the logging policy served ``row``'s request an arm from which the candidate's arm
+    (``prompt``, ``n``) is observed: that arm itself, or with ``nested`` any arm of the same prompt and N >= n."""
+    learn = row.outcomes.get("learn")
+    if learn is None:  # served deterministically (propensity 1): only its own arm
+        return 1.0 if row.prompt == prompt and (row.n >= n if nested else row.n == n) else 0.0
+    share = model.share if learn.get("explored") else 1.0 - row.propensity
+    g_prompt, g_n = str(learn["greedy"][0]), int(learn["greedy"][1])
+    if nested:
+        greedy_in = g_prompt == prompt and g_n >= n
+        arms_in = sum(m >= n for m in model.ns) if model.has_prompt(prompt) else 0
+    else:
+        greedy_in = g_prompt == prompt and g_n == n
+        arms_in = int(model.has_prompt(prompt) and n in model.ns)
+    return (1.0 - share) * greedy_in + share / (model.arms - 1) * (arms_in - greedy_in)
+
+
+class _PooledScores:
+    """The logged objective score vectors of the Best-of-N rows valued by their scores, per prompt, for DR's pooled
+    model: ``vectors[p]`` (rows of prompt p, their largest N, objectives) padded with nan, ``index[p]`` the rows'
+    positions, ``n[p]`` their N, ``unit[p]`` their cost per completion (nan where unknown)."""
+
+    def __init__(self, rows: Sequence[LogRow], costs: Mapping[str, float]) -> None:
+        groups: dict[str, list[int]] = {}
+        for j, row in enumerate(rows):
+            v = row.outcomes.get("objective_scores")
+            if _scored(row) and isinstance(v, list) and len(v) >= row.n:
+                groups.setdefault(row.prompt, []).append(j)
+        self.vectors: dict[str, np.ndarray] = {}
+        self.index: dict[str, np.ndarray] = {}
+        self.n: dict[str, np.ndarray] = {}
+        self.unit: dict[str, np.ndarray] = {}
+        for prompt, idx in groups.items():
+            width = max(rows[j].n for j in idx)
+            dims = len(rows[idx[0]].outcomes["objective_scores"][0])
+            v = np.full((len(idx), width, dims), np.nan)
+            for k, j in enumerate(idx):
+                v[k, :rows[j].n] = rows[j].outcomes["objective_scores"][:rows[j].n]
+            self.vectors[prompt], self.index[prompt] = v, np.asarray(idx, dtype=np.int64)
+            self.n[prompt] = np.fromiter((rows[j].n for j in idx), dtype=np.int64, count=len(idx))
+            units = [rows[j].unit_cost if rows[j].unit_cost is not None else costs.get(prompt) for j in idx]
+            self.unit[prompt] = np.array([math.nan if u is None else float(u) for u in units])
+
+    def model(self, n_rows: int, sel: np.ndarray, ctx: PolicyContext) -> np.ndarray:
+        """DR's model q^_{-i} of the candidate's arm (p, n) in context ``ctx`` for the rows ``sel`` of that context:
+        the mean over every other logged Best-of-N row (any context) that drew n or more completions of prompt p
+        of the best of its first n completions under ``ctx``'s objective weights (their logged objective scores),
+        plus the cost term; row i itself left out (cross-fitting). 0 where no other row has them."""
+        values = np.full(n_rows, np.nan)
+        prompt, n = ctx.prompt, ctx.n
+        if prompt in self.vectors:
+            ok = self.n[prompt] >= n
+            if ctx.cost_weight != 0:
+                unit = self.unit[prompt]
+                if np.isnan(unit[ok]).any():
+                    raise LogError(f"the log has no cost per completion for prompt {prompt!r} (the serving policy had "
+                                   f"no arm_estimates), and the contexts' cost weights need one: give --cost "
+                                   f"{prompt}=VALUE in the unit of the cost weights")
+            else:
+                unit = np.zeros(ok.size)
+            best = (self.vectors[prompt][ok, :n] @ np.asarray(ctx.objective_weights, dtype=np.float64)).max(axis=1)
+            values[self.index[prompt][ok]] = best + ctx.cost_weight * n * unit[ok]
+        have = ~np.isnan(values)
+        total, count = float(values[have].sum()), int(have.sum())
+        own = np.where(have[sel], values[sel], 0.0)
+        c_i = count - have[sel]
+        return np.divide(total - own, c_i, out=np.zeros(sel.size), where=c_i > 0)
 
 
 def format_report(per_context: Sequence[Evaluation], overall: Evaluation, counts: Mapping[str, int]) -> str:
@@ -252,4 +476,7 @@ def format_report(per_context: Sequence[Evaluation], overall: Evaluation, counts
                      f"{cell(e.snips):<26} {cell(e.dr):<26}")
     lines.append(f"(95% normal intervals over per-request terms; rows used {counts['used']}, without a utility "
                  f"{counts['unrated']}, in contexts the candidate lacks {counts['uncovered']})")
+    if overall.dr_observation is not None:
+        lines.append(f"DR observes the candidate's arm: {overall.dr_observation}; on {counts.get('observed', 0)} "
+                     f"rows ({counts.get('unobservable', 0)} rows could not observe it: the model alone there)")
     return "\n".join(lines)

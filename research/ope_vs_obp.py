@@ -19,6 +19,14 @@ The same log goes to obp as arrays: the arm index, the propensity (``pscore``), 
 candidate's action distribution, and for DR the same leave-one-out plug-in model ``evaluate-log`` uses
 (``estimated_rewards_by_reg_model``). obp's intervals are bootstrap intervals (its ``estimate_interval``, 95 %,
 1000 resamples), ours normal.
+
+``--nested``: instead, the Best-of-N logs of ``tests/test_ope_nested.py``'s exploring learner, where DR uses the
+nested observation (docs/deploy.md, "DR on a Best-of-N log of serve --learn"). obp's ``DoublyRobust`` gets it as
+a bandit of two pseudo-actions per request, "observed" (the candidate's utility seen, with probability P_i) and
+"not observed" (1 - P_i), the candidate always choosing "observed", the reward y_i, and the same cross-fitted
+model for "observed" (``evaluate``'s ``terms``): its textbook DR is then ours, term by term.
+
+    python research/ope_vs_obp.py --nested --requests 20000 --seeds 3 --obp-python /tmp/obp310/bin/python
 """
 
 from __future__ import annotations
@@ -71,9 +79,11 @@ from obp.ope import DoublyRobust, InverseProbabilityWeighting, SelfNormalizedInv
 
 data = np.load(sys.argv[1])
 out = {"obp": obp.__version__, "torch_stand_in": stand_in, "candidates": {}}
+own = len(sys.argv) > 3  # per-candidate arrays (--nested): action_NAME, pscore_NAME, reward_NAME
 for name in json.loads(sys.argv[2]):
-    kw = dict(reward=data["reward"], action=data["action"], pscore=data["pscore"],
-              action_dist=data["dist_" + name], position=np.zeros(data["reward"].size, dtype=int))
+    sfx = "_" + name if own else ""
+    kw = dict(reward=data["reward" + sfx], action=data["action" + sfx], pscore=data["pscore" + sfx],
+              action_dist=data["dist_" + name], position=np.zeros(data["reward" + sfx].size, dtype=int))
     res = {}
     for label, est, extra in (("ips", InverseProbabilityWeighting(), {}),
                               ("snips", SelfNormalizedInverseProbabilityWeighting(), {}),
@@ -119,12 +129,64 @@ def _arrays(rows: list, candidate_arms: dict, table: object) -> dict:  # type: i
             "qhat": qhat}
 
 
+def nested(args: argparse.Namespace) -> None:
+    """``--nested`` (module docstring)."""
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's tests package
+    from iapo_gym.ope import evaluate
+    from tests.test_ope_nested import CANDIDATES, _candidate, _exact, _simulate
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(args.seeds):
+            rows = _simulate(args.requests, 2000 + seed)
+            print(f"seed {2000 + seed}: {len(rows)} requests of the learner")
+            arrays: dict[str, np.ndarray] = {}
+            ours = {}
+            for name, arms in CANDIDATES.items():
+                terms: dict[str, np.ndarray] = {}
+                _, overall, counts = evaluate(rows, _candidate(arms), terms=terms)
+                assert overall.dr is not None
+                ours[name] = overall.dr
+                seen = terms["observed"] & (terms["probability"] > 0)
+                p = terms["probability"]
+                n = seen.size
+                dist = np.zeros((n, 2, 1))
+                dist[:, 0, 0] = 1.0
+                qhat = np.zeros((n, 2, 1))
+                qhat[:, 0, 0] = terms["model"]
+                arrays[f"action_{name}"] = np.where(seen, 0, 1)
+                arrays[f"pscore_{name}"] = np.where(seen, p, np.where(p < 1, 1 - p, 1.0))
+                arrays[f"reward_{name}"] = np.where(seen, terms["y"], 0.0)
+                arrays["dist_" + name], arrays["qhat_" + name] = dist, qhat
+                print(f"  {name:<8} exact {_exact(arms, rows):.4f}  DR {overall.dr.value:.6f} "
+                      f"[{overall.dr.low:.4f}, {overall.dr.high:.4f}]  observed {counts['observed']}")
+            if args.obp_python:
+                npz = Path(tmp) / f"nested{seed}.npz"
+                np.savez(npz, **arrays)
+                run = subprocess.run([args.obp_python, "-c", OBP_SIDE, str(npz), json.dumps(list(CANDIDATES)),
+                                      "per-candidate"], capture_output=True, text=True, check=True)
+                got = json.loads(run.stdout.strip().splitlines()[-1])
+                note = " (torch replaced by an empty stand-in module)" if got["torch_stand_in"] else ""
+                print(f"  obp {got['obp']}{note} DoublyRobust on the observation: value (ours - obp), obp's "
+                      "bootstrap interval")
+                for name, res in got["candidates"].items():
+                    dr = res["dr"]
+                    print(f"  {name:<8} {dr['value']:.6f} ({ours[name].value - dr['value']:+.1e}) "
+                          f"[{dr['low']:.4f}, {dr['high']:.4f}]")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--obp-python", help="an interpreter with obp installed (Python < 3.11)")
+    parser.add_argument("--nested", action="store_true",
+                        help="the Best-of-N learner's logs of tests/test_ope_nested.py and DR's nested observation")
     args = parser.parse_args()
+    if args.nested:
+        nested(args)
+        return
 
     import numpy as np
 
