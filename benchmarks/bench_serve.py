@@ -29,6 +29,17 @@ Run: ``nice -n 5 python benchmarks/bench_serve.py`` (needs ``pip install "iapo-g
 own (a streaming request straight to llama.cpp with the body serve sends), and the whole answer
 without streaming (what a caller waited for before the first text when serve streamed the decided
 answer only), medians and ratios in the same run, sides interleaved.
+
+``--log-latency``: the latency ``--log DIR`` and ``--learn --log DIR`` add to plain ``serve``, at each N of ``--ns``
+(default 1 and 5), in front of one ``iapo-gym simulate`` of a Best-of-N table (default ``generated:bon_flat:1``; no
+model, so the figures are serve's own): three serve processes of the same one-context policy, the table's best
+prompt at N (its ``n_max`` N, so the learner's arms are the table's prompts at N = 1..N and its greedy arm is the
+policy's), each call sent to the three in a shuffled order. Reported
+per side: p50/p95 latency, the added p50 (the side's p50 minus plain serve's) and the median of the per-call
+differences (paired), and the CPU time per call. A call the learner served at another N than the others (an
+explored arm) is left out on every side and counted. The goal: under 1 ms added at p50. ``--all-contexts``: a
+policy of every objective weighting of the simulator's spec instead (26 for ``bon_flat``; cost weight 0), the calls
+going to its contexts in turn: the learner's work grows with its contexts.
 """
 
 from __future__ import annotations
@@ -50,8 +61,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from iapo_gym.exact import bon_weighted_max  # noqa: E402
 from iapo_gym.llm.client import LLMClient  # noqa: E402
 from iapo_gym.llm.spec import load_spec  # noqa: E402
+from iapo_gym.outcome_log import read_log  # noqa: E402
+from iapo_gym.policyfile import PolicyContext, PolicyFile, PolicyPrompt  # noqa: E402
+from iapo_gym.tasks.generated import level_table  # noqa: E402
 from tests.deploy_helpers import mv_policy, start_serve  # noqa: E402
 from tests.llm_server import _log_file, free_port, start_llama_server, stop, wait_ready, write_spec, write_tiny_gguf  # noqa: E402
 
@@ -415,8 +430,155 @@ def ttft_bench(argv: list[str]) -> None:
             stop(p)
 
 
+LOG_SIDES = ("serve", "serve --log", "serve --learn --log")
+
+
+async def _log_latency_round(r: int, n: int, ports: list[int], queries: list[str], calls: int, concurrency: int,
+                             out: dict[str, Any], names: list[str]) -> None:
+    """Round ``r`` of ``--log-latency`` at N: ``calls`` calls, each sent to the three sides in a shuffled order;
+    latencies of the calls every side served at N go to ``out``."""
+    import httpx2
+
+    limits = httpx2.Limits(max_connections=4 * concurrency + 8)
+    async with httpx2.AsyncClient(timeout=60, limits=limits) as client:
+        for port in ports:  # connections open, the learner's first request behind it
+            await client.post(f"http://127.0.0.1:{port}/v1/completions",
+                              json={"model": f"iapo/{names[0]}", "prompt": queries[0]})
+        todo = list(range(calls))
+
+        async def worker() -> None:
+            while todo:
+                i = todo.pop()
+                order = list(zip(LOG_SIDES, ports, strict=True))
+                random.Random(r * 1_000_003 + i).shuffle(order)
+                took: dict[str, float] = {}
+                like = True
+                for name, port in order:
+                    t = time.perf_counter()
+                    resp = await client.post(f"http://127.0.0.1:{port}/v1/completions", json={
+                        "model": f"iapo/{names[i % len(names)]}", "prompt": queries[(r * calls + i) % len(queries)]})
+                    took[name] = time.perf_counter() - t
+                    if resp.status_code != 200:
+                        out["errors"][name] += 1
+                        like = False
+                        if out["errors"][name] <= 3:
+                            print(f"  {name}: HTTP {resp.status_code} {resp.text[:200]}", file=sys.stderr)
+                    elif resp.json()["iapo"]["drawn"] != n:  # like with like: every side draws N
+                        if name != "serve --learn --log":
+                            raise RuntimeError(f"{name} drew {resp.json()['iapo']['drawn']} completions, not {n}")
+                        out["other_n"] += 1
+                        like = False
+                if like:
+                    for name in LOG_SIDES:
+                        out["lat"][name].append(took[name])
+                        out["paired"][name].append(took[name] - took["serve"])
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
+def log_latency_bench(argv: list[str]) -> None:
+    """``--log-latency``: the latency ``serve --log DIR`` and ``serve --learn --log DIR`` add to plain ``serve``, at
+    each N (module docstring), in front of one ``iapo-gym simulate`` of a Best-of-N table."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--log-latency", action="store_true")
+    ap.add_argument("--table", default="generated:bon_flat:1",
+                    help="the simulated upstream's table: a generated Best-of-N level, generated:FAMILY:LEVEL")
+    ap.add_argument("--ns", type=int, nargs="+", default=[1, 5], help="the policy's N, one run of the three sides each")
+    ap.add_argument("--calls", type=int, default=400, help="calls per side and round")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds")
+    ap.add_argument("--concurrency", type=int, default=1, help="callers, each sending every call to the three sides")
+    ap.add_argument("--all-contexts", action="store_true",
+                    help="a policy of every objective weighting of the simulator's spec (cost weight 0), the calls "
+                         "going to them in turn, instead of one context")
+    args = ap.parse_args(argv)
+    folder = Path(tempfile.mkdtemp(prefix="bench-serve-log-"))
+    up = free_port()
+    cli = [sys.executable, "-m", "iapo_gym.cli"]
+    spec_path = folder / "sim.json"
+    subprocess.run([*cli, "simulate", args.table, "--port", str(up), "--write-spec", str(spec_path)], check=True,
+                   cwd=ROOT, capture_output=True)
+    spec = json.loads(spec_path.read_text(encoding="utf-8"))
+    queries = [json.loads(line)["text"] for line in (folder / "sim.queries.jsonl").read_text().splitlines() if line]
+    log = _log_file("simulate")
+    sim = subprocess.Popen([*cli, "simulate", args.table, "--port", str(up), "--seed", "0", "--max-connections",
+                            "1024"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    sim.log_file = log  # type: ignore[attr-defined]
+    procs: list[subprocess.Popen[bytes]] = [sim]
+    rows: dict[int, dict[str, Any]] = {}
+    objectives = tuple(spec["scorer"]["objectives"])
+    weightings = sorted({tuple(float(w) for w in c["objective_weights"]) for c in spec["contexts"]}) \
+        if args.all_contexts else [(1.0,) + (0.0,) * (len(objectives) - 1)]
+    names = [f"c{i}" for i in range(len(weightings))]
+    family, level = args.table.split(":")[1:]
+    table = level_table(family, int(level))
+    assert table.atoms is not None
+    # the table's best prompt at each N under the context's weights (exact): the policy serves it, so that the
+    # learner's greedy arm stays at N and only its explored arms go elsewhere
+    value = bon_weighted_max(table.atoms, table.probs, np.asarray(weightings), max(args.ns), query_mean=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{up}/health", sim)
+        for n in args.ns:
+            # n_max = N: the learner's arms are the prompts at N = 1..N; without cost, N is the best of them
+            policy = PolicyFile(
+                task=spec["task"], aggregator="bon", api="completions", n_max=n, objectives=objectives,
+                scorer={**spec["scorer"], "grid": None}, sampling=spec["sampling"],
+                prompts=tuple(PolicyPrompt(p["id"], p["template"]) for p in spec["prompts"]),
+                contexts=tuple(PolicyContext(name, w, 0.0, 1.0 / len(names),
+                                             table.prompts[int(np.argmax(value[c, :, n - 1]))], n)
+                               for c, (name, w) in enumerate(zip(names, weightings, strict=True))),
+                learned={"agent": "bench"}).save(folder / f"policy-{n}.json")
+            extras = ([], ["--log", str(folder / f"log-{n}")], ["--learn", "--log", str(folder / f"learn-log-{n}")])
+            ports = [free_port() for _ in LOG_SIDES]
+            serves = []
+            for port, extra in zip(ports, extras, strict=True):
+                serves.append(start_serve(policy, spec_path, port, extra=extra))
+                procs.append(serves[-1])
+            out: dict[str, Any] = {"lat": {s: [] for s in LOG_SIDES}, "paired": {s: [] for s in LOG_SIDES},
+                                   "errors": dict.fromkeys(LOG_SIDES, 0), "other_n": 0}
+            cpu0 = [cpu_seconds(p.pid) for p in serves]
+            for r in range(args.repeats):
+                asyncio.run(_log_latency_round(r, n, ports, queries, args.calls, args.concurrency, out, names))
+            cpu = [cpu_seconds(p.pid) - c for p, c in zip(serves, cpu0, strict=True)]
+            calls = args.calls * args.repeats
+            lat, paired = out["lat"], out["paired"]
+            if not lat["serve"]:
+                raise RuntimeError(f"no call was served at N = {n} by every side (errors {out['errors']}, the learner "
+                                   f"served {out['other_n']} at another N)")
+            rows[n] = {name: {"p50_ms": float(np.percentile(lat[name], 50)) * 1000,
+                              "p95_ms": float(np.percentile(lat[name], 95)) * 1000,
+                              "added_p50_ms": float(np.percentile(lat[name], 50) - np.percentile(lat["serve"], 50)) * 1000,
+                              "paired_median_ms": float(np.median(paired[name])) * 1000,
+                              "cpu_ms_per_call": cpu[k] / calls * 1000, "errors": out["errors"][name]}
+                       for k, name in enumerate(LOG_SIDES)}
+            rows[n]["calls_compared"] = len(lat["serve"])
+            rows[n]["learner_other_n"] = out["other_n"]
+            for p in serves:
+                stop(p)
+                procs.remove(p)
+            rows[n]["logged"] = {"serve --log": sum(1 for _ in read_log(folder / f"log-{n}")[1]),
+                                 "serve --learn --log": sum(1 for _ in read_log(folder / f"learn-log-{n}")[1])}
+    finally:
+        for p in reversed(procs):
+            stop(p)
+    print(f"the latency --log and --learn add: {args.calls} calls x {args.repeats} rounds per N, each call sent to the "
+          f"three sides in a shuffled order, {args.concurrency} caller(s); upstream: iapo-gym simulate {args.table}, a "
+          f"Best-of-N policy of {len(names)} context(s) at N (n_max N); {os.cpu_count()} cores shared with other jobs")
+    print(f"{'N':>2} {'side':<20} {'p50 ms':>8} {'p95 ms':>8} {'+p50 ms':>8} {'paired ms':>9} {'CPU ms/call':>11} "
+          f"{'errors':>6}")
+    for n, sides in rows.items():
+        for name in LOG_SIDES:
+            s = sides[name]
+            print(f"{n:>2} {name:<20} {s['p50_ms']:>8.2f} {s['p95_ms']:>8.2f} {s['added_p50_ms']:>+8.2f} "
+                  f"{s['paired_median_ms']:>+9.3f} {s['cpu_ms_per_call']:>11.2f} {s['errors']:>6}")
+        print(f"   compared: the {sides['calls_compared']} calls every side served at N = {n} (the learner served "
+              f"{sides['learner_other_n']} at another N: left out)")
+    print(json.dumps({str(n): sides for n, sides in rows.items()}))
+
+
 if __name__ == "__main__":
-    if "--early-stop" in sys.argv:
+    if "--log-latency" in sys.argv:
+        log_latency_bench(sys.argv[1:])
+    elif "--early-stop" in sys.argv:
         early_stop_bench(sys.argv[1:])
     elif "--ttft" in sys.argv:
         ttft_bench(sys.argv[1:])

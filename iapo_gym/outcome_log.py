@@ -10,11 +10,13 @@ of the arm's prompt (``unit_cost``: the unit the cost weights are in), the respo
 (``--log-queries``).
 
 Storage: SQLite files in ``DIR``, WAL mode, ``synchronous=FULL`` (each commit is flushed to the disk). Rows are
-written by one thread of the log's own, in batches: a row is committed at most ``flush_ms`` milliseconds after
-the request was answered, and at most ``batch`` rows go in one transaction (a backlog is committed in several
-transactions back to back). So a process killed with -9 loses at most the rows of the requests answered in its
-last ``flush_ms`` milliseconds plus the time one commit takes; a committed row is never lost or half-written
-(SQLite's transactions). Feedback is committed before it is acknowledged.
+written by one thread of the log's own, in batches: a row's commit starts at most ``flush_ms`` milliseconds after
+the request was answered (counted from when the row was queued, or once the thread's work before it ends, if that
+takes longer), and at most ``batch`` rows go in one transaction (a backlog is committed in several transactions
+back to back). So a process killed with -9 loses at most the rows of the requests answered in its last
+``flush_ms`` milliseconds plus the time the thread takes to commit (one fsync; longer while it rotates a file or
+joins feedback); a committed row is never lost or half-written (SQLite's transactions). Feedback is committed
+before it is acknowledged.
 
 Bounded on disk: when the current file ``outcomes.sqlite`` passes ``max_bytes`` (its committed pages), it is
 checkpointed, closed and renamed ``outcomes.1.sqlite`` (the older ones shift to ``.2``, ``.3``, ...), a new
@@ -234,6 +236,15 @@ def read_log(path: str | os.PathLike[str]) -> tuple[dict[str, Any], Iterator[Log
 _STOP = object()
 
 
+@dataclass(frozen=True)
+class _Queued:
+    """A row waiting for the writer's thread, and when it was queued (``time.monotonic``): its commit is due
+    ``flush_ms`` after that, however long the thread was busy with the commit before."""
+
+    row: LogRow
+    at: float
+
+
 class OutcomeLog:
     """The writer of one log folder (module docstring): ``record`` queues a row, ``feedback`` joins a reward."""
 
@@ -321,10 +332,10 @@ class OutcomeLog:
                 job = self._jobs.get(timeout=timeout)
             except queue.Empty:
                 job = None
-            if isinstance(job, LogRow):
-                if not pending:
-                    due = time.monotonic() + self.flush_s
-                pending.append(job)
+            if isinstance(job, _Queued):
+                if not pending:  # from when it was answered: a commit in progress does not extend its wait
+                    due = job.at + self.flush_s
+                pending.append(job.row)
                 if len(pending) < self.batch:
                     continue
             if pending:
@@ -369,7 +380,7 @@ class OutcomeLog:
     # ---- the API -----------------------------------------------------------------------------------------
     def record(self, row: LogRow) -> None:
         """Queue ``row``; it is committed within ``flush_ms`` (never blocks the caller)."""
-        self._jobs.put(row)
+        self._jobs.put(_Queued(row, time.monotonic()))
 
     def _call(self, fn: Any) -> Future[Any]:
         done: Future[Any] = Future()
