@@ -36,6 +36,7 @@ import numpy as np
 
 from agents.plugin.estimator import PlugInEstimator, check_nonnegative, warm_up
 from iapo_gym import Pulls
+from iapo_gym.compiled import njit
 from iapo_gym.env import IAPOEnv
 from iapo_gym.online import OnlineAgentBase, OnlineEnv, Requests, Served
 
@@ -48,6 +49,34 @@ ARM_RESIDUALS = 50
 MIN_COUNT = 1e-3
 #: The lazily faded counts are renormalized when their scale passes this.
 _RESCALE = 1e150
+
+
+@njit
+def _best_prompt(scaled: np.ndarray, fade: float, width: float, log_t: float, tie: np.ndarray, shift: np.ndarray,
+                 served: np.ndarray, blocked: np.ndarray, value: np.ndarray) -> int:  # pragma: no cover - compiled
+    """``IAPOOnline.choose``'s prompt for a context of estimates ``value`` (P,), or -1 when a prompt's index is +inf
+    (never served, or an infinite width): ``_index``'s arithmetic per prompt, in the same order, then the first
+    maximum of ``value + index`` as ``np.argmax`` takes it (the first NaN, if any)."""
+    best, best_v, nan = -1, 0.0, False
+    for i in range(scaled.size):
+        if blocked[i]:
+            b = -np.inf
+        elif not served[i]:
+            return -1
+        else:
+            count = scaled[i] * fade
+            if count < MIN_COUNT:
+                count = MIN_COUNT
+            b = width * np.sqrt(log_t / count) + tie[i] + shift[i]
+            if b == np.inf:
+                return -1
+        v = value[i] + b
+        if v != v:
+            if not nan:
+                best, nan = i, True
+        elif not nan and (best < 0 or v > best_v):
+            best, best_v = i, v
+    return best
 
 
 class _ServedElsewhere:
@@ -70,14 +99,22 @@ class _ServedElsewhere:
 
 class _Log:
     """Pulls served (step, prompt, N, query, atoms): blocks of a batch's arrays, and single requests as scalars
-    (the one-request path), joined into one block when read."""
+    (the one-request path: lists of their steps, prompts, Ns, queries and atom arrays), joined into one block when
+    read."""
 
     def __init__(self) -> None:
         self.blocks: list[tuple[np.ndarray, Pulls]] = []
-        self.singles: list[tuple[int, int, int, int, np.ndarray]] = []
+        self._clear_singles()
+
+    def _clear_singles(self) -> None:
+        self._steps: list[int] = []
+        self._prompts: list[int] = []
+        self._ns: list[int] = []
+        self._queries: list[int] = []
+        self._atoms: list[np.ndarray] = []
 
     def __bool__(self) -> bool:
-        return bool(self.blocks or self.singles)
+        return bool(self.blocks or self._steps)
 
     def add(self, steps: np.ndarray, pulls: Pulls) -> None:
         """A batch's pulls."""
@@ -85,19 +122,23 @@ class _Log:
         self.blocks.append((steps, pulls))
 
     def add_one(self, t: int, p: int, n: int, q: int, atoms: np.ndarray) -> None:
-        """One request's pull."""
-        self.singles.append((t, p, n, q, atoms))
+        """One request's pull (``atoms`` holds its ``n`` outcomes)."""
+        self._steps.append(t)
+        self._prompts.append(p)
+        self._ns.append(n)
+        self._queries.append(q)
+        self._atoms.append(atoms)
 
     def _flush(self) -> None:
-        if not self.singles:
+        if not self._steps:
             return
-        t, p, n, q, atoms = zip(*self.singles, strict=True)
-        ns = np.array(n, dtype=np.int64)
+        ns = np.array(self._ns, dtype=np.int64)
         offsets = np.zeros(ns.size + 1, dtype=np.int64)
         np.cumsum(ns, out=offsets[1:])
-        pulls = Pulls(np.array(p, dtype=np.int64), ns, np.array(q, dtype=np.int64), np.concatenate(atoms), offsets)
-        self.blocks.append((np.array(t, dtype=np.int64), pulls))
-        self.singles = []
+        pulls = Pulls(np.array(self._prompts, dtype=np.int64), ns, np.array(self._queries, dtype=np.int64),
+                      np.concatenate(self._atoms), offsets)
+        self.blocks.append((np.array(self._steps, dtype=np.int64), pulls))
+        self._clear_singles()
 
     def read(self) -> tuple[np.ndarray, Pulls]:
         """(steps, pulls) of everything logged, as one block (kept as that one block)."""
@@ -117,7 +158,8 @@ class _Log:
 
     def clear(self) -> None:
         """Forget everything."""
-        self.blocks, self.singles = [], []
+        self.blocks = []
+        self._clear_singles()
 
 
 def _select(pulls: Pulls, mask: np.ndarray) -> Pulls:
@@ -246,14 +288,18 @@ class IAPOOnline(OnlineAgentBase):
     def choose(self, observation: dict[str, Any]) -> tuple[int, int]:
         """(p, N) for one request: what ``choose_batch`` gives for a batch of one, without building one."""
         self._set_available(observation["available"])
-        bonus = self._index()
+        c = int(observation["context"])
+        p = _best_prompt(self._scaled, self._fade(), self.width, math.log(self.t + 2), self._tie, self._shift,
+                         self.served, self._blocked, self.value[c])
+        if p >= 0:
+            return p, int(self.best_n[c, p])
+        bonus = self._index()  # a never-served prompt is due (its index is +inf): the entry round's order
         bonus[self._blocked] = -np.inf
         if np.isposinf(bonus).any():
             fresh = np.flatnonzero(np.isposinf(bonus))
             p = int(fresh[self._next_new % fresh.size])
             self._next_new += 1
             return p, self._entry
-        c = int(observation["context"])
         p = int((self.value[c] + bonus).argmax())
         return p, int(self.best_n[c, p])
 

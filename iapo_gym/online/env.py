@@ -20,6 +20,7 @@ import numpy as np
 from gymnasium import spaces
 
 from iapo_gym.env import IAPOEnv, Pulls
+from iapo_gym.online._kernels import bon_one, mv_one
 from iapo_gym.online.schedule import Schedule, build_schedule
 from iapo_gym.oracle import q_table
 from iapo_gym.sampling import AliasSampler
@@ -112,6 +113,16 @@ class OnlineEnv(gym.Env[dict[str, Any], tuple[int, int]]):
         self._observations = table.context_weights.astype(np.float32)
         self._cumprobs = _cumulative(table.context_probs)
         self._segments: dict[int, tuple[np.ndarray, np.ndarray, AliasSampler]] = {}
+        # the one-request path's inputs, read once (the table's arrays are contiguous float64: no copies)
+        self._pool, self._pool_size = self._queries.tolist(), int(self._queries.size)
+        self._weights = np.ascontiguousarray(table.context_weights, dtype=np.float64)
+        self._vectors = np.ascontiguousarray(table.atoms, dtype=np.float64) if table.aggregator == "bon" else None
+        self._gold = None if table.gold is None else table.gold.tolist()
+        self._n_prompts, self._n_max, self._n_queries = table.n_prompts, table.n_max, table.n_queries
+        # the current segment (requests _seg_start .. _seg_stop - 1), entered when a request falls outside it
+        self._seg_k, self._seg_start, self._seg_stop = 0, 0, 0
+        self._seg_available: list[bool] = []
+        self._seg_observed = np.zeros(0, dtype=np.int8)
         self._t = 0
         self._contexts = np.zeros(0, dtype=np.int64)
         self._rng_queries = self._rng_atoms = np.random.default_rng(0)
@@ -163,6 +174,20 @@ class OnlineEnv(gym.Env[dict[str, Any], tuple[int, int]]):
         """(Q (C, P, N_max), Q* (C,)) of a schedule segment on the run's split; computed once per segment."""
         return self._segment(segment)[:2]
 
+    def _enter(self, t: int) -> None:
+        """Make the segment holding request ``t`` the current one (its bounds, its available prompts)."""
+        k = self.schedule.segment_at(t)
+        seg = self.schedule.segments[k]
+        self._seg_k, self._seg_start, self._seg_stop = k, seg.start, seg.stop
+        self._seg_available = seg.available.tolist()
+        self._seg_observed = seg.available.astype(np.int8)
+
+    def _current(self, t: int) -> int:
+        """The index of the segment holding request ``t`` (entering it when ``t`` left the current one)."""
+        if not self._seg_start <= t < self._seg_stop:
+            self._enter(t)
+        return self._seg_k
+
     def _segment(self, segment: int) -> tuple[np.ndarray, np.ndarray, AliasSampler]:
         if segment not in self._segments:
             seg = self.schedule.segments[segment]
@@ -192,13 +217,15 @@ class OnlineEnv(gym.Env[dict[str, Any], tuple[int, int]]):
         self._rng_queries = derive_rng(root, "online", "queries")
         self._rng_atoms = derive_rng(root, "online", "completions")
         self._t = 0
+        self._enter(0)
         return self._observation(), {"t": 0, "context": int(self._contexts[0])}
 
     def _observation(self) -> dict[str, Any]:
         t = min(self._t, self.horizon - 1)
+        if not self._seg_start <= t < self._seg_stop:
+            self._enter(t)
         c = int(self._contexts[t])
-        seg = self.schedule.segments[self.schedule.segment_at(t)]
-        return {"context": c, "weights": self._observations[c].copy(), "available": seg.available.astype(np.int8)}
+        return {"context": c, "weights": self._observations[c].copy(), "available": self._seg_observed.copy()}
 
     def step(self, action: tuple[int, int]) -> tuple[dict[str, Any], SupportsFloat, bool, bool, dict[str, Any]]:
         """Serve the current request with (p, N); ``info`` has ``regret``, ``q_star``, ``q_chosen``, ``t``, ``context``,
@@ -211,14 +238,13 @@ class OnlineEnv(gym.Env[dict[str, Any], tuple[int, int]]):
         t = self._t
         p, n = action
         if t < self.horizon and type(p) is int and type(n) is int:  # the one-request path, on scalars
-            segment = self.schedule.segment_at(t)
-            seg = self.schedule.segments[segment]
-            if 0 <= p < self.table.n_prompts and 1 <= n <= self.table.n_max and seg.available[p]:
-                q, q_star_c, sampler = self._segment(segment)
+            if not self._seg_start <= t < self._seg_stop:
+                self._enter(t)
+            if 0 <= p < self._n_prompts and 1 <= n <= self._n_max and self._seg_available[p]:
+                q, q_star_c, sampler = self._segment(self._seg_k)
                 c = int(self._contexts[t])
-                query, atoms, utilities = self._draw_one(p, n, sampler)
-                self._t += 1
-                u = utilities[:, 0]
+                query, atoms, u = self._draw_one(p, n, sampler)
+                self._t = t + 1
                 q_star, q_chosen = float(q_star_c[c]), float(q[c, p, n - 1])
                 info = {"t": t, "context": c, "query": query, "regret": q_star - q_chosen, "q_star": q_star,
                         "q_chosen": q_chosen, "atoms": atoms, "cost": float(self._cost[p, query]), "utilities": u}
@@ -233,22 +259,29 @@ class OnlineEnv(gym.Env[dict[str, Any], tuple[int, int]]):
         return self._observation(), float(served.rewards[0]), self._t >= self.horizon, False, info
 
     def _draw_one(self, p: int, n: int, sampler: AliasSampler) -> tuple[int, np.ndarray, np.ndarray]:
-        """(query, atoms (n,), utilities (C, 1)) of one request served with (p, n): the draws of a batch of one."""
-        pool = self._queries
-        query = int(pool[int(self._rng_queries.random() * pool.size)])
-        atoms = sampler.sample_row(p * self.table.n_queries + query, n, self._rng_atoms)
-        prompts, queries = np.array([p]), np.array([query])
-        if self.table.aggregator == "bon":
-            return query, atoms, self._bon_utilities(prompts, queries, np.array([n]), atoms, np.array([0, n]))
-        return query, atoms, block_utilities(self.table, prompts, queries, atoms[None, :])
+        """(query, atoms (n,), utilities (C,)) of one request served with (p, n): the draws of a batch of one.
+
+        One compiled call (``iapo_gym.online._kernels``) does the alias draw and the scoring with the batch path's
+        arithmetic, so the atoms and utilities are bit-identical to ``serve``'s for a batch of one.
+        """
+        query = self._pool[int(self._rng_queries.random() * self._pool_size)]
+        uniforms = self._rng_atoms.random(n)
+        cost_n = n * float(self._cost[p, query])
+        if self._vectors is not None:
+            atoms, utilities = bon_one(uniforms, sampler.accept, sampler.alias, sampler.n_atoms, p, query,
+                                       self._n_queries, self._vectors, self._weights, cost_n)
+        else:
+            assert self._gold is not None
+            atoms, utilities = mv_one(uniforms, sampler.accept, sampler.alias, sampler.n_atoms, p, query,
+                                      self._n_queries, self._gold[query], self._weights, cost_n)
+        return query, atoms, utilities
 
     # ---- the batch path -----------------------------------------------------------------------------
     def arrivals(self, count: int) -> Requests:
         """The next requests, at most ``count`` and never across a schedule change (at least one)."""
         if self._t >= self.horizon:
             raise RuntimeError(f"the run is over: all {self.horizon} requests were served; reset() starts another")
-        segment = self.schedule.segment_at(self._t)
-        seg = self.schedule.segments[segment]
+        seg = self.schedule.segments[self._current(self._t)]
         stop = min(self._t + max(1, int(count)), seg.stop)
         contexts = self._contexts[self._t:stop]
         return Requests(self._t, contexts, self.table.context_weights[contexts], seg.available)
@@ -267,13 +300,13 @@ class OnlineEnv(gym.Env[dict[str, Any], tuple[int, int]]):
         if prompts.size != b or ns.size != b:
             raise ValueError(f"{b} requests need {b} prompts and Ns, got {prompts.size} and {ns.size}")
         self._check(requests, prompts, ns)
-        q, q_star_c, sampler = self._segment(self.schedule.segment_at(self._t))
+        q, q_star_c, sampler = self._segment(self._current(self._t))
         table = self.table
         pool = self._queries
         if b == 1:  # one request: the same draws as a batch, without the batch bookkeeping
             n = int(ns[0])
-            query, atoms, utilities = self._draw_one(int(prompts[0]), n, sampler)
-            queries, offsets = np.array([query]), np.array([0, n])
+            query, atoms, one = self._draw_one(int(prompts[0]), n, sampler)
+            queries, offsets, utilities = np.array([query]), np.array([0, n]), one[:, None]
         else:
             queries = pool[(self._rng_queries.random(b) * pool.size).astype(np.int64)]
             rows = np.repeat(prompts * table.n_queries + queries, ns)
