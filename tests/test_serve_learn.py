@@ -45,10 +45,18 @@ REQUESTS = 300
 
 
 def exact_utilities() -> np.ndarray:
-    """Per prompt of the table, the exact expected utility of N = 1 in the context, the query uniform."""
+    """(P, N_max): the exact expected utility of every arm (p, N) in the context, the query uniform: the expected
+    best of N weighted scores (cost weight 0)."""
     table = level_table("bon_flat", 1)
     assert table.atoms is not None
-    return np.asarray((table.probs * (table.atoms @ np.array(WEIGHTS))).sum(axis=2).mean(axis=1))
+    values = table.atoms @ np.array(WEIGHTS)  # (P, Q, M)
+    order = np.argsort(values, axis=2)
+    v = np.take_along_axis(values, order, axis=2)
+    cdf = np.cumsum(np.take_along_axis(table.probs, order, axis=2), axis=2)
+    below = np.concatenate([np.zeros(cdf.shape[:2] + (1,)), cdf[..., :-1]], axis=2)
+    n = np.arange(1, table.n_max + 1)
+    best = (v[..., None] * (cdf[..., None] ** n - below[..., None] ** n)).sum(axis=2)  # (P, Q, N_max)
+    return np.asarray(best.mean(axis=1))
 
 
 def policy(spec: dict[str, Any], prompt: str, n: int = 1) -> PolicyFile:
@@ -93,9 +101,8 @@ def test_learn_explores_within_budget_logs_propensities_and_serves_the_best_arm(
         sim: tuple[int, Path, dict[str, Any]], tmp_path: Path) -> None:
     _, spec_path, spec = sim
     u = exact_utilities()
-    best, worst = int(np.argmax(u)), int(np.argmin(u))
+    worst = int(np.argmin(u[:, 0]))
     prompts = [p["id"] for p in spec["prompts"]]
-    assert u[best] - np.sort(u)[-2] > 0.1  # a clear best arm
     path = policy(spec, prompts[worst]).save(tmp_path / "policy.json")
     port = free_port()
     extra = ["--learn", "--explore-share", str(SHARE), "--log", str(tmp_path / "log"), "--seed", "5"]
@@ -107,31 +114,32 @@ def test_learn_explores_within_budget_logs_propensities_and_serves_the_best_arm(
             metrics = resp.read().decode()
     finally:
         stop(serve)
-    k = len(prompts)  # candidate arms: every prompt at N = 1
     explored = 0
     for t, body in enumerate(answers):
         learn = body["iapo"]["learn"]
+        arm = [body["iapo"]["prompt"], body["iapo"]["n"]]
         allowed = explored + 1 <= SHARE * (t + 1)  # the budget: explored requests <= floor(share x requests)
-        if learn["explored"]:
+        if learn["explored"]:  # the contender: served with probability share
             assert allowed, f"request {t} explored past the budget"
             explored += 1
-            assert learn["propensity"] == pytest.approx(SHARE / (k - 1))
-            assert [body["iapo"]["prompt"], 1] != learn["greedy"]
-        else:
-            assert learn["propensity"] == pytest.approx(1 - SHARE if allowed else 1.0)
-            assert [body["iapo"]["prompt"], 1] == learn["greedy"]
+            assert learn["propensity"] == pytest.approx(SHARE) and arm == learn["contender"] != learn["greedy"]
+        else:  # the greedy arm: 1 - share while one more exploration fits and a contender exists, else 1
+            assert learn["propensity"] in (pytest.approx(1 - SHARE), 1.0) and arm == learn["greedy"]
+            assert (learn["propensity"] == 1.0) == (learn["contender"] is None)
+            assert allowed or learn["propensity"] == 1.0
         assert explored <= math.floor(SHARE * (t + 1) + 1e-9)
-    assert explored >= 0.5 * SHARE * REQUESTS  # it does explore (the seeded draws give close to the share)
+    # without a warm start every other prompt has no estimate: each is explored (at N_max, teaching every N)
+    assert {b["iapo"]["prompt"] for b in answers if b["iapo"]["learn"]["explored"]} >= set(prompts) - {prompts[worst]}
     assert health["learn"]["explored"] == explored and health["learn"]["chosen"] == REQUESTS
     assert f"iapo_serve_learn_explored {float(explored)}" in metrics
     assert f"iapo_serve_learn_chosen {float(REQUESTS)}" in metrics
-    # exactly judged from the table: from request SETTLED on the greedy arm is the table's best, and so is every
-    # request that was not explored
-    greedy = [b["iapo"]["learn"]["greedy"][0] for b in answers]
-    assert greedy[0] == prompts[worst]
-    assert set(greedy[SETTLED:]) == {prompts[best]}, greedy
-    served = [prompts.index(b["iapo"]["prompt"]) for b in answers[SETTLED:]]
-    assert np.mean(u[served]) >= u[best] - SHARE * (u[best] - u.min()) - 1e-9
+    # exactly judged from the table: from request SETTLED on the greedy arm has closed at least 3/4 of the gap from
+    # the policy's arm to the best arm (serve's completions are seeded per prompt, query and index, so the learner
+    # sees one fixed draw per query and completion: the best arm on those draws need not be the exact best)
+    greedy = [b["iapo"]["learn"]["greedy"] for b in answers]
+    assert greedy[0] == [prompts[worst], 1]
+    value = [u[prompts.index(p), n - 1] for p, n in greedy]
+    assert min(value[SETTLED:]) >= u[worst, 0] + 0.75 * (u.max() - u[worst, 0]), greedy[SETTLED:]
     # the log holds each answer with its propensity and how its arm was chosen
     _, rows = read_log(tmp_path / "log")
     logged = {r.id: r for r in rows}
@@ -139,21 +147,24 @@ def test_learn_explores_within_budget_logs_propensities_and_serves_the_best_arm(
     for body in answers:
         row = logged[body["id"]]
         assert row.propensity == pytest.approx(body["iapo"]["learn"]["propensity"])
-        assert row.outcomes["learn"] == {"explored": body["iapo"]["learn"]["explored"],
-                                         "greedy": body["iapo"]["learn"]["greedy"]}
-        assert row.prompt == body["iapo"]["prompt"]
-    # restarted on the same log without exploring: it resumes from the log and serves the best arm at once
+        learn = body["iapo"]["learn"]
+        assert row.outcomes["learn"] == {"explored": learn["explored"], "greedy": learn["greedy"],
+                                         **({} if learn["contender"] is None else {"contender": learn["contender"]})}
+        assert (row.prompt, row.n) == (body["iapo"]["prompt"], body["iapo"]["n"])
+    # restarted on the same log without exploring: it resumes from the log, learning the same estimates, and
+    # serves the arm it had come to
     serve = start_serve(path, spec_path, port, extra=["--learn", "--explore-share", "0", "--log",
                                                       str(tmp_path / "log")])
     try:
         again = ask(port, 0)
-        _, health = get_json(port, "/health")
+        _, resumed = get_json(port, "/health")
         printed = output(serve)
     finally:
         stop(serve)
     assert f"--learn resumed from {REQUESTS} logged requests ({explored} of {REQUESTS} explored)" in printed
-    assert again["iapo"]["prompt"] == prompts[best] and again["iapo"]["learn"]["propensity"] == 1.0
-    assert health["learn"]["chosen"] == REQUESTS + 1
+    assert [again["iapo"]["prompt"], again["iapo"]["n"]] == health["learn"]["contexts"]["c"]["greedy"]
+    assert again["iapo"]["learn"]["propensity"] == 1.0
+    assert resumed["learn"]["chosen"] == REQUESTS + 1
 
 
 def test_shadow_logs_the_candidates_arm_and_serves_the_policys(sim: tuple[int, Path, dict[str, Any]],
@@ -187,12 +198,15 @@ def test_bad_learning_options_are_refused_naming_the_value(sim: tuple[int, Path,
                             "scorer": mv["scorer"], "contexts": (PolicyContext("c", (1.0,), 0.0, 1.0, "p0", 1),)}
                          ).save(tmp_path / "mv.json")
     base = ["serve", str(path), "--upstream", str(spec_path), "--port", str(free_port())]
-    cases = [(["--learn", "--explore-share", "1.5"], "--explore-share must be a number in [0, 1)"),
-             (["--learn", "--explore-share", "nan"], "--explore-share must be a number in [0, 1)"),
+    cases = [(["--learn", "--explore-share", "1.5"], "--explore-share must be a finite number >= 0.0 and < 1.0"),
+             (["--learn", "--explore-share", "nan"], "--explore-share must be a finite number >= 0.0 and < 1.0"),
+             (["--learn", "--learn-half-life", "0"], "--learn-half-life must be a finite number > 0.0"),
+             (["--learn", "--learn-bonus", "-1"], "--learn-bonus must be a finite number >= 0.0"),
+             (["--learn-half-life", "10"], "--learn-half-life needs --learn"),
              (["--explore-share", "0.1"], "--explore-share needs --learn"),
              (["--learn", "--learn-reward", "feedback", "--log", str(tmp_path / "l")],
               "--learn-reward feedback is for a majority-vote policy"),
-             (["--learn", "--learn-prior", "-1"], "--learn-prior must be a finite number >= 0"),
+             (["--learn", "--learn-prior", "-1"], "--learn-prior must be a finite number >= 0.0"),
              (["--learn", "--workers", "2"], "--learn keeps its estimates and exploration budget in one process"),
              (["--shadow", str(mv_path), "--log", str(tmp_path / "l")], "the candidate is a mv policy"),
              (["--shadow", str(path)], "--shadow needs --log DIR")]
@@ -303,8 +317,7 @@ def test_majority_vote_learns_from_feedback_once_per_response(tmp_path: Path) ->
             stop(serve)
     finally:
         stop(sim)
-    arms = health["learn"]["contexts"]["c"]["arms"]
-    assert sum(a["observed"] for a in arms) == FEEDBACK_REQUESTS  # one observation per response, not per post
+    assert health["learn"]["observed"] == FEEDBACK_REQUESTS  # one observation per response, not per post
     assert greedy[0] == table.prompts[worst]
     # the most accurate prompt leads from FEEDBACK_SETTLED on; an upstream retry under load shifts the simulator's
     # draws (they follow the request count), so the test asks for most of the greedy choices, and the last one

@@ -141,7 +141,9 @@ def learner_from_args(args: argparse.Namespace, router: Any) -> tuple[Any, Any]:
     if not learn:
         for option, given in (("--explore-share", args.explore_share is not None),
                               ("--learn-reward", args.learn_reward is not None),
-                              ("--learn-prior", args.learn_prior is not None)):
+                              ("--learn-prior", args.learn_prior is not None),
+                              ("--learn-half-life", args.learn_half_life is not None),
+                              ("--learn-bonus", args.learn_bonus is not None)):
             if given:
                 raise ValueError(f"{option} needs --learn (the learner it configures)")
     if getattr(args, "shadow", None) and not args.log:
@@ -149,14 +151,17 @@ def learner_from_args(args: argparse.Namespace, router: Any) -> tuple[Any, Any]:
     shadow = Shadow(args.shadow, router.policy) if getattr(args, "shadow", None) else None
     if not learn:
         return None, shadow
-    from iapo_gym.deploy.learn import DEFAULT_EXPLORE_SHARE, DEFAULT_PRIOR_WEIGHT
+    from iapo_gym.deploy.learn import DEFAULT_BONUS, DEFAULT_EXPLORE_SHARE, DEFAULT_HALF_LIFE, DEFAULT_PRIOR_WEIGHT
 
     reward = args.learn_reward or "agreement"
     if reward == "feedback" and not args.log:
         raise ValueError("--learn-reward feedback needs --log DIR (POST /v1/feedback joins rewards to its rows)")
     learner = ServeLearner(router.policy, seed=args.seed, reward=reward,
                            explore_share=DEFAULT_EXPLORE_SHARE if args.explore_share is None else args.explore_share,
-                           prior_weight=DEFAULT_PRIOR_WEIGHT if args.learn_prior is None else args.learn_prior)
+                           prior_weight=DEFAULT_PRIOR_WEIGHT if args.learn_prior is None else args.learn_prior,
+                           half_life=DEFAULT_HALF_LIFE if args.learn_half_life is None else args.learn_half_life,
+                           bonus=DEFAULT_BONUS if args.learn_bonus is None else args.learn_bonus,
+                           extra_prompts=getattr(router, "new_prompts", ()))
     if args.log:
         from iapo_gym.outcome_log import LogError, read_log
 
@@ -298,6 +303,12 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--learn-prior", type=float, metavar="W",
                    help="with --learn, observations the policy file's estimate of an arm counts as (default 20; 0 "
                         "ignores the file's estimates)")
+    p.add_argument("--learn-half-life", type=float, metavar="REQUESTS",
+                   help="with --learn, requests after which earlier evidence counts half, so that outcomes from before "
+                        "a drift fade (default 1500; inf never forgets)")
+    p.add_argument("--learn-bonus", type=float, metavar="B",
+                   help="with --learn, the exploration bound's width: an arm is explored while its estimate plus B "
+                        "standard deviations / sqrt(its observations) is above the served arm's estimate (default 2)")
     p.add_argument("--shadow", metavar="CANDIDATE.json",
                    help="a candidate policy file: each request is logged (--log) with the arm the candidate would "
                         "have served, which is not served")
@@ -416,8 +427,10 @@ def add_evaluate_log(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "evaluate-log", help="estimate a policy file's utility from a serve outcome log (off-policy evaluation)",
         description="Estimate what a candidate policy would have earned on the requests of an outcome log (serve "
-                    "--log), per context and overall: IPS, self-normalized IPS and doubly robust (plug-in model, "
-                    "leave-one-out), each with a 95%% normal interval, beside the logging policy's own value "
+                    "--log), per context and overall: IPS, self-normalized IPS and doubly robust (a cross-fitted model; "
+                    "on a Best-of-N log of serve --learn, a candidate arm observed from the first completions of "
+                    "any logged arm of its prompt and a larger N), each with a 95%% normal interval, beside the "
+                    "logging policy's own value "
                     "(docs/deploy.md, 'Logging, feedback and off-policy evaluation').")
     p.add_argument("log", help="the outcome log folder (serve --log DIR) or one of its .sqlite files")
     p.add_argument("--policy", required=True, help="the candidate policy file (policy.json)")

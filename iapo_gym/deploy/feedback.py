@@ -49,6 +49,8 @@ def outcome_row(rid: str, routed: Any, query: str | None, *, objectives: tuple[s
     learn = getattr(routed, "learn", None) or {}
     if "explored" in learn:  # serve --learn: whether the arm was explored, and the greedy arm at the time
         outcomes["learn"] = {"explored": bool(learn["explored"]), "greedy": list(learn["greedy"])}
+        if learn.get("contender") is not None:  # the arm served with probability share (the rest: the greedy arm)
+            outcomes["learn"]["contender"] = list(learn["contender"])
     if "shadow" in learn:  # serve --shadow: the candidate policy's arm for the request (not served)
         outcomes["shadow"] = dict(learn["shadow"])
     rule = getattr(ctx, "rule", None)

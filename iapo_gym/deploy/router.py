@@ -157,7 +157,7 @@ class Routed:
         else:
             out.update(aggregator="bon", scores=self.scores, objective_scores=self.objective_scores)
         if self.learn is not None and "explored" in self.learn:
-            out["learn"] = {k: self.learn[k] for k in ("explored", "propensity", "greedy")}
+            out["learn"] = {k: self.learn[k] for k in ("explored", "propensity", "greedy", "contender") if k in self.learn}
         return out
 
 
@@ -198,6 +198,11 @@ class Router:
                           f"policy was learned with {pf.sampling}: the policy's choices may not be optimal there",
                           stacklevel=2)
         self._prompts = {p.id: Prompt(p.id, p.template, p.messages) for p in pf.prompts if p.servable}
+        # the upstream spec's prompts of the policy's API that the policy file has none of: ``serve --learn`` may
+        # serve them (a new prompt, explored first; docs/deploy.md "Learning while serving"), no context does
+        self.new_prompts = tuple(sorted(p.id for p in sp.prompts if p.id not in self._prompts and
+                                        (p.text is not None) == (pf.api == "completions")))
+        self._prompts.update({p.id: p for p in sp.prompts if p.id in self.new_prompts})
         # each prompt's endpoint: with several endpoints in the spec, every policy prompt must be one of its arms
         arms = {p.id: p.endpoint for p in sp.prompts}
         if len(sp.endpoints) > 1:
