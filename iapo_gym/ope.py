@@ -197,7 +197,10 @@ class LoggingModel:
     prompts: frozenset[str]  # the prompts served (a prompt of the K / len(ns) never served is not named)
     ns: tuple[int, ...]
     share: float
-    arms: int  # K
+    arms: int  # K (0 for the contender form)
+    #: The contender form (rows with ``outcomes.learn.contender``): each row's distribution is its own, the
+    #: contender with probability s, the greedy arm 1 - s, every other arm 0 (no contender: the greedy arm 1).
+    contender: bool = False
 
     def has_prompt(self, prompt: str) -> bool:
         """Whether ``prompt`` is one of the learner's: served, or possibly one of those never served."""
@@ -213,6 +216,8 @@ def logging_model(rows: Sequence[LogRow]) -> tuple[LoggingModel | None, str]:
     (greedy or explored), and K must be a multiple of their number, with at most K / len(Ns) prompts served. A log
     of another logging policy (a fixed stochastic one, a policy swap that changed the arms, a learner that
     explores otherwise) fails these checks and gets None."""
+    if any("contender" in (row.outcomes.get("learn") or {}) for row in rows):
+        return _contender_model(rows)
     prompts: set[str] = set()
     ns: set[int] = set()
     shares: list[float] = []
@@ -251,6 +256,41 @@ def logging_model(rows: Sequence[LogRow]) -> tuple[LoggingModel | None, str]:
     model = LoggingModel(frozenset(prompts), tuple(sorted(ns)), share, arms)
     return model, (f"serve --learn's exploration: greedy arm 1 - {share:g}, each other of the K = {arms} arms "
                    f"({arms // len(ns)} prompts x N in {sorted(ns)}) {share:g}/{arms - 1}")
+
+
+def _contender_model(rows: Sequence[LogRow]) -> tuple[LoggingModel | None, str]:
+    """``logging_model`` for rows whose learner record names the contender (``{"explored", "greedy",
+    "contender"}``): a row explored serves its contender with the share s as propensity; a row not explored serves
+    its greedy arm with 1 - s where it has a contender, 1 where it has none; one s for all rows."""
+    shares: set[float] = set()
+    for row in rows:
+        learn = row.outcomes.get("learn")
+        if learn is None:
+            if row.propensity != 1.0:
+                return None, f"row {row.id} has propensity {row.propensity} and no learner record (outcomes.learn)"
+            continue
+        greedy, contender = learn.get("greedy"), learn.get("contender")
+        if not isinstance(greedy, list) or len(greedy) != 2 or (contender is not None and (
+                not isinstance(contender, list) or len(contender) != 2)):
+            return None, f"row {row.id}'s learner record has no greedy arm or contender [prompt, N]"
+        arm = [row.prompt, int(row.n)]
+        if learn.get("explored"):
+            if contender is None or [str(contender[0]), int(contender[1])] != arm:
+                return None, f"row {row.id} says explored and did not serve its contender {contender}"
+            shares.add(round(row.propensity, 12))
+        else:
+            if [str(greedy[0]), int(greedy[1])] != arm:
+                return None, f"row {row.id} is not explored and did not serve its greedy arm {greedy}"
+            if contender is None and row.propensity != 1.0:
+                return None, f"row {row.id} has no contender and propensity {row.propensity} (expected 1)"
+            if contender is not None:
+                shares.add(round(1.0 - row.propensity, 12))
+    if len(shares) > 1:
+        return None, f"the rows' explore shares differ ({sorted(shares)}; one share s expected)"
+    share = shares.pop() if shares else 0.0
+    return (LoggingModel(frozenset(), (), share, 0, contender=True),
+            f"serve --learn's directed exploration: its contender {share:g}, the greedy arm 1 - {share:g}, "
+            "every other arm 0")
 
 
 def _scored(row: LogRow) -> bool:
@@ -401,6 +441,13 @@ def _arm_probability(row: LogRow, model: LoggingModel, prompt: str, n: int, nest
     learn = row.outcomes.get("learn")
     if learn is None:  # served deterministically (propensity 1): only its own arm
         return 1.0 if row.prompt == prompt and (row.n >= n if nested else row.n == n) else 0.0
+    if model.contender:
+        contender = learn.get("contender")
+        share = model.share if contender is not None else 0.0
+        arms = [(str(learn["greedy"][0]), int(learn["greedy"][1]), 1.0 - share)]
+        if contender is not None:
+            arms.append((str(contender[0]), int(contender[1]), share))
+        return sum(w for p, m, w in arms if p == prompt and (m >= n if nested else m == n))
     share = model.share if learn.get("explored") else 1.0 - row.propensity
     g_prompt, g_n = str(learn["greedy"][0]), int(learn["greedy"][1])
     if nested:
@@ -479,4 +526,8 @@ def format_report(per_context: Sequence[Evaluation], overall: Evaluation, counts
     if overall.dr_observation is not None:
         lines.append(f"DR observes the candidate's arm: {overall.dr_observation}; on {counts.get('observed', 0)} "
                      f"rows ({counts.get('unobservable', 0)} rows could not observe it: the model alone there)")
+        if counts.get("unobservable", 0):
+            lines.append("DR's interval leaves out the model's own error on the rows that could not observe the "
+                         "candidate's arm: it is too narrow where they are many (a directed learner's log: explore "
+                         "with a larger --explore-share, or judge the candidate on rows that observe it)")
     return "\n".join(lines)
