@@ -208,3 +208,37 @@ def test_a_new_prompt_is_explored_first_and_adopted_where_it_is_best() -> None:
     assert where
     for c in where:
         assert learner.greedy(f"c{c}")[0] == TABLE.prompts[new], c
+
+
+def test_the_budget_holds_across_a_kill_that_lost_the_last_explored_rows(tmp_path) -> None:
+    """A kill -9 can lose the log's last rows (docs/log-format.md); the budget file reserves explorations before
+    they are served, so the restarted learner counts those the lost rows held and the budget still holds."""
+    share = 0.1
+    policy = bon_policy(TABLE)
+    budget = tmp_path / "learn-budget.json"
+    rows: list = []
+    first = ServeLearner(policy, explore_share=share, seed=3, budget_file=budget)
+    choices = serve(first, policy, TABLE, 300, seed=3, rows=rows)
+    explored = sum(c.explored for c in choices)
+    last = max(i for i, c in enumerate(choices) if c.explored)
+    kept = rows[:last]  # the kill lost every row from the last explored one on
+    again = ServeLearner(policy, explore_share=share, seed=4, budget_file=budget)
+    again.resume(kept)
+    assert again.explored == explored - sum(c.explored for c in choices[last:])  # what the log shows
+    assert explored <= again.report()["budget_spent"] <= explored + 8  # what the budget counts: every one served
+    total = explored
+    for t, choice in enumerate(serve(again, policy, TABLE, 300, seed=4)):
+        total += choice.explored
+        assert total <= math.floor(share * (len(kept) + t + 1) + 1e-9), t
+    # without the budget file the restarted learner would count only the logged explorations
+    blind = ServeLearner(policy, explore_share=share, seed=4)
+    blind.resume(kept)
+    assert blind.report()["budget_spent"] < explored
+
+
+def test_a_budget_file_that_is_not_one_is_refused_by_name(tmp_path) -> None:
+    budget = tmp_path / "learn-budget.json"
+    budget.write_text('{"explored_reserved": -3}\n')
+    learner = ServeLearner(bon_policy(TABLE), explore_share=0.1, budget_file=budget)
+    with pytest.raises(ValueError, match="explored_reserved=-3"):
+        learner.resume([])

@@ -151,7 +151,13 @@ def learner_from_args(args: argparse.Namespace, router: Any) -> tuple[Any, Any]:
     shadow = Shadow(args.shadow, router.policy) if getattr(args, "shadow", None) else None
     if not learn:
         return None, shadow
-    from iapo_gym.deploy.learn import DEFAULT_BONUS, DEFAULT_EXPLORE_SHARE, DEFAULT_HALF_LIFE, DEFAULT_PRIOR_WEIGHT
+    from iapo_gym.deploy.learn import (
+        BUDGET_FILE,
+        DEFAULT_BONUS,
+        DEFAULT_EXPLORE_SHARE,
+        DEFAULT_HALF_LIFE,
+        DEFAULT_PRIOR_WEIGHT,
+    )
 
     reward = args.learn_reward or "agreement"
     if reward == "feedback" and not args.log:
@@ -161,13 +167,15 @@ def learner_from_args(args: argparse.Namespace, router: Any) -> tuple[Any, Any]:
                            prior_weight=DEFAULT_PRIOR_WEIGHT if args.learn_prior is None else args.learn_prior,
                            half_life=DEFAULT_HALF_LIFE if args.learn_half_life is None else args.learn_half_life,
                            bonus=DEFAULT_BONUS if args.learn_bonus is None else args.learn_bonus,
-                           extra_prompts=getattr(router, "new_prompts", ()))
+                           extra_prompts=getattr(router, "new_prompts", ()),
+                           budget_file=os.path.join(args.log, BUDGET_FILE) if args.log else None)
     if args.log:
         from iapo_gym.outcome_log import LogError, read_log
 
         try:
             _, rows = read_log(args.log)
-        except LogError:  # no log yet: nothing to resume from
+        except LogError:  # no log yet: nothing to resume from but the budget file's reservation
+            learner.resume([])
             return learner, shadow
         used = learner.resume(rows)
         print(f"iapo-gym serve: --learn resumed from {used} logged requests ({learner.explored} of "

@@ -97,6 +97,11 @@ FAST_SHARE = 0.125
 CHANGE_Z = 6.0
 #: Recent observations an arm needs before the change test looks at it.
 CHANGE_MIN = 10.0
+#: Explorations reserved at a time in the budget file (``budget_file``): one durable write per this many explored
+#: requests, and after a kill -9 the budget counts at most this many explorations that never happened.
+RESERVE_BLOCK = 8
+#: The budget file's name in the ``--log`` folder.
+BUDGET_FILE = "learn-budget.json"
 #: After a detected change, the evidence every other prompt's arm keeps (in observations).
 RESTART_WEIGHT = 5.0
 #: A discounted weight below this is no evidence (the arm's estimate is forgotten).
@@ -155,14 +160,17 @@ class ServeLearner:
     def __init__(self, policy: PolicyFile, *, explore_share: float = DEFAULT_EXPLORE_SHARE, seed: int = 0,
                  reward: str = "agreement", prior_weight: float = DEFAULT_PRIOR_WEIGHT,
                  half_life: float = DEFAULT_HALF_LIFE, bonus: float = DEFAULT_BONUS,
-                 extra_prompts: Sequence[str] = ()) -> None:
+                 extra_prompts: Sequence[str] = (), budget_file: str | os.PathLike[str] | None = None) -> None:
         """``policy``: the served policy file; ``explore_share``: the share of requests that may be served another
         arm than the greedy one (0 <= share < 1); ``seed``: the root of the exploration draws; ``reward``: what a
         majority vote learns from (``REWARDS``); ``prior_weight``: observations each estimate of the policy file
         counts as (>= 0; 0 ignores them); ``half_life``: requests after which evidence counts half (> 0; ``inf``
         never forgets); ``bonus``: the upper confidence bound's width (>= 0; 0 explores only arms without
         evidence); ``extra_prompts``: prompt ids the router can serve beyond the policy file's (the upstream spec's
-        new prompts). ValueError names a bad value."""
+        new prompts); ``budget_file``: where the explorations are reserved before they are served
+        (``RESERVE_BLOCK`` at a time, an atomic fsynced write), so that the budget holds across a kill -9 that
+        loses the last rows of the log (``serve --learn --log DIR`` keeps it in DIR; None: the process's
+        lifetime and the rows resumed). ValueError names a bad value."""
         from iapo_gym.seeding import derive_rng
 
         self.explore_share = _check_number(explore_share, "--explore-share", "the share of requests explored",
@@ -187,6 +195,9 @@ class ServeLearner:
         self.rng = derive_rng(int(seed), "iapo_gym.deploy.learn")
         self.chosen = 0  # requests an arm was chosen for (the budget's denominator)
         self.explored = 0  # of them, served another arm than the greedy one
+        self.budget_file = None if budget_file is None else os.fspath(budget_file)
+        self._spent = 0  # explorations the budget counts: explored, or more after a kill (the reservation)
+        self._reserved = 0  # explorations reserved in the budget file
         self.observed = 0  # requests learned from (the clock of the discount)
         self._pending: OrderedDict[str, _Outcome] = OrderedDict()  # mv feedback: rid -> what it drew
         self.use_policy(policy)
@@ -293,13 +304,16 @@ class ServeLearner:
         upper[g] = -np.inf
         best = float(upper.max())
         promising = best > target or (best == math.inf)
-        share = self.explore_share if promising and self.explored + 1 <= self.explore_share * (self.chosen + 1) \
+        share = self.explore_share if promising and self._spent + 1 <= self.explore_share * (self.chosen + 1) \
             else 0.0
         contender = self._contender(upper, best) if share > 0 else None
         u = float(self.rng.random())
         self.chosen += 1
         if contender is not None and u < share:
+            if self._spent + 1 > self._reserved:
+                self._reserve(self._spent + RESERVE_BLOCK)
             self.explored += 1
+            self._spent += 1
             arm, propensity = contender, share
         else:
             arm, propensity = g, 1.0 - share
@@ -454,16 +468,41 @@ class ServeLearner:
         if pending is not None:
             self._learn(pending, reward)
 
+    def _reserve(self, upto: int) -> None:
+        """Make ``upto`` explorations durable in the budget file before the next one is served."""
+        if self.budget_file is not None:
+            from iapo_gym.atomic import atomic_write_text
+
+            atomic_write_text(self.budget_file, json.dumps({"explored_reserved": int(upto)}) + "\n")
+        self._reserved = int(upto)
+
+    def _read_reserved(self) -> int:
+        """The explorations the budget file reserved (0 without one); ValueError names a file that is not one."""
+        if self.budget_file is None or not os.path.exists(self.budget_file):
+            return 0
+        try:
+            with open(self.budget_file, encoding="utf-8") as fh:
+                value = json.load(fh)["explored_reserved"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"the --learn budget file {self.budget_file} is not one ({exc}); expected "
+                             '{"explored_reserved": <count>}') from None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"the --learn budget file {self.budget_file} holds explored_reserved={value!r}; "
+                             "expected a count >= 0")
+        return value
+
     def resume(self, rows: Iterable[LogRow]) -> int:
         """Learn from the rows of an outcome log this serve writes to (``--log`` at start), in their order: their
         outcomes (and, for feedback, their rewards) teach as when they were served, and their exploration counts
-        toward the budget. Returns the rows learned from."""
+        toward the budget, as does every exploration the budget file reserved (those of rows a kill -9 lost).
+        Returns the rows learned from."""
         used = 0
         for row in rows:
             learn = row.outcomes.get("learn")
             if isinstance(learn, Mapping):
                 self.chosen += 1
                 self.explored += bool(learn.get("explored"))
+                self._spent += bool(learn.get("explored"))
             out = row.outcomes
             common: dict[str, Any] = {
                 "context": row.context, "weights": tuple(row.weights), "prompt": row.prompt, "n": int(row.n),
@@ -486,12 +525,15 @@ class ServeLearner:
             else:
                 continue
             used += taught
+        self._reserved = max(self._reserved, self._read_reserved())
+        self._spent = max(self._spent, self._reserved)
         return used
 
     def report(self) -> dict[str, Any]:
         """The budget's counts and, per context, the greedy arm and the estimate and discounted observations of
         every arm that has any."""
-        out: dict[str, Any] = {"chosen": self.chosen, "explored": self.explored, "explore_share": self.explore_share,
+        out: dict[str, Any] = {"chosen": self.chosen, "explored": self.explored, "budget_spent": self._spent,
+                               "explore_share": self.explore_share,
                                "observed": self.observed, "half_life": self.half_life, "changes": self.changes,
                                "reward": self.reward if self.aggregator == "mv" else "scores", "contexts": {}}
         for c, ctx in enumerate(self._contexts):
