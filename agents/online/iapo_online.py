@@ -7,19 +7,25 @@ prompts, refitted on a doubling schedule, with a change detector for drift and o
   refitted when the completions served since the last refit reach ``refit`` times those before (1: a doubling
   schedule, about log2 of the completions refits in a run), never per request: a refit costs as much as thousands
   of requests.
-* **Choice.** For a request of context c, each available prompt p scores ``max_N Q^(c, p, N) + width *
-  sqrt(log(t + 2) / n_p)`` with n_p the requests the prompt served, faded by ``discount`` per request; the request
-  gets the best prompt at its best N. The fading makes a prompt not served for a while worth a look again, so a
-  prompt that drifted while unserved is re-examined. Between refits a prompt's scores also move by its mean residual
-  (utility served minus estimate) since the last refit, shrunk by ``SHIFT_PRIOR``: the choice follows what is served
-  without paying for a refit.
+* **Choice.** For a request of context c, each available prompt p scores ``max_N Q^(c, p, N) + s_cp + width *
+  sigma * sqrt(log(t + 2) / n_p)`` with n_p the requests the prompt served, faded by ``discount`` per request, and
+  sigma the pooled sd of the residuals; the request gets the best prompt at its best N. The fading makes a prompt
+  not served for a while worth a look again, so a prompt that drifted while unserved is re-examined.
+* **Shift.** The plug-in estimate of a prompt with few completions is pulled toward the shared prior, far below its
+  value at times (0.1-0.3 on some tuning levels). s_cp measures that bias on what the prompt served: the sum of its
+  residuals under context c (each served pull's utility under c, which the env reports for every context, minus
+  Q^(c, p, N) at the pull's N), faded as n_p, over their faded count + sigma^2 / ``bias_sd``^2, the posterior mean
+  of a bias of prior sd ``bias_sd`` under residual noise sigma. It is recomputed over every logged pull at each
+  refit (against the new estimate) and follows every residual in between, so the choice follows what is served
+  without paying for a refit, and a prompt's few unlucky residuals fade with its count.
 * **Optimistic entry.** A prompt never served (at the start, or one that arrives) comes before every other, at N =
   ``entry_n``; the requests of one batch spread over the new prompts. The estimate is first read once every
   available prompt has been served (the entry round), and a prompt that arrives later is read right after its
   first request.
-* **Change detector.** Each served request's utility minus its estimate Q^(c_t, p_t, N_t), over the pooled residual
-  sd, feeds a two-sided CUSUM per prompt (slack ``slack``, threshold ``threshold``; every CUSUM starts over at a
-  refit). When one crosses, the prompt's completions before the CUSUM's change estimate (the crossing side's last
+* **Change detector.** Each served request's residual under its context less the prompt's shift s_cp before it
+  (the prompt's own recent mean, so the estimate's bias is not taken for a change), over the pooled sd sigma of
+  such residuals, feeds a two-sided CUSUM per prompt (slack ``slack``, threshold ``threshold``; every CUSUM starts
+  over at a refit). When one crosses, the prompt's completions before the CUSUM's change estimate (the crossing side's last
   zero) are forgotten: the estimator is rebuilt from the completions kept, and the prompt's count restarts, so it
   is explored again.
 
@@ -40,10 +46,9 @@ from iapo_gym.compiled import njit
 from iapo_gym.env import IAPOEnv
 from iapo_gym.online import OnlineAgentBase, OnlineEnv, Requests, Served
 
-#: Between refits a prompt's scores move by its mean residual (utility served minus estimate) since the last refit,
-#: shrunk to 0 as if this many residuals of 0 came first: the estimate follows what is served without a refit.
-SHIFT_PRIOR = 10.0
-#: Residuals the pooled sd is read from before the change detector is armed.
+#: The shift prior before the pooled residual sd is read (shifts stay 0), and at ``bias_sd`` = 0.
+_NO_SHIFT = 1e300
+#: Residuals the pooled sd sigma is read from before the change detector, the shifts and the width's unit are armed.
 ARM_RESIDUALS = 50
 #: A prompt's faded count below this is treated as this (its width stays finite).
 MIN_COUNT = 1e-3
@@ -52,8 +57,9 @@ _RESCALE = 1e150
 
 
 @njit
-def _best_prompt(scaled: np.ndarray, fade: float, width: float, log_t: float, tie: np.ndarray, shift: np.ndarray,
-                 served: np.ndarray, blocked: np.ndarray, value: np.ndarray) -> int:  # pragma: no cover - compiled
+def _best_prompt(scaled: np.ndarray, fade: float, width: float, log_t: float, tie: np.ndarray, res_sum: np.ndarray,
+                 res_n: np.ndarray, shift_prior: float, served: np.ndarray, blocked: np.ndarray,
+                 value: np.ndarray) -> int:  # pragma: no cover - compiled
     """``IAPOOnline.choose``'s prompt for a context of estimates ``value`` (P,), or -1 when a prompt's index is +inf
     (never served, or an infinite width): ``_index``'s arithmetic per prompt, in the same order, then the first
     maximum of ``value + index`` as ``np.argmax`` takes it (the first NaN, if any)."""
@@ -67,7 +73,8 @@ def _best_prompt(scaled: np.ndarray, fade: float, width: float, log_t: float, ti
             count = scaled[i] * fade
             if count < MIN_COUNT:
                 count = MIN_COUNT
-            b = width * np.sqrt(log_t / count) + tie[i] + shift[i]
+            shift = res_sum[i] * fade / (res_n[i] * fade + shift_prior)
+            b = width * np.sqrt(log_t / count) + tie[i] + shift
             if b == np.inf:
                 return -1
         v = value[i] + b
@@ -98,12 +105,12 @@ class _ServedElsewhere:
 
 
 class _Log:
-    """Pulls served (step, prompt, N, query, atoms): blocks of a batch's arrays, and single requests as scalars
-    (the one-request path: lists of their steps, prompts, Ns, queries and atom arrays), joined into one block when
-    read."""
+    """Pulls served (step, prompt, N, query, atoms) with each pull's utility under every context: blocks of a
+    batch's arrays, and single requests as scalars (the one-request path: lists of their steps, prompts, Ns, queries,
+    atom arrays and utility vectors), joined into one block when read."""
 
     def __init__(self) -> None:
-        self.blocks: list[tuple[np.ndarray, Pulls]] = []
+        self.blocks: list[tuple[np.ndarray, Pulls, np.ndarray]] = []
         self._clear_singles()
 
     def _clear_singles(self) -> None:
@@ -112,22 +119,24 @@ class _Log:
         self._ns: list[int] = []
         self._queries: list[int] = []
         self._atoms: list[np.ndarray] = []
+        self._utilities: list[np.ndarray] = []
 
     def __bool__(self) -> bool:
         return bool(self.blocks or self._steps)
 
-    def add(self, steps: np.ndarray, pulls: Pulls) -> None:
-        """A batch's pulls."""
+    def add(self, steps: np.ndarray, pulls: Pulls, utilities: np.ndarray) -> None:
+        """A batch's pulls and their utilities (B, C) under every context."""
         self._flush()
-        self.blocks.append((steps, pulls))
+        self.blocks.append((steps, pulls, utilities))
 
-    def add_one(self, t: int, p: int, n: int, q: int, atoms: np.ndarray) -> None:
-        """One request's pull (``atoms`` holds its ``n`` outcomes)."""
+    def add_one(self, t: int, p: int, n: int, q: int, atoms: np.ndarray, utilities: np.ndarray) -> None:
+        """One request's pull (``atoms`` holds its ``n`` outcomes) and its utilities (C,) under every context."""
         self._steps.append(t)
         self._prompts.append(p)
         self._ns.append(n)
         self._queries.append(q)
         self._atoms.append(atoms)
+        self._utilities.append(utilities)
 
     def _flush(self) -> None:
         if not self._steps:
@@ -137,24 +146,32 @@ class _Log:
         np.cumsum(ns, out=offsets[1:])
         pulls = Pulls(np.array(self._prompts, dtype=np.int64), ns, np.array(self._queries, dtype=np.int64),
                       np.concatenate(self._atoms), offsets)
-        self.blocks.append((np.array(self._steps, dtype=np.int64), pulls))
+        self.blocks.append((np.array(self._steps, dtype=np.int64), pulls, np.stack(self._utilities)))
         self._clear_singles()
 
-    def read(self) -> tuple[np.ndarray, Pulls]:
-        """(steps, pulls) of everything logged, as one block (kept as that one block)."""
+    def _join(self) -> tuple[np.ndarray, Pulls, np.ndarray]:
         self._flush()
         if not self.blocks:
             empty = np.zeros(0, dtype=np.int64)
-            return empty, Pulls(empty, empty, empty, empty, np.zeros(1, dtype=np.int64))
+            return empty, Pulls(empty, empty, empty, empty, np.zeros(1, dtype=np.int64)), np.zeros((0, 0))
         if len(self.blocks) > 1:
-            steps = np.concatenate([b[0] for b in self.blocks])
-            self.blocks = [(steps, _concat([b[1] for b in self.blocks]))]
+            self.blocks = [(np.concatenate([b[0] for b in self.blocks]), _concat([b[1] for b in self.blocks]),
+                            np.concatenate([b[2] for b in self.blocks]))]
         return self.blocks[0]
+
+    def read(self) -> tuple[np.ndarray, Pulls]:
+        """(steps, pulls) of everything logged, as one block (kept as that one block)."""
+        steps, pulls, _ = self._join()
+        return steps, pulls
+
+    def utilities(self) -> np.ndarray:
+        """(B, C): the utility under every context of each pull of ``read()``'s block, in its order."""
+        return self._join()[2]
 
     def keep(self, mask: np.ndarray) -> None:
         """Keep only the pulls where ``mask`` (over ``read()``'s block) is True."""
-        steps, pulls = self.read()
-        self.blocks = [(steps[mask], _select(pulls, mask))]
+        steps, pulls, utilities = self._join()
+        self.blocks = [(steps[mask], _select(pulls, mask), utilities[mask])]
 
     def clear(self) -> None:
         """Forget everything."""
@@ -183,21 +200,23 @@ def _concat(parts: list[Pulls]) -> Pulls:
 class IAPOOnline(OnlineAgentBase):
     """UCB over prompts on ``auto``'s plug-in estimate, with a CUSUM change detector and optimistic entry.
 
-    :param width: exploration weight of a prompt's confidence width sqrt(log(t + 2) / n_p) (utility units).
+    :param width: exploration weight of a prompt's confidence width sigma * sqrt(log(t + 2) / n_p) (residual sds).
     :param discount: factor a prompt's request count n_p fades by per request (1: none); unserved prompts come back.
     :param refit: the estimate is refitted when the completions since the last refit reach this times those before.
     :param threshold: CUSUM threshold (in residual sds) at which a prompt's older completions are forgotten.
     :param slack: CUSUM slack (in residual sds): shifts of a prompt's mean utility smaller than this go undetected.
     :param entry_n: N of a never-served prompt's first pull (optimistic entry; capped at N_max).
     :param prior: weight of the estimator's shared prior, times ``auto``'s (``alpha`` 32 pseudo-votes, ``bon_prior`` 1).
+    :param bias_sd: prior sd of the estimate's bias per (context, prompt) (utility units; 0: no shift s_cp).
     """
 
-    def __init__(self, seed: int | None = None, width: float = 0.025, discount: float = 0.9999, refit: float = 1.0,
-                 threshold: float = 25.0, slack: float = 0.25, entry_n: int = 4, prior: float = 0.1) -> None:
+    def __init__(self, seed: int | None = None, width: float = 0.5, discount: float = 0.9999, refit: float = 1.0,
+                 threshold: float = 50.0, slack: float = 0.25, entry_n: int = 4, prior: float = 0.1,
+                 bias_sd: float = 0.05) -> None:
         """Hyper-parameters as documented on the class; ``seed`` for ties."""
         super().__init__(seed)
-        self.width, self.threshold, self.slack, self.prior = check_nonnegative(
-            width=width, threshold=threshold, slack=slack, prior=prior)
+        self.width, self.threshold, self.slack, self.prior, self.bias_sd = check_nonnegative(
+            width=width, threshold=threshold, slack=slack, prior=prior, bias_sd=bias_sd)
         if isinstance(discount, bool) or not 0.0 < float(discount) <= 1.0:
             raise ValueError(f"discount must be in (0, 1], got {discount!r}")
         if isinstance(refit, bool) or not float(refit) > 0.0:
@@ -210,7 +229,7 @@ class IAPOOnline(OnlineAgentBase):
     def params(self) -> dict[str, Any]:
         """The hyper-parameters."""
         return {"width": self.width, "discount": self.discount, "refit": self.refit, "threshold": self.threshold,
-                "slack": self.slack, "entry_n": self.entry_n, "prior": self.prior}
+                "slack": self.slack, "entry_n": self.entry_n, "prior": self.prior, "bias_sd": self.bias_sd}
 
     # ---- state ----------------------------------------------------------------------------------
     def start(self, env: OnlineEnv, seed: int) -> None:
@@ -237,9 +256,11 @@ class IAPOOnline(OnlineAgentBase):
         self.t = 0
         self._next_new = 0
         # the change detector: pooled residual moments, per prompt two CUSUMs and their last zeros
-        self._res_n, self._res_ss = 0, 0.0
-        self._shift = np.zeros(n_p)  # per prompt: its mean residual since the last refit, shrunk (see SHIFT_PRIOR)
-        self._shift_n, self._shift_sum = [0] * n_p, [0.0] * n_p
+        self._pool_n, self._res_ss = 0, 0.0
+        self._shift_prior = _NO_SHIFT  # sigma^2 / bias_sd^2 once the pooled residual sd sigma is read
+        self._scale = 1.0  # the width's unit: the pooled residual sd sigma once read (1 before)
+        self._res_sum = np.zeros((n_c, n_p))  # per (context, prompt): faded residual sum, scaled as ``_scaled``
+        self._res_n = np.zeros(n_p)  # per prompt: its faded residual count, scaled as ``_scaled``
         self._n_served = self._n_read = 0
         self._up = [0.0] * n_p
         self._down = [0.0] * n_p
@@ -253,10 +274,16 @@ class IAPOOnline(OnlineAgentBase):
         """discount^(t - t0): the factor turning ``_scaled`` into the faded counts now."""
         return self.discount ** (self.t - self._t0)
 
+    def _shift(self) -> np.ndarray:
+        """(C, P) the shifts s_cp: a prompt's faded residual sum under context c over its faded residual count +
+        sigma^2 / ``bias_sd``^2."""
+        fade = self._fade()
+        return self._res_sum * fade / (self._res_n * fade + self._shift_prior)
+
     def _index(self) -> np.ndarray:
         """(P,) each prompt's confidence width now (0 for none when width = 0); +inf for never-served prompts."""
         counts = np.maximum(self._scaled * self._fade(), MIN_COUNT)
-        bonus = self.width * np.sqrt(math.log(self.t + 2) / counts) + self._tie + self._shift
+        bonus = self.width * self._scale * np.sqrt(math.log(self.t + 2) / counts) + self._tie
         bonus[~self.served] = np.inf
         return bonus
 
@@ -281,7 +308,7 @@ class IAPOOnline(OnlineAgentBase):
             self._next_new += b
             prompts = fresh[k % fresh.size]
             return prompts, np.full(b, self._entry, dtype=np.int64)
-        index = self.value[contexts] + bonus[None, :]
+        index = self.value[contexts] + self._shift()[contexts] + bonus[None, :]
         prompts = index.argmax(axis=1)
         return prompts, self.best_n[contexts, prompts]
 
@@ -289,8 +316,8 @@ class IAPOOnline(OnlineAgentBase):
         """(p, N) for one request: what ``choose_batch`` gives for a batch of one, without building one."""
         self._set_available(observation["available"])
         c = int(observation["context"])
-        p = _best_prompt(self._scaled, self._fade(), self.width, math.log(self.t + 2), self._tie, self._shift,
-                         self.served, self._blocked, self.value[c])
+        p = _best_prompt(self._scaled, self._fade(), self.width * self._scale, math.log(self.t + 2), self._tie,
+                         self._res_sum[c], self._res_n, self._shift_prior, self.served, self._blocked, self.value[c])
         if p >= 0:
             return p, int(self.best_n[c, p])
         bonus = self._index()  # a never-served prompt is due (its index is +inf): the entry round's order
@@ -300,7 +327,7 @@ class IAPOOnline(OnlineAgentBase):
             p = int(fresh[self._next_new % fresh.size])
             self._next_new += 1
             return p, self._entry
-        p = int((self.value[c] + bonus).argmax())
+        p = int((self.value[c] + self._shift()[c] + bonus).argmax())
         return p, int(self.best_n[c, p])
 
     # ---- learning -------------------------------------------------------------------------------
@@ -309,20 +336,21 @@ class IAPOOnline(OnlineAgentBase):
         pulls, contexts, start = served.pulls, requests.contexts, requests.start
         b = contexts.size
         detected: dict[int, int] = {}
+        fade_now = self._fade()
         read = self.read[pulls.prompts]
+        utilities = np.ascontiguousarray(np.asarray(served.utilities, dtype=np.float64).T)  # (B, C)
         if read.any():
             idx = np.flatnonzero(read)
             prompts = pulls.prompts[idx]
-            residuals = served.rewards[idx] - self.q[contexts[idx], prompts, pulls.ns[idx] - 1]
-            for p, x, t in zip(prompts.tolist(), residuals.tolist(), (idx + start).tolist(), strict=True):
-                since = self._cusum(p, x, t)
+            residuals = utilities[idx] - self.q[:, prompts, pulls.ns[idx] - 1].T  # (b, C)
+            for i, p, t in zip(range(idx.size), prompts.tolist(), (idx + start).tolist(), strict=True):
+                since = self._cusum(p, residuals[i], int(contexts[idx[i]]), t, fade_now)
                 if since >= 0 and p not in detected:
                     detected[p] = since
         steps = np.arange(start, start + b)
-        self.log.add(steps, pulls)
-        self._pending.add(steps, pulls)
+        self.log.add(steps, pulls, utilities)
+        self._pending.add(steps, pulls, utilities)
         ns = pulls.ns.astype(np.float64)
-        fade_now = self._fade()
         self.t = start + b
         np.add.at(self.completions, pulls.prompts, ns)
         np.add.at(self._scaled, pulls.prompts, 1.0 / fade_now)
@@ -340,14 +368,15 @@ class IAPOOnline(OnlineAgentBase):
             raise ValueError(f"info holds {atoms.size} outcomes, not the N = {n} of the action {action!r}")
         c, t = int(observation["context"]), int(info["t"])
         detected: dict[int, int] = {}
+        fade_now = self._fade()
+        utilities = np.asarray(info["utilities"], dtype=np.float64)
         if self.read[p]:
-            since = self._cusum(p, float(info["utilities"][c]) - float(self.q[c, p, n - 1]), t)
+            since = self._cusum(p, utilities - self.q[:, p, n - 1], c, t, fade_now)
             if since >= 0:
                 detected[p] = since
         q = int(info["query"])
-        self.log.add_one(t, p, n, q, atoms)
-        self._pending.add_one(t, p, n, q, atoms)
-        fade_now = self._fade()
+        self.log.add_one(t, p, n, q, atoms, utilities)
+        self._pending.add_one(t, p, n, q, atoms, utilities)
         self.t = t + 1
         self.completions[p] += n
         self._scaled[p] += 1.0 / fade_now
@@ -360,7 +389,10 @@ class IAPOOnline(OnlineAgentBase):
     def _after(self, detected: dict[int, int]) -> None:
         """After a request or batch is counted: forget on a detection, else refit when due."""
         if self._fade() < 1.0 / _RESCALE:  # keep the lazily faded counts in range
-            self._scaled *= self._fade()
+            fade = self._fade()
+            self._scaled *= fade
+            self._res_sum *= fade
+            self._res_n *= fade
             self._t0 = self.t
         if detected:
             self._forget(list(detected.items()))
@@ -371,17 +403,22 @@ class IAPOOnline(OnlineAgentBase):
         elif self._n_served > self._n_read and (self.served | self._blocked).all():  # the entry round is over: read its prompts
             self._refit()
 
-    def _cusum(self, p: int, residual: float, t: int) -> int:
-        """Feed one residual of prompt ``p`` (request ``t``) to its two CUSUMs: the change estimate (the crossing
-        side's last zero) when one crosses ``threshold``, else -1."""
-        n = self._shift_n[p] + 1
-        self._shift_n[p], self._shift_sum[p] = n, self._shift_sum[p] + residual
-        self._shift[p] = self._shift_sum[p] / (n + SHIFT_PRIOR)
-        self._res_n += 1
-        self._res_ss += residual * residual
-        if self._res_n < ARM_RESIDUALS or self._res_ss <= 0.0:
+    def _cusum(self, p: int, residuals: np.ndarray, c: int, t: int, fade: float) -> int:
+        """Feed one pull's residuals (C,) (prompt ``p``, request ``t`` of context ``c``) to the shifts s_cp, and its
+        residual under ``c`` less s_cp before it to the prompt's two CUSUMs: the change estimate (the crossing side's
+        last zero) when one crosses ``threshold``, else -1."""
+        s_n = self._res_n[p]
+        centred = float(residuals[c]) - float(self._res_sum[c, p]) * fade / (s_n * fade + self._shift_prior)
+        self._res_n[p] = s_n + 1.0 / fade
+        self._res_sum[:, p] += residuals / fade
+        self._pool_n += 1
+        self._res_ss += centred * centred
+        if self._pool_n < ARM_RESIDUALS or self._res_ss <= 0.0:
             return -1
-        x = residual / math.sqrt(self._res_ss / self._res_n)
+        var = self._res_ss / self._pool_n
+        self._shift_prior = var / self.bias_sd ** 2 if self.bias_sd > 0.0 else _NO_SHIFT
+        self._scale = math.sqrt(var)
+        x = centred / self._scale
         k = self.slack
         u = self._up[p] + x - k
         if u <= 0.0:
@@ -417,7 +454,7 @@ class IAPOOnline(OnlineAgentBase):
         self._n_read = 0
         self._drawn = float(ns.sum())
         self._pending.clear()
-        self._pending.add(steps, pulls)
+        self._pending.add(steps, pulls, self.log.utilities())
         self._refit()
 
     def _refit(self) -> None:
@@ -426,8 +463,6 @@ class IAPOOnline(OnlineAgentBase):
         self._fitted_total = self._drawn
         n_p = len(self._up)
         self._up, self._down = [0.0] * n_p, [0.0] * n_p
-        self._shift[:] = 0.0  # the refit reads the residuals' completions itself
-        self._shift_n, self._shift_sum = [0] * n_p, [0.0] * n_p
         self._up_zero, self._down_zero = [self.t] * n_p, [self.t] * n_p
         if not self._pending:
             return
@@ -444,3 +479,19 @@ class IAPOOnline(OnlineAgentBase):
         self.value[:, prompts] = np.take_along_axis(q, best[..., None], axis=2)[..., 0]
         self.read[prompts] = True
         self._n_read = int(self.read.sum())
+        self._residual_stats()
+
+    def _residual_stats(self) -> None:
+        """Each prompt's residuals (utility served minus the new estimate Q^(c, p, N)) over every logged request,
+        faded by ``discount`` per request since: the shift s_cp measures the estimate's bias on what the prompt served
+        (the prior's pull on a prompt with few completions), so it does not start over at a refit."""
+        steps, pulls = self.log.read()
+        n_c, n_p = self._res_sum.shape
+        self._res_sum, self._res_n = np.zeros((n_c, n_p)), np.zeros(n_p)
+        if steps.size == 0:
+            return
+        weights = self.discount ** (self._t0 - steps - 1).astype(np.float64)  # scaled as ``_scaled``
+        residuals = self.log.utilities() - self.q[:, pulls.prompts, pulls.ns - 1].T  # (B, C)
+        for c in range(n_c):
+            self._res_sum[c] = np.bincount(pulls.prompts, weights=weights * residuals[:, c], minlength=n_p)
+        self._res_n = np.bincount(pulls.prompts, weights=weights, minlength=n_p).astype(np.float64)
