@@ -29,7 +29,7 @@ The log is kept in ``--work`` (default ``results/ope-log``, untracked) and reuse
 (``--fresh`` regenerates it). Generating 20,000 requests through HTTP takes several minutes on two shared cores.
 
     .venv/bin/python benchmarks/bench_ope.py                   # the issue's size: 20,000 requests
-    .venv/bin/python benchmarks/bench_ope.py --requests 2000 --work /tmp/ope-small
+    .venv/bin/python benchmarks/bench_ope.py --requests 2000 --work results/ope-small
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ correctness as feedback, written through ``OutcomeLog`` and read back. The exact
 candidates is the table's exact Q of its arms, weighted by the logged context frequencies.
 
     python research/ope_vs_obp.py --requests 20000 --seeds 5
-    python research/ope_vs_obp.py --requests 20000 --seeds 1 --obp-python /tmp/obp310/bin/python
+    python research/ope_vs_obp.py --requests 20000 --seeds 1 --obp-python .venv310-obp/bin/python
 
 ``--obp-python PY``: an interpreter with ``obp`` installed (obp 0.5.7 needs Python < 3.11:
 ``python3.10 -m venv /tmp/obp310 && /tmp/obp310/bin/pip install --no-deps obp==0.5.7 && /tmp/obp310/bin/pip install
@@ -26,7 +26,7 @@ a bandit of two pseudo-actions per request, "observed" (the candidate's utility 
 "not observed" (1 - P_i), the candidate always choosing "observed", the reward y_i, and the same cross-fitted
 model for "observed" (``evaluate``'s ``terms``): its textbook DR is then ours, term by term.
 
-    python research/ope_vs_obp.py --nested --requests 20000 --seeds 3 --obp-python /tmp/obp310/bin/python
+    python research/ope_vs_obp.py --nested --requests 20000 --seeds 3 --obp-python .venv310-obp/bin/python
 """
 
 from __future__ import annotations
