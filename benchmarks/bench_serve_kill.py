@@ -59,7 +59,7 @@ def _start(argv: list[str], port: int, name: str) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     proc.log_file = log  # type: ignore[attr-defined]
     try:
-        wait_ready(f"http://127.0.0.1:{port}/health", proc, timeout=float(os.environ.get("BSK_T", "120")))
+        wait_ready(f"http://127.0.0.1:{port}/health", proc, timeout=120)
     except RuntimeError as exc:
         printed = output(proc)
         stop(proc)

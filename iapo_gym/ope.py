@@ -222,12 +222,10 @@ def logging_model(rows: Sequence[LogRow]) -> tuple[LoggingModel | None, str]:
     ns: set[int] = set()
     shares: list[float] = []
     explored: list[float] = []
-    for row in rows:
-        learn = row.outcomes.get("learn")
-        if learn is None:
-            if row.propensity != 1.0:
-                return None, f"row {row.id} has propensity {row.propensity} and no learner record (outcomes.learn)"
-            continue
+    records, why = _learner_records(rows)
+    if why:
+        return None, why
+    for row, learn in records:
         greedy = learn.get("greedy")
         if not isinstance(greedy, list) or len(greedy) != 2:
             return None, f"row {row.id}'s learner record has no greedy arm [prompt, N]"
@@ -258,17 +256,29 @@ def logging_model(rows: Sequence[LogRow]) -> tuple[LoggingModel | None, str]:
                    f"({arms // len(ns)} prompts x N in {sorted(ns)}) {share:g}/{arms - 1}")
 
 
+def _learner_records(rows: Sequence[LogRow]) -> tuple[list[tuple[LogRow, Mapping[str, Any]]], str]:
+    """The rows with a learner record (``outcomes.learn``) and their records; the others must have been served
+    with propensity 1, else no records and why not."""
+    records = []
+    for row in rows:
+        learn = row.outcomes.get("learn")
+        if learn is None:
+            if row.propensity != 1.0:
+                return [], f"row {row.id} has propensity {row.propensity} and no learner record (outcomes.learn)"
+            continue
+        records.append((row, learn))
+    return records, ""
+
+
 def _contender_model(rows: Sequence[LogRow]) -> tuple[LoggingModel | None, str]:
     """``logging_model`` for rows whose learner record names the contender (``{"explored", "greedy",
     "contender"}``): a row explored serves its contender with the share s as propensity; a row not explored serves
     its greedy arm with 1 - s where it has a contender, 1 where it has none; one s for all rows."""
     shares: set[float] = set()
-    for row in rows:
-        learn = row.outcomes.get("learn")
-        if learn is None:
-            if row.propensity != 1.0:
-                return None, f"row {row.id} has propensity {row.propensity} and no learner record (outcomes.learn)"
-            continue
+    records, why = _learner_records(rows)
+    if why:
+        return None, why
+    for row, learn in records:
         greedy, contender = learn.get("greedy"), learn.get("contender")
         if not isinstance(greedy, list) or len(greedy) != 2 or (contender is not None and (
                 not isinstance(contender, list) or len(contender) != 2)):
