@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from iapo_gym.tables import OutcomeTable
+from iapo_gym.tables import OutcomeTable, write_table
 from iapo_gym.tasks.synthetic import random_mv_table
 
 RELEASE_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "iapo-release"
@@ -139,3 +139,13 @@ def kill_sweep_midway(args: list[str], out: Path, table: str, at_least: int, rep
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     return rows_in(db, table)
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Two tiny task tables on disk (a majority-vote and a Best-of-N one), for the leaderboard's tests."""
+    folder = tmp_path_factory.mktemp("tables")
+    mv, bon = folder / "tiny_mv.h5", folder / "tiny_bon.h5"
+    write_table(tiny_mv_table(n_queries=30), mv)
+    write_table(tiny_bon_table(n_queries=30), bon)
+    return {"mv": str(mv), "bon": str(bon)}

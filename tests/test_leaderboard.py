@@ -31,21 +31,12 @@ from iapo_gym.leaderboard.run import store as store_module
 from iapo_gym.leaderboard.run.specs import AgentSpec
 from iapo_gym.policy import Policy
 from iapo_gym.seeding import derive_seed
-from iapo_gym.tables import read_table, write_table
-from tests.conftest import kill_sweep_midway, tiny_bon_table, tiny_mv_table
+from iapo_gym.tables import read_table
+from tests.conftest import kill_sweep_midway
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = "tests.leaderboard_toy_agents"
 
-
-@pytest.fixture(scope="module")
-def tables(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Two tiny task tables on disk (a majority-vote and a Best-of-N one)."""
-    folder = tmp_path_factory.mktemp("tables")
-    mv, bon = folder / "tiny_mv.h5", folder / "tiny_bon.h5"
-    write_table(tiny_mv_table(n_queries=30), mv)
-    write_table(tiny_bon_table(n_queries=30), bon)
-    return {"mv": str(mv), "bon": str(bon)}
 
 
 def _comparable(results: list[RunResult]) -> list[dict[str, object]]:

@@ -35,22 +35,13 @@ from iapo_gym.leaderboard.submit.bundle import read_bundle, sha256_bytes, write_
 from iapo_gym.leaderboard.submit.merge import MergeError, merge
 from iapo_gym.leaderboard.submit.verify import verify_bundle
 from iapo_gym.online import OnlineEnv, checkpoints, run_online
-from iapo_gym.tables import read_table, write_table
-from tests.conftest import kill_sweep_midway, tiny_bon_table, tiny_mv_table
+from iapo_gym.tables import read_table
+from tests.conftest import kill_sweep_midway
 
 REPO = Path(__file__).resolve().parents[1]
 AGENTS = ("ucb", "thompson", "etc_auto:budget=150@etc_auto")
 HORIZON = 300
 
-
-@pytest.fixture(scope="module")
-def tables(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Two tiny task tables on disk (a majority-vote and a Best-of-N one)."""
-    folder = tmp_path_factory.mktemp("tables")
-    mv, bon = folder / "tiny_mv.h5", folder / "tiny_bon.h5"
-    write_table(tiny_mv_table(n_queries=30), mv)
-    write_table(tiny_bon_table(n_queries=30), bon)
-    return {"mv": str(mv), "bon": str(bon)}
 
 
 def _sweep(out: Path, tables: dict[str, str], **kwargs: Any) -> Any:
