@@ -11,8 +11,9 @@ textbook IPS has support:
 
 - ``served``: the policy file as served (the learner's greedy arm, mostly);
 - ``cheaper``: in the policy's four most likely contexts the same prompt with the next smaller N of the policy's
-  Ns (the same N where it is the smallest), elsewhere the policy's arm (the learner explores each arm in only
-  0.2 / 79 of the requests: a rarer context may see none, and then IPS has no estimate);
+  Ns (the same N where it is the smallest), elsewhere the policy's arm (the learner's uniform part gives each of
+  its K = 20 x 10 arms 0.2 x 0.25 / 200 of the requests: a rarer context may see none, and then IPS has no
+  estimate);
 - ``best``: in each context the learner's candidate arm of the highest exact value.
 
 Each is estimated with ``iapo_gym.ope.evaluate`` (what ``evaluate-log`` prints) and compared with its exact
@@ -22,8 +23,9 @@ E[max of N weighted scores] + cost_weight x N x unit cost (the unit cost the log
 estimator's value and 95 % interval, whether the exact value is inside, and the DR / IPS interval width ratio.
 
 DR uses the nested observation where ``iapo_gym.ope.logging_model`` determines the learner's distribution from
-the log (the uniform exploration over the other K - 1 arms that ``serve --learn`` logs); a log of a learner that
-explores otherwise gets the general DR, and the ``evaluate-log`` report's last line says which.
+the log (each row's record of ``serve --learn``: the greedy arm, the contender and the uniform part over its K
+candidate arms); a log of a learner that explores otherwise gets the general DR, and the ``evaluate-log``
+report's last line says which.
 
 The log is kept in ``--work`` (default ``results/ope-log``, untracked) and reused when it holds the requests already
 (``--fresh`` regenerates it). Generating 20,000 requests through HTTP takes several minutes on two shared cores.
@@ -122,13 +124,15 @@ def candidates(policy: PolicyFile, utility: np.ndarray, prompts: list[str]) -> d
 
 def coverage(seeds: int, requests: int) -> dict[str, Any]:
     """Each estimator's interval coverage, mean error and the median DR / IPS width over ``seeds`` simulated logs of
-    ``requests`` rows of ``tests/test_ope_nested.py``'s learner (its table, logging rule and three candidates)."""
+    ``requests`` rows of ``tests/test_ope_nested.py``'s learner (its table, the logging rule of ``serve --learn``
+    with its default uniform part, and three candidates)."""
+    from iapo_gym.deploy.learn import DEFAULT_SPREAD
     from tests.test_ope_nested import CANDIDATES, _candidate, _exact, _simulate
 
     stats: dict[str, dict[str, list[float]]] = {k: {"ips": [], "snips": [], "dr": [], "ratio": [], "err": []}
                                                 for k in CANDIDATES}
     for seed in range(seeds):
-        rows = _simulate(requests, 10_000 + seed)
+        rows = _simulate(requests, 10_000 + seed, directed=True, spread=DEFAULT_SPREAD)
         for name, arms in CANDIDATES.items():
             _, overall, _ = evaluate(rows, _candidate(arms))
             true = _exact(arms, rows)

@@ -28,9 +28,11 @@ logged distribution of contexts):
 - the logging policy's on-policy value, the mean of r_i, and DR minus it, on paired per-row terms.
 
 DR's observation model. Where the log determines the logging policy's whole distribution at every row
-(``logging_model``: the exploring learner of ``serve --learn``, whose rows record the greedy arm and whether
-they explored: greedy with probability 1 - s, each of the other K - 1 arms s / (K - 1), s = 0 where its budget
-left nothing to explore), and for a Best-of-N candidate arm (p, n) of fixed N: a row served prompt p with
+(``logging_model``: the exploring learner of ``serve --learn``, whose rows record the greedy arm, the contender,
+the exploring share s and the uniform part: the contender s (1 - u), each of the K arms of the uniform part
+s u / K, the greedy arm the rest, s = 0 where its budget left nothing to explore; also the learner's two
+earlier forms, a contender without the uniform part, and greedy with probability 1 - s and each of the other
+K - 1 arms s / (K - 1)), and for a Best-of-N candidate arm (p, n) of fixed N: a row served prompt p with
 N_i >= n completions, valued by its scores (no feedback), observes the candidate's utility y_i = the best of its
 first n weighted scores + cost_weight * n * unit_cost (the completions are independent draws, so their first n
 are n draws: nested reuse, only completions the row drew); P_i = the probability that the learner served
@@ -70,6 +72,9 @@ from iapo_gym.policyfile import PolicyContext, PolicyFile
 __all__ = ["Estimate", "Evaluation", "LoggingModel", "Z95", "arm_key", "evaluate", "logging_model",
            "row_utility"]
 
+#: The share of the rows used above which ``format_report`` warns that DR rests on its model alone on too many
+#: (rows that could not observe the candidate's arm).
+UNOBSERVABLE_WARN = 0.05
 #: The normal quantile of a two-sided 95 % interval.
 Z95 = 1.959963984540054
 
@@ -190,16 +195,17 @@ def _fixed(rule: Mapping[str, Any] | None) -> bool:
 @dataclass(frozen=True)
 class LoggingModel:
     """The logging policy's whole distribution over arms at each logged request, where the log determines it: the
-    exploring learner of ``serve --learn`` (greedy arm with probability 1 - s, each of the other K - 1 candidate
-    arms s / (K - 1); s = 0 where its budget left nothing to explore), whose arms are every prompt of the policy
-    with every N of its contexts (module docstring, "DR's observation model")."""
+    exploring learner of ``serve --learn``, either in the contender form (each row's own distribution, recorded in
+    the row) or in the uniform form (greedy arm with probability 1 - s, each of the other K - 1 candidate arms
+    s / (K - 1); s = 0 where its budget left nothing to explore; its arms every prompt of the policy with every N
+    of its contexts) (module docstring, "DR's observation model")."""
 
     prompts: frozenset[str]  # the prompts served (a prompt of the K / len(ns) never served is not named)
     ns: tuple[int, ...]
     share: float
     arms: int  # K (0 for the contender form)
     #: The contender form (rows with ``outcomes.learn.contender``): each row's distribution is its own, the
-    #: contender with probability s, the greedy arm 1 - s, every other arm 0 (no contender: the greedy arm 1).
+    #: contender, a uniform part over the row's candidate arms and the greedy arm the rest (``_row_arms``).
     contender: bool = False
 
     def has_prompt(self, prompt: str) -> bool:
@@ -216,7 +222,7 @@ def logging_model(rows: Sequence[LogRow]) -> tuple[LoggingModel | None, str]:
     (greedy or explored), and K must be a multiple of their number, with at most K / len(Ns) prompts served. A log
     of another logging policy (a fixed stochastic one, a policy swap that changed the arms, a learner that
     explores otherwise) fails these checks and gets None."""
-    if any("contender" in (row.outcomes.get("learn") or {}) for row in rows):
+    if any({"contender", "share"} & set(row.outcomes.get("learn") or {}) for row in rows):
         return _contender_model(rows)
     prompts: set[str] = set()
     ns: set[int] = set()
@@ -272,25 +278,41 @@ def _learner_records(rows: Sequence[LogRow]) -> tuple[list[tuple[LogRow, Mapping
 
 def _contender_model(rows: Sequence[LogRow]) -> tuple[LoggingModel | None, str]:
     """``logging_model`` for rows whose learner record names the contender (``{"explored", "greedy",
-    "contender"}``): a row explored serves its contender with the share s as propensity; a row not explored serves
-    its greedy arm with 1 - s where it has a contender, 1 where it has none; one s for all rows."""
+    "contender"}``). A record with ``share`` s carries its row's whole distribution (``_row_arms``): the contender
+    s - u, each of the K arms of ``spread`` (mass u, the uniform part) u / K, the greedy arm the rest; the served
+    arm's probability under it must be the row's propensity. A record without ``share`` (the learner before the
+    uniform part) serves its contender with one s for all rows as propensity, its greedy arm 1 - s where it has a
+    contender and 1 where it has none."""
     shares: set[float] = set()
     records, why = _learner_records(rows)
     if why:
         return None, why
+    spread = False
     for row, learn in records:
         greedy, contender = learn.get("greedy"), learn.get("contender")
         if not isinstance(greedy, list) or len(greedy) != 2 or (contender is not None and (
                 not isinstance(contender, list) or len(contender) != 2)):
             return None, f"row {row.id}'s learner record has no greedy arm or contender [prompt, N]"
         arm = [row.prompt, int(row.n)]
+        if bool(learn.get("explored")) == (arm == [str(greedy[0]), int(greedy[1])]):
+            return None, f"row {row.id} says explored={learn.get('explored')} and served {row.prompt}/{row.n} with " \
+                         f"greedy arm {greedy[0]}/{greedy[1]} (an explored row serves another arm than the greedy one)"
+        if "share" in learn:
+            try:
+                arms, uniform = _row_arms(learn, 0.0)
+            except (TypeError, ValueError, KeyError) as exc:
+                return None, f"row {row.id}'s learner record is not a distribution: {exc}"
+            spread = spread or uniform[2] > 0
+            p = _mass(arms, uniform, row.prompt, int(row.n), nested=False)
+            if not math.isclose(p, row.propensity, rel_tol=1e-9, abs_tol=1e-12):
+                return None, (f"row {row.id}'s propensity {row.propensity} is not its learner record's probability "
+                              f"{p} of the arm it served")
+            continue
         if learn.get("explored"):
             if contender is None or [str(contender[0]), int(contender[1])] != arm:
                 return None, f"row {row.id} says explored and did not serve its contender {contender}"
             shares.add(round(row.propensity, 12))
         else:
-            if [str(greedy[0]), int(greedy[1])] != arm:
-                return None, f"row {row.id} is not explored and did not serve its greedy arm {greedy}"
             if contender is None and row.propensity != 1.0:
                 return None, f"row {row.id} has no contender and propensity {row.propensity} (expected 1)"
             if contender is not None:
@@ -298,9 +320,46 @@ def _contender_model(rows: Sequence[LogRow]) -> tuple[LoggingModel | None, str]:
     if len(shares) > 1:
         return None, f"the rows' explore shares differ ({sorted(shares)}; one share s expected)"
     share = shares.pop() if shares else 0.0
-    return (LoggingModel(frozenset(), (), share, 0, contender=True),
-            f"serve --learn's directed exploration: its contender {share:g}, the greedy arm 1 - {share:g}, "
-            "every other arm 0")
+    how = ("serve --learn's exploration, each row's own distribution: its contender, the uniform part over its K "
+           "candidate arms, the greedy arm the rest" if spread else
+           f"serve --learn's directed exploration: its contender {share:g}, the greedy arm 1 - {share:g}, every "
+           "other arm 0")
+    return LoggingModel(frozenset(), (), share, 0, contender=True), how
+
+
+def _row_arms(learn: Mapping[str, Any], share: float) -> tuple[list[tuple[str, int, float]],
+                                                                  tuple[frozenset[str], tuple[int, ...], float]]:
+    """A contender-form row's distribution: the greedy arm's and the contender's (prompt, N, mass) and the uniform
+    part (its prompts, its Ns, its whole mass u; each of its K arms has u / K on top). ``share`` is s for a record
+    without its own (the learner before the uniform part). ValueError for a record that is not a distribution."""
+    contender = learn.get("contender")
+    if "share" in learn:
+        share = float(learn["share"])
+    elif contender is None:
+        share = 0.0
+    spread = learn.get("spread") or {"share": 0.0, "prompts": [], "ns": []}
+    u = float(spread["share"])
+    prompts = frozenset(str(p) for p in spread["prompts"])
+    ns = tuple(sorted({int(n) for n in spread["ns"]}))
+    if not (0.0 <= u <= share < 1.0) or (u > 0 and (not prompts or not ns or ns[0] < 1)):
+        raise ValueError(f"share {share}, uniform part {u} over {len(prompts)} prompts x Ns {list(ns)} (expected "
+                         "0 <= uniform part <= share < 1 over at least one prompt and N >= 1)")
+    directed = share - u if contender is not None else 0.0
+    arms = [(str(learn["greedy"][0]), int(learn["greedy"][1]), 1.0 - directed - u)]
+    if contender is not None:
+        arms.append((str(contender[0]), int(contender[1]), directed))
+    return arms, (prompts, ns, u)
+
+
+def _mass(arms: Sequence[tuple[str, int, float]], uniform: tuple[frozenset[str], tuple[int, ...], float],
+          prompt: str, n: int, nested: bool) -> float:
+    """The probability of the arms that show (``prompt``, ``n``) under a row's distribution (``_row_arms``): that arm,
+    or with ``nested`` any arm of ``prompt`` with N >= n."""
+    prompts, ns, u = uniform
+    mass = sum(w for p, m, w in arms if p == prompt and (m >= n if nested else m == n))
+    if u > 0 and prompt in prompts:
+        mass += u / (len(prompts) * len(ns)) * sum((m >= n if nested else m == n) for m in ns)
+    return mass
 
 
 def _scored(row: LogRow) -> bool:
@@ -452,12 +511,8 @@ def _arm_probability(row: LogRow, model: LoggingModel, prompt: str, n: int, nest
     if learn is None:  # served deterministically (propensity 1): only its own arm
         return 1.0 if row.prompt == prompt and (row.n >= n if nested else row.n == n) else 0.0
     if model.contender:
-        contender = learn.get("contender")
-        share = model.share if contender is not None else 0.0
-        arms = [(str(learn["greedy"][0]), int(learn["greedy"][1]), 1.0 - share)]
-        if contender is not None:
-            arms.append((str(contender[0]), int(contender[1]), share))
-        return sum(w for p, m, w in arms if p == prompt and (m >= n if nested else m == n))
+        arms, uniform = _row_arms(learn, model.share)
+        return _mass(arms, uniform, prompt, n, nested)
     share = model.share if learn.get("explored") else 1.0 - row.propensity
     g_prompt, g_n = str(learn["greedy"][0]), int(learn["greedy"][1])
     if nested:
@@ -536,8 +591,9 @@ def format_report(per_context: Sequence[Evaluation], overall: Evaluation, counts
     if overall.dr_observation is not None:
         lines.append(f"DR observes the candidate's arm: {overall.dr_observation}; on {counts.get('observed', 0)} "
                      f"rows ({counts.get('unobservable', 0)} rows could not observe it: the model alone there)")
-        if counts.get("unobservable", 0):
+        if counts.get("unobservable", 0) > UNOBSERVABLE_WARN * max(1, counts["used"]):
             lines.append("DR's interval leaves out the model's own error on the rows that could not observe the "
-                         "candidate's arm: it is too narrow where they are many (a directed learner's log: explore "
-                         "with a larger --explore-share, or judge the candidate on rows that observe it)")
+                         "candidate's arm, and they are many: it is too narrow (a log of serve --learn without the "
+                         "uniform part, --learn-spread 0, or with a small --explore-share: judge the candidate on a "
+                         "log of a learner that spreads its exploration)")
     return "\n".join(lines)

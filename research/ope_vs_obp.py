@@ -20,8 +20,8 @@ candidate's action distribution, and for DR the same leave-one-out plug-in model
 (``estimated_rewards_by_reg_model``). obp's intervals are bootstrap intervals (its ``estimate_interval``, 95 %,
 1000 resamples), ours normal.
 
-``--nested``: instead, the Best-of-N logs of ``tests/test_ope_nested.py``'s exploring learner, where DR uses the
-nested observation (docs/deploy.md, "DR on a Best-of-N log of serve --learn"). obp's ``DoublyRobust`` gets it as
+``--nested``: instead, the Best-of-N logs of ``tests/test_ope_nested.py``'s learner (the rule of ``serve --learn``),
+where DR uses the nested observation (docs/deploy.md, "DR on a Best-of-N log of serve --learn"). obp's ``DoublyRobust`` gets it as
 a bandit of two pseudo-actions per request, "observed" (the candidate's utility seen, with probability P_i) and
 "not observed" (1 - P_i), the candidate always choosing "observed", the reward y_i, and the same cross-fitted
 model for "observed" (``evaluate``'s ``terms``): its textbook DR is then ours, term by term.
@@ -134,12 +134,13 @@ def nested(args: argparse.Namespace) -> None:
     import numpy as np
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's tests package
+    from iapo_gym.deploy.learn import DEFAULT_SPREAD
     from iapo_gym.ope import evaluate
     from tests.test_ope_nested import CANDIDATES, _candidate, _exact, _simulate
 
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
-            rows = _simulate(args.requests, 2000 + seed)
+            rows = _simulate(args.requests, 2000 + seed, directed=True, spread=DEFAULT_SPREAD)
             print(f"seed {2000 + seed}: {len(rows)} requests of the learner")
             arrays: dict[str, np.ndarray] = {}
             ours = {}

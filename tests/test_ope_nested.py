@@ -3,9 +3,11 @@
 the same prompt and a larger N, under the logging distribution the log determines.
 
 The traffic: requests of ``generated:bon_shape:1``'s seven contexts (drawn by its context distribution), each served
-by the rule of ``serve --learn``: the context's greedy arm with probability 1 - s, else one of the other K - 1 arms
-(4 prompts x N in {2, 5, 8}) uniformly, s = 0.2 while the budget ``explored <= floor(s x chosen)`` allows, else 0;
-the greedy arm of two contexts changes halfway (a learner's history). Each request draws its N completions' outcome
+by an exploring learner's rule over K = 4 prompts x N in {2, 5, 8} arms, s = 0.2 while the budget
+``explored <= floor(s x chosen)`` allows, else 0, in three forms: uniform (the greedy arm with probability 1 - s,
+else one of the other K - 1 arms uniformly), directed (a contender s, the greedy arm 1 - s) and today's
+``serve --learn`` (the contender s (1 - u), each of the K arms s u / K, the greedy arm the rest); the greedy arm of
+two contexts changes halfway (a learner's history). Each request draws its N completions' outcome
 vectors from the table for a uniform query; the rows carry what serve logs (weighted scores, objective scores, the
 learner's record). The exact value of a candidate is the table's exact expected utility of its arms (E[max of N
 weighted scores] + cost_weight x N x unit cost) weighted by the logged context frequencies.
@@ -19,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from iapo_gym.deploy.learn import DEFAULT_SPREAD
 from iapo_gym.exact import exact_reward
-from iapo_gym.ope import evaluate, logging_model
+from iapo_gym.ope import UNOBSERVABLE_WARN, evaluate, format_report, logging_model
 from iapo_gym.outcome_log import LogRow, OutcomeLog, new_response_id, read_log
 from iapo_gym.policyfile import PolicyContext, PolicyFile, PolicyPrompt
 from iapo_gym.tasks.generated import level_table
@@ -58,37 +61,52 @@ def _candidate(arms: dict[int, tuple[int, int]]) -> PolicyFile:
                       learned={"agent": "test"}, estimate={"method": None})
 
 
-def _simulate(requests: int, seed: int, directed: bool = False) -> list[LogRow]:
-    """The learner's log of ``requests`` requests (module docstring), as rows. ``directed``: the exploration of
-    today's ``serve --learn`` instead, one contender per request (here the other arms in turn) served with
-    probability s, every other arm 0, the contender in the learner's record."""
+def _simulate(requests: int, seed: int, directed: bool = False, spread: float = 0.0) -> list[LogRow]:
+    """The learner's log of ``requests`` requests (module docstring), as rows. ``directed``: the directed
+    exploration of ``serve --learn`` instead, one contender per request (here the other arms in turn) served with
+    probability s, every other arm 0, the contender in the learner's record (a record without ``share``: the
+    learner before the uniform part); with ``spread`` u > 0, today's: the contender s (1 - u), each of the K arms
+    s u / K, the greedy arm the rest, the record stating s and the uniform part."""
     rng = np.random.default_rng(seed)
     probs = np.asarray(TABLE.context_probs) / np.sum(TABLE.context_probs)
     ctx = rng.choice(N_CTX, size=requests, p=probs)
     queries = rng.integers(TABLE.n_queries, size=requests)
     arms = [(p, n) for p in PROMPTS for n in NS]
     chosen = explored = 0
-    served: list[tuple[tuple[int, int], float, bool, tuple[int, int], tuple[int, int] | None]] = []
+    served: list[tuple[tuple[int, int], float, bool, tuple[int, int], tuple[int, int] | None, float | None]] = []
     for i in range(requests):  # the learner's choice, in order (its budget depends on what it explored)
         c = int(ctx[i])
         greedy = LATER.get(c, GREEDY[c]) if i >= requests // 2 else GREEDY[c]
         share = SHARE if explored + 1 <= SHARE * (chosen + 1) else 0.0
         chosen += 1
+        if directed and spread > 0:
+            others = [a for a in arms if a != greedy]
+            contender = others[i % len(others)] if share > 0 else None
+            mass = share * spread
+            directed_mass = share - mass if contender is not None else 0.0
+            u = rng.random()
+            arm = contender if u < directed_mass else arms[min(int((u - directed_mass) / mass * K), K - 1)] \
+                if u < directed_mass + mass else greedy
+            assert arm is not None
+            propensity = (1 - directed_mass - mass) * (arm == greedy) + directed_mass * (arm == contender) + mass / K
+            explored += arm != greedy
+            served.append((arm, propensity, arm != greedy, greedy, contender, share))
+            continue
         if directed:
             others = [a for a in arms if a != greedy]
             contender = others[i % len(others)] if share > 0 else None
             if contender is not None and rng.random() < share:
                 explored += 1
-                served.append((contender, share, True, greedy, contender))
+                served.append((contender, share, True, greedy, contender, None))
             else:
-                served.append((greedy, 1.0 - share, False, greedy, contender))
+                served.append((greedy, 1.0 - share, False, greedy, contender, None))
             continue
         if rng.random() < share:
             explored += 1
             others = [a for a in arms if a != greedy]
-            served.append((others[int(rng.integers(len(others)))], share / (K - 1), True, greedy, None))
+            served.append((others[int(rng.integers(len(others)))], share / (K - 1), True, greedy, None, None))
         else:
-            served.append((greedy, 1.0 - share, False, greedy, None))
+            served.append((greedy, 1.0 - share, False, greedy, None, None))
     # each request's completions: max(NS) outcome draws from its (prompt, query) distribution, the first N kept
     p_of = np.array([s[0][0] for s in served])
     cdf = np.cumsum(TABLE.probs[p_of, queries], axis=1)
@@ -97,7 +115,8 @@ def _simulate(requests: int, seed: int, directed: bool = False) -> list[LogRow]:
     assert TABLE.atoms is not None
     vectors_all = TABLE.atoms[p_of[:, None], queries[:, None], outcome]  # (requests, max N, objectives)
     rows = []
-    for i, ((p, n), propensity, was_explored, greedy, contender) in enumerate(served):
+    uniform = {"prompts": [str(TABLE.prompts[p]) for p in PROMPTS], "ns": list(NS)}
+    for i, ((p, n), propensity, was_explored, greedy, contender, row_share) in enumerate(served):
         c = int(ctx[i])
         vectors = vectors_all[i, :n]
         w = TABLE.context_weights[c]
@@ -110,7 +129,10 @@ def _simulate(requests: int, seed: int, directed: bool = False) -> list[LogRow]:
                                      "learn": {"explored": was_explored,
                                                "greedy": [str(TABLE.prompts[greedy[0]]), greedy[1]],
                                                **({} if not directed else {"contender": None if contender is None
-                                                   else [str(TABLE.prompts[contender[0]]), contender[1]]})}},
+                                                   else [str(TABLE.prompts[contender[0]]), contender[1]]}),
+                                               **({} if row_share is None else {"share": row_share}),
+                                               **({"spread": {"share": row_share * spread, **uniform}}
+                                                  if row_share else {})}},
                            prompt_tokens=0, completion_tokens=0, cost=None, unit_cost=float(UNIT[p]), query=None,
                            reward=None, reward_time=None))
     return rows
@@ -179,6 +201,53 @@ def test_dr_reads_the_directed_learners_contender_and_stays_unbiased() -> None:
     # only "cheaper" is observable on nearly every row (the greedy prompt at a smaller N): its intervals cover; the
     # others rest on the model on most rows, where the interval is known to be too narrow (the report says so)
     assert covered >= total - 2, (covered, total)  # 6 intervals of 95 %: P(more than 2 miss) < 0.003
+
+
+def test_dr_covers_every_candidate_on_a_log_of_todays_learner() -> None:
+    """Today's learner spreads a part u of its exploration uniformly over the K arms: every candidate arm is
+    observed with a known probability on every row, so DR covers candidates off the greedy prompts too (which the
+    contender alone leaves to the model), stays unbiased, and is at most half as wide as IPS. (10,000 requests:
+    at 2,500 a candidate arm on another prompt may have no observing row in some context; the uniform part's
+    mass per arm is s u / K, and only where the budget lets the learner explore.)"""
+    seeds = 8
+    errors: dict[str, list[float]] = {k: [] for k in CANDIDATES}
+    ratios: dict[str, list[float]] = {k: [] for k in CANDIDATES}
+    covered = 0
+    for seed in range(seeds):
+        rows = _simulate(10_000, 200 + seed, directed=True, spread=DEFAULT_SPREAD)
+        model, how = logging_model(rows)
+        assert model is not None and model.contender and "uniform part" in how, how
+        for name, arms in CANDIDATES.items():
+            _, overall, counts = evaluate(rows, _candidate(arms))
+            true = _exact(arms, rows)
+            assert overall.dr is not None and counts["observed"] > overall.support, (name, seed, counts)
+            errors[name].append(overall.dr.value - true)
+            covered += overall.dr.covers(true)
+            if overall.ips is not None:
+                ratios[name].append((overall.dr.high - overall.dr.low) / (overall.ips.high - overall.ips.low))
+    for name in CANDIDATES:
+        err = np.asarray(errors[name])
+        assert abs(err.mean()) < 3 * err.std(ddof=1) / np.sqrt(seeds), (name, err.mean(), err.std())
+        assert len(ratios[name]) >= seeds // 2 and np.median(ratios[name]) <= 0.5, (name, ratios[name])
+    assert covered >= 20, covered  # 24 intervals of 95 %: P(fewer than 20 | 0.95) ~ 0.03
+
+
+def test_a_record_whose_propensity_is_not_its_distributions_gets_no_model() -> None:
+    rows = _simulate(200, 8, directed=True, spread=DEFAULT_SPREAD)
+    i = next(k for k, r in enumerate(rows) if r.outcomes["learn"]["explored"])
+    bad = dataclasses.replace(rows[i], propensity=rows[i].propensity * 2)
+    model, how = logging_model(rows[:i] + [bad] + rows[i + 1:])
+    assert model is None and "is not its learner record's probability" in how
+
+
+def test_the_report_warns_where_dr_rests_on_its_model_alone() -> None:
+    """A candidate on other prompts than the greedy ones: on a contender-only log most rows cannot observe it and the
+    report says DR's interval is too narrow; on a log with the uniform part few rows cannot, and it does not."""
+    candidate = _candidate(CANDIDATES["other"])
+    for spread, warns in ((0.0, True), (DEFAULT_SPREAD, False)):
+        per_context, overall, counts = evaluate(_simulate(2500, 5, directed=True, spread=spread), candidate)
+        assert (counts["unobservable"] > UNOBSERVABLE_WARN * counts["used"]) == warns, counts
+        assert ("it is too narrow" in format_report(per_context, overall, counts)) == warns
 
 
 def test_a_contender_record_that_does_not_fit_gets_no_model() -> None:

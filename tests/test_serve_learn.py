@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from iapo_gym.cli import main
+from iapo_gym.deploy.learn import DEFAULT_SPREAD
 from iapo_gym.outcome_log import read_log
 from iapo_gym.policyfile import PolicyContext, PolicyFile, PolicyPrompt
 from iapo_gym.tasks.generated import level_table
@@ -115,21 +116,26 @@ def test_learn_explores_within_budget_logs_propensities_and_serves_the_best_arm(
     finally:
         stop(serve)
     explored = 0
+    k_arms = len(prompts) * int(spec["n_max"])  # the uniform part's arms: every prompt with every N
     for t, body in enumerate(answers):
         learn = body["iapo"]["learn"]
         arm = [body["iapo"]["prompt"], body["iapo"]["n"]]
         allowed = explored + 1 <= SHARE * (t + 1)  # the budget: explored requests <= floor(share x requests)
-        if learn["explored"]:  # the contender: served with probability share
+        assert learn["share"] == (SHARE if allowed else 0.0)
+        spread, contender = learn["share"] * DEFAULT_SPREAD, learn["contender"]
+        directed = learn["share"] - spread if contender is not None else 0.0
+        # the stated rule: the contender share - spread, each of the K arms spread / K, the greedy arm the rest
+        expected = (1.0 - directed - spread) * (arm == learn["greedy"]) + directed * (arm == contender) + \
+            spread / k_arms
+        assert learn["propensity"] == pytest.approx(expected, rel=1e-12)
+        assert learn["explored"] == (arm != learn["greedy"])
+        if learn["explored"]:
             assert allowed, f"request {t} explored past the budget"
             explored += 1
-            assert learn["propensity"] == pytest.approx(SHARE) and arm == learn["contender"] != learn["greedy"]
-        else:  # the greedy arm: 1 - share while one more exploration fits and a contender exists, else 1
-            assert learn["propensity"] in (pytest.approx(1 - SHARE), 1.0) and arm == learn["greedy"]
-            assert (learn["propensity"] == 1.0) == (learn["contender"] is None)
-            assert allowed or learn["propensity"] == 1.0
         assert explored <= math.floor(SHARE * (t + 1) + 1e-9)
-    # without a warm start every other prompt has no estimate: each is explored (at N_max, teaching every N)
-    assert {b["iapo"]["prompt"] for b in answers if b["iapo"]["learn"]["explored"]} >= set(prompts) - {prompts[worst]}
+    # without a warm start every other prompt has no estimate: each is the contender (at N_max, teaching every N)
+    assert {tuple(b["iapo"]["learn"]["contender"]) for b in answers if b["iapo"]["learn"]["contender"]} >= \
+        {(p, int(spec["n_max"])) for p in prompts if p != prompts[worst]}
     assert health["learn"]["explored"] == explored and health["learn"]["chosen"] == REQUESTS
     assert f"iapo_serve_learn_explored {float(explored)}" in metrics
     assert f"iapo_serve_learn_chosen {float(REQUESTS)}" in metrics
@@ -148,8 +154,12 @@ def test_learn_explores_within_budget_logs_propensities_and_serves_the_best_arm(
         row = logged[body["id"]]
         assert row.propensity == pytest.approx(body["iapo"]["learn"]["propensity"])
         learn = body["iapo"]["learn"]
+        spread = {"share": learn["share"] * DEFAULT_SPREAD, "prompts": sorted(prompts),
+                  "ns": list(range(1, int(spec["n_max"]) + 1))}
         assert row.outcomes["learn"] == {"explored": learn["explored"], "greedy": learn["greedy"],
-                                         **({} if learn["contender"] is None else {"contender": learn["contender"]})}
+                                         "share": learn["share"],
+                                         **({} if learn["contender"] is None else {"contender": learn["contender"]}),
+                                         **({"spread": spread} if learn["share"] else {})}
         assert (row.prompt, row.n) == (body["iapo"]["prompt"], body["iapo"]["n"])
     # restarted on the same log without exploring: it resumes from the log, learning the same estimates, and
     # serves the arm it had come to
@@ -202,6 +212,9 @@ def test_bad_learning_options_are_refused_naming_the_value(sim: tuple[int, Path,
              (["--learn", "--explore-share", "nan"], "--explore-share must be a finite number >= 0.0 and < 1.0"),
              (["--learn", "--learn-half-life", "0"], "--learn-half-life must be a finite number > 0.0"),
              (["--learn", "--learn-bonus", "-1"], "--learn-bonus must be a finite number >= 0.0"),
+             (["--learn", "--learn-spread", "1.5"], "--learn-spread must be a share in [0, 1]"),
+             (["--learn", "--learn-spread", "-0.1"], "--learn-spread must be a finite number >= 0.0"),
+             (["--learn-spread", "0.5"], "--learn-spread needs --learn"),
              (["--learn-half-life", "10"], "--learn-half-life needs --learn"),
              (["--explore-share", "0.1"], "--explore-share needs --learn"),
              (["--learn", "--learn-reward", "feedback", "--log", str(tmp_path / "l")],

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from iapo_gym.deploy.feedback import outcome_row
-from iapo_gym.deploy.learn import ServeLearner
+from iapo_gym.deploy.learn import DEFAULT_SPREAD, ServeLearner
 from iapo_gym.deploy.router import Routed
 from iapo_gym.exact import exact_reward
 from iapo_gym.llm.client import Completion
@@ -114,17 +114,22 @@ def test_the_budget_holds_at_every_request_and_across_a_restart() -> None:
         assert total <= math.floor(share * (300 + t + 1) + 1e-9), t
 
 
-def test_the_propensity_is_the_probability_the_arm_was_served() -> None:
-    """With the estimates held fixed, the served arm's frequency over many draws is its stated propensity, and
-    the arms the rule can serve (the greedy one and the contender) have propensities summing to 1."""
+@pytest.mark.parametrize("spread", [0.0, DEFAULT_SPREAD])
+def test_the_propensity_is_the_probability_the_arm_was_served(spread: float) -> None:
+    """With the estimates held fixed, the served arm's frequency over many draws is its stated propensity, and the
+    distribution the logged record states (what ``evaluate-log`` reads) gives every served arm its propensity and
+    sums to 1 over all K candidate arms; without the uniform part only the greedy arm and the contender are
+    served, with it every arm is."""
+    from iapo_gym.ope import _mass, _row_arms
+
     share = 0.3
     policy = bon_policy(TABLE)
-    learner = ServeLearner(policy, explore_share=share, seed=3)
+    learner = ServeLearner(policy, explore_share=share, seed=3, spread=spread)
     serve(learner, policy, TABLE, 100, seed=3)
     ctx = policy.contexts[0]
-    learner.explored = 0  # an untouched budget for the draws below (the budget's own check is the test above)
+    learner.explored = learner._spent = 0  # an untouched budget for the draws below (the budget's test is above)
     learner.chosen = 10 ** 9
-    draws = 20_000
+    draws = 40_000
     counts: dict[tuple[str, int], int] = {}
     stated: dict[tuple[str, int], float] = {}
     for _ in range(draws):
@@ -134,8 +139,16 @@ def test_the_propensity_is_the_probability_the_arm_was_served() -> None:
         counts[arm] = counts.get(arm, 0) + 1
         stated.setdefault(arm, choice.propensity)
         assert stated[arm] == choice.propensity
-    assert len(counts) == 2 and sum(stated.values()) == pytest.approx(1.0)
-    assert set(counts) == {choice.greedy, choice.contender}  # the two arms the logged record names
+    record = choice.to_dict()
+    arms, uniform = _row_arms(record, 0.0)
+    every = [(p, n) for p in TABLE.prompts for n in range(1, TABLE.n_max + 1)]
+    assert sum(_mass(arms, uniform, p, n, nested=False) for p, n in every) == pytest.approx(1.0)
+    for arm in counts:
+        assert _mass(arms, uniform, *arm, nested=False) == pytest.approx(stated[arm], rel=1e-12)
+    if spread == 0:
+        assert set(counts) == {choice.greedy, choice.contender}  # the two arms the logged record names
+    else:
+        assert len(counts) == len(every)  # 95 arms of probability 0.3 x 0.25 / 95 or more: each drawn ~30 times
     for arm, k in counts.items():
         p = stated[arm]
         assert abs(k / draws - p) < 4.5 * math.sqrt(p * (1 - p) / draws), (arm, k / draws, p)

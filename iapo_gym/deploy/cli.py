@@ -143,7 +143,8 @@ def learner_from_args(args: argparse.Namespace, router: Any) -> tuple[Any, Any]:
                               ("--learn-reward", args.learn_reward is not None),
                               ("--learn-prior", args.learn_prior is not None),
                               ("--learn-half-life", args.learn_half_life is not None),
-                              ("--learn-bonus", args.learn_bonus is not None)):
+                              ("--learn-bonus", args.learn_bonus is not None),
+                              ("--learn-spread", args.learn_spread is not None)):
             if given:
                 raise ValueError(f"{option} needs --learn (the learner it configures)")
     if getattr(args, "shadow", None) and not args.log:
@@ -157,6 +158,7 @@ def learner_from_args(args: argparse.Namespace, router: Any) -> tuple[Any, Any]:
         DEFAULT_EXPLORE_SHARE,
         DEFAULT_HALF_LIFE,
         DEFAULT_PRIOR_WEIGHT,
+        DEFAULT_SPREAD,
     )
 
     reward = args.learn_reward or "agreement"
@@ -167,6 +169,7 @@ def learner_from_args(args: argparse.Namespace, router: Any) -> tuple[Any, Any]:
                            prior_weight=DEFAULT_PRIOR_WEIGHT if args.learn_prior is None else args.learn_prior,
                            half_life=DEFAULT_HALF_LIFE if args.learn_half_life is None else args.learn_half_life,
                            bonus=DEFAULT_BONUS if args.learn_bonus is None else args.learn_bonus,
+                           spread=DEFAULT_SPREAD if args.learn_spread is None else args.learn_spread,
                            extra_prompts=getattr(router, "new_prompts", ()),
                            budget_file=os.path.join(args.log, BUDGET_FILE) if args.log else None)
     if args.log:
@@ -317,6 +320,10 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--learn-bonus", type=float, metavar="B",
                    help="with --learn, the exploration bound's width: an arm is explored while its estimate plus B "
                         "standard deviations / sqrt(its observations) is above the served arm's estimate (default 2)")
+    p.add_argument("--learn-spread", type=float, metavar="SHARE",
+                   help="with --learn, the share of the explored requests served an arm drawn uniformly from all "
+                        "candidate arms instead of the most promising one, so that evaluate-log can judge any "
+                        "candidate on the log (default 0.25; 0: the most promising arm only)")
     p.add_argument("--shadow", metavar="CANDIDATE.json",
                    help="a candidate policy file: each request is logged (--log) with the arm the candidate would "
                         "have served, which is not served")

@@ -47,10 +47,13 @@ def outcome_row(rid: str, routed: Any, query: str | None, *, objectives: tuple[s
         outcomes = {"aggregator": "bon", "scores": routed.scores, "chosen": routed.chosen,
                     "objective_scores": [[float(s[name]) for name in objectives] for s in raw]}
     learn = getattr(routed, "learn", None) or {}
-    if "explored" in learn:  # serve --learn: whether the arm was explored, and the greedy arm at the time
-        outcomes["learn"] = {"explored": bool(learn["explored"]), "greedy": list(learn["greedy"])}
-        if learn.get("contender") is not None:  # the arm served with probability share (the rest: the greedy arm)
+    if "explored" in learn:  # serve --learn: the whole distribution the arm was drawn from (learn.Choice)
+        outcomes["learn"] = {"explored": bool(learn["explored"]), "greedy": list(learn["greedy"]),
+                             "share": float(learn["share"])}
+        if learn.get("contender") is not None:  # the directed part's arm
             outcomes["learn"]["contender"] = list(learn["contender"])
+        if learn.get("spread"):  # the uniform part: its mass and its candidate arms (prompts x Ns)
+            outcomes["learn"]["spread"] = dict(learn["spread"])
     if "shadow" in learn:  # serve --shadow: the candidate policy's arm for the request (not served)
         outcomes["shadow"] = dict(learn["shadow"])
     rule = getattr(ctx, "rule", None)

@@ -27,15 +27,19 @@ policy's contexts use (majority vote, where each N is learned on its own). What 
   never saw) has no estimate and an infinite upper bound: it is explored first.
 
 Each request in a context is served its greedy arm (the best estimate; the policy's own arm on a tie or while no
-arm has an estimate), except that with probability ``explore_share`` it is served the *most promising* other arm:
-the one of highest upper confidence bound ``estimate + bonus x sigma / sqrt(weight)`` (``sigma`` the context's
-pooled spread of observed utilities, ``weight`` the arm's discounted observations), and only when that bound is
-above the greedy arm's estimate (directed exploration: arms that cannot be better are never served). Exploration
-is allowed while the budget holds: the requests explored never exceed ``floor(explore_share x requests chosen)``,
-counted over the process's lifetime and, with ``--log``, over the log it resumes from. The served arm's propensity
-(``explore_share`` for the explored arm, ``1 - explore_share`` for the greedy one, 1 when the budget or no
-promising arm leaves nothing to explore) is the exact probability it had, and goes to the outcome log with the
-greedy arm and the contender (the whole distribution the arm was drawn from).
+arm has an estimate), except that with probability ``explore_share`` s it explores: with probability
+``s x (1 - spread)`` it is served the *most promising* other arm, the contender: the one of highest upper
+confidence bound ``estimate + bonus x sigma / sqrt(weight)`` (``sigma`` the context's pooled spread of observed
+utilities, ``weight`` the arm's discounted observations), when that bound is above the greedy arm's estimate
+(directed exploration: arms that cannot be better are not the contender; without one, that mass stays on the
+greedy arm); with probability ``s x spread`` an arm drawn uniformly from all K candidate arms (the greedy one
+included), so that every arm keeps a known probability above 0 and ``evaluate-log`` can judge any candidate
+policy on the log, not only those of the greedy arms and contenders. Exploration is allowed while the budget
+holds: the requests served another arm than the greedy one never exceed ``floor(explore_share x requests
+chosen)``, counted over the process's lifetime and, with ``--log``, over the log it resumes from (s is 0 at a
+request where one more would not fit). The served arm's propensity (the sum of the three parts' mass on it) is
+the exact probability it had, and goes to the outcome log with the greedy arm, the contender, s and the uniform
+part (its mass and arm set): the whole distribution the arm was drawn from.
 
 What an answered request teaches (its observed utility, in the policy's units):
 
@@ -76,8 +80,8 @@ from iapo_gym.deploy.estimates import ArmRatings, choose_arm
 from iapo_gym.outcome_log import LogRow
 from iapo_gym.policyfile import PolicyContext, PolicyFile, load_policy
 
-__all__ = ["DEFAULT_BONUS", "DEFAULT_EXPLORE_SHARE", "DEFAULT_HALF_LIFE", "DEFAULT_PRIOR_WEIGHT", "PENDING_MAX",
-           "REWARDS", "Choice", "ServeLearner", "Shadow"]
+__all__ = ["DEFAULT_BONUS", "DEFAULT_EXPLORE_SHARE", "DEFAULT_HALF_LIFE", "DEFAULT_PRIOR_WEIGHT", "DEFAULT_SPREAD",
+           "PENDING_MAX", "REWARDS", "Choice", "ServeLearner", "Shadow"]
 
 #: The default share of requests ``--learn`` may explore.
 DEFAULT_EXPLORE_SHARE = 0.05
@@ -87,6 +91,9 @@ DEFAULT_PRIOR_WEIGHT = 20.0
 DEFAULT_HALF_LIFE = 1500.0
 #: The upper confidence bound's width in pooled standard deviations per sqrt(observation) (``--learn-bonus``).
 DEFAULT_BONUS = 2.0
+#: The share of the exploration spread uniformly over all candidate arms (``--learn-spread``); the rest goes to
+#: the contender.
+DEFAULT_SPREAD = 0.25
 #: Majority vote with ``reward="feedback"``: answered requests remembered until their feedback arrives.
 PENDING_MAX = 100_000
 #: What a majority vote learns from.
@@ -114,16 +121,23 @@ class Choice:
 
     context: PolicyContext
     propensity: float
-    explored: bool
+    explored: bool  # served another arm than the greedy one
     greedy: tuple[str, int]
-    contender: tuple[str, int] | None = None  # the arm served with probability explore_share (None: none was)
+    contender: tuple[str, int] | None = None  # the directed part's arm (None: none was promising, or s = 0)
+    share: float = 0.0  # s at this request: the probability of exploring (0 where the budget allowed none)
+    spread: float = 0.0  # the part of s drawn uniformly over ``arms``
+    arms: tuple[tuple[str, ...], tuple[int, ...]] = ((), ())  # the candidate arms: prompts x Ns
 
     def to_dict(self) -> dict[str, Any]:
-        """What the outcome log and the response's ``iapo.learn`` keep of the choice: with the greedy arm and the
-        contender, the whole distribution the arm was drawn from (the contender s, the greedy arm 1 - s, every
-        other arm 0; no contender: the greedy arm 1)."""
-        return {"explored": self.explored, "propensity": self.propensity, "greedy": list(self.greedy),
-                "contender": None if self.contender is None else list(self.contender)}
+        """What the outcome log and the response's ``iapo.learn`` keep of the choice, the whole distribution the arm
+        was drawn from: the contender ``share - spread`` (no contender: that mass on the greedy arm), each of the
+        K = prompts x Ns candidate arms ``spread / K``, the greedy arm the rest."""
+        out: dict[str, Any] = {"explored": self.explored, "propensity": self.propensity, "greedy": list(self.greedy),
+                               "contender": None if self.contender is None else list(self.contender),
+                               "share": self.share}
+        if self.spread > 0:
+            out["spread"] = {"share": self.spread, "prompts": list(self.arms[0]), "ns": list(self.arms[1])}
+        return out
 
 
 @dataclass(frozen=True)
@@ -159,14 +173,16 @@ class ServeLearner:
 
     def __init__(self, policy: PolicyFile, *, explore_share: float = DEFAULT_EXPLORE_SHARE, seed: int = 0,
                  reward: str = "agreement", prior_weight: float = DEFAULT_PRIOR_WEIGHT,
-                 half_life: float = DEFAULT_HALF_LIFE, bonus: float = DEFAULT_BONUS,
+                 half_life: float = DEFAULT_HALF_LIFE, bonus: float = DEFAULT_BONUS, spread: float = DEFAULT_SPREAD,
                  extra_prompts: Sequence[str] = (), budget_file: str | os.PathLike[str] | None = None) -> None:
         """``policy``: the served policy file; ``explore_share``: the share of requests that may be served another
         arm than the greedy one (0 <= share < 1); ``seed``: the root of the exploration draws; ``reward``: what a
         majority vote learns from (``REWARDS``); ``prior_weight``: observations each estimate of the policy file
         counts as (>= 0; 0 ignores them); ``half_life``: requests after which evidence counts half (> 0; ``inf``
-        never forgets); ``bonus``: the upper confidence bound's width (>= 0; 0 explores only arms without
-        evidence); ``extra_prompts``: prompt ids the router can serve beyond the policy file's (the upstream spec's
+        never forgets); ``bonus``: the upper confidence bound's width (>= 0; 0 makes only arms without evidence
+        contenders); ``spread``: the share of the exploration drawn uniformly over all candidate arms (0 <= spread
+        <= 1; 0: the contender only, and a candidate off the greedy arms and contenders is never observed; 1: no
+        direction); ``extra_prompts``: prompt ids the router can serve beyond the policy file's (the upstream spec's
         new prompts); ``budget_file``: where the explorations are reserved before they are served
         (``RESERVE_BLOCK`` at a time, an atomic fsynced write), so that the budget holds across a kill -9 that
         loses the last rows of the log (``serve --learn --log DIR`` keeps it in DIR; None: the process's
@@ -186,6 +202,11 @@ class ServeLearner:
                                            "requests after which evidence counts half", low=0.0, strict=True)
         self.bonus = _check_number(bonus, "--learn-bonus", "the exploration bound's width in standard deviations",
                                    low=0.0)
+        self.spread = _check_number(spread, "--learn-spread", "the share of the exploration drawn uniformly",
+                                    low=0.0)
+        if self.spread > 1:
+            raise ValueError(f"--learn-spread must be a share in [0, 1] (the share of the exploration drawn uniformly), "
+                             f"got {spread!r}")
         self.reward = reward
         self.extra_prompts = tuple(str(p) for p in extra_prompts)
         self.gamma = 1.0 if math.isinf(self.half_life) else 2.0 ** (-1.0 / self.half_life)
@@ -235,6 +256,9 @@ class ServeLearner:
             self._allowed[:] = True
         else:
             self._allowed[:, sorted({c.n - 1 for c in contexts if 1 <= c.n <= self.n_max})] = True
+        # the K candidate arms of the uniform part, prompt-major, and their names for the log
+        self._arms = [(int(p), int(k)) for p, k in zip(*np.nonzero(self._allowed), strict=True)]
+        self._arm_names = (tuple(self.prompts), tuple(int(k) + 1 for k in np.flatnonzero(self._allowed[0])))
         self._sum, self._square, self._weight = np.zeros(shape), np.zeros(shape), np.zeros(shape)
         self._fast_sum, self._fast_weight = np.zeros(shape), np.zeros(shape)  # the recent evidence (change test)
         self._tokens = np.zeros(len(self.prompts))  # completion tokens observed per prompt
@@ -303,24 +327,31 @@ class ServeLearner:
         upper = upper.copy()
         upper[g] = -np.inf
         best = float(upper.max())
-        promising = best > target or (best == math.inf)
-        share = self.explore_share if promising and self._spent + 1 <= self.explore_share * (self.chosen + 1) \
-            else 0.0
-        contender = self._contender(upper, best) if share > 0 else None
+        share = self.explore_share if self._spent + 1 <= self.explore_share * (self.chosen + 1) else 0.0
+        spread = share * self.spread
+        contender = self._contender(upper, best) if share > spread and (best > target or best == math.inf) else None
+        directed = share - spread if contender is not None else 0.0
         u = float(self.rng.random())
         self.chosen += 1
-        if contender is not None and u < share:
+        if u < directed:
+            arm = contender
+        elif u < directed + spread:  # the uniform part: the same draw, rescaled, picks one of the K arms
+            cells = self._arms
+            arm = cells[min(int((u - directed) / spread * len(cells)), len(cells) - 1)]
+        else:
+            arm = g
+        assert arm is not None
+        propensity = (1.0 - directed - spread) * (arm == g) + directed * (arm == contender) + spread / len(self._arms)
+        if arm != g:
             if self._spent + 1 > self._reserved:
                 self._reserve(self._spent + RESERVE_BLOCK)
             self.explored += 1
             self._spent += 1
-            arm, propensity = contender, share
-        else:
-            arm, propensity = g, 1.0 - share
         prompt, n = self.prompts[arm[0]], arm[1] + 1
         served = ctx if (prompt, n) == (ctx.prompt, ctx.n) else dataclasses.replace(ctx, prompt=prompt, n=n)
         return Choice(served, propensity, arm != g, (self.prompts[g[0]], g[1] + 1),
-                      None if contender is None else (self.prompts[contender[0]], contender[1] + 1))
+                      None if contender is None else (self.prompts[contender[0]], contender[1] + 1),
+                      share, spread, self._arm_names)
 
     def _contender(self, upper: np.ndarray, best: float) -> tuple[int, int]:
         """The arm explored: the highest upper bound (of tied ones, the first prompt's largest N, whose completions
@@ -533,7 +564,7 @@ class ServeLearner:
         """The budget's counts and, per context, the greedy arm and the estimate and discounted observations of
         every arm that has any."""
         out: dict[str, Any] = {"chosen": self.chosen, "explored": self.explored, "budget_spent": self._spent,
-                               "explore_share": self.explore_share,
+                               "explore_share": self.explore_share, "spread": self.spread,
                                "observed": self.observed, "half_life": self.half_life, "changes": self.changes,
                                "reward": self.reward if self.aggregator == "mv" else "scores", "contexts": {}}
         for c, ctx in enumerate(self._contexts):

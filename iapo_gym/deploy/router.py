@@ -157,7 +157,8 @@ class Routed:
         else:
             out.update(aggregator="bon", scores=self.scores, objective_scores=self.objective_scores)
         if self.learn is not None and "explored" in self.learn:
-            out["learn"] = {k: self.learn[k] for k in ("explored", "propensity", "greedy", "contender") if k in self.learn}
+            out["learn"] = {k: self.learn[k] for k in ("explored", "propensity", "greedy", "contender", "share")
+                            if k in self.learn}
         return out
 
 
