@@ -12,7 +12,7 @@ textbook IPS has support:
 - ``served``: the policy file as served (the learner's greedy arm, mostly);
 - ``cheaper``: in the policy's four most likely contexts the same prompt with the next smaller N of the policy's
   Ns (the same N where it is the smallest), elsewhere the policy's arm (the learner's uniform part gives each of
-  its K = 20 x 10 arms 0.2 x 0.25 / 200 of the requests: a rarer context may see none, and then IPS has no
+  its K = 20 x 10 arms 0.2 x 0.1 / 200 of the requests: a rarer context may see none, and then IPS has no
   estimate);
 - ``best``: in each context the learner's candidate arm of the highest exact value.
 

@@ -1,6 +1,6 @@
 """The learner of ``serve --learn`` driven in-process against tables' drift schedules: how its hyper-parameters
-(``--learn-half-life``, ``--learn-bonus``, ``--explore-share``, ``--learn-prior``) were chosen (docs/deploy.md,
-"Learning while serving").
+(``--learn-half-life``, ``--learn-bonus``, ``--explore-share``, ``--learn-prior``, ``--learn-spread``) were
+chosen (docs/deploy.md, "Learning while serving").
 
 ``benchmarks/bench_learn.py`` measures the real thing (``serve`` in front of ``simulate``) and takes minutes per
 thousand requests; this drives ``ServeLearner`` directly, without HTTP, in seconds per level: per generated level,
@@ -12,7 +12,7 @@ requests from the drift, the share of it the learner recovered, the learner's re
 frozen policy's, and the share of requests explored. Choose on tuning levels (< 10,000) only.
 
 ``.venv/bin/python research/tune_learn.py --levels 1,3,4,6,7`` (about a minute);
-``--half-life 1500 --bonus 2`` etc. set the learner's options.
+``--half-life 1500 --bonus 2 --spread 0.1`` etc. set the learner's options.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from iapo_gym.deploy.learn import (  # noqa: E402
     DEFAULT_EXPLORE_SHARE,
     DEFAULT_HALF_LIFE,
     DEFAULT_PRIOR_WEIGHT,
+    DEFAULT_SPREAD,
     ServeLearner,
 )
 from iapo_gym.deploy.router import Routed  # noqa: E402
@@ -83,7 +84,7 @@ def run_level(family: str, level: int, args: argparse.Namespace, work: Path) -> 
     oracle = [u.mean(axis=2).reshape(table.n_contexts, -1).max(axis=1) for u in utilities]
     index = {p: i for i, p in enumerate(table.prompts)}
     learner = ServeLearner(policy, explore_share=args.explore_share, seed=args.seed, prior_weight=args.prior,
-                           half_life=args.half_life, bonus=args.bonus)
+                           half_life=args.half_life, bonus=args.bonus, spread=args.spread)
     draws = derive_rng(args.seed, "tune_learn", "draws")
     late: collections.deque[Routed] = collections.deque()
     frozen, learned = np.empty(args.requests), np.empty(args.requests)
@@ -129,6 +130,7 @@ def main() -> int:
     ap.add_argument("--prior", type=float, default=DEFAULT_PRIOR_WEIGHT)
     ap.add_argument("--half-life", type=float, default=DEFAULT_HALF_LIFE)
     ap.add_argument("--bonus", type=float, default=DEFAULT_BONUS)
+    ap.add_argument("--spread", type=float, default=DEFAULT_SPREAD)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     rows = []

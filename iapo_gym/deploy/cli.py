@@ -323,7 +323,7 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--learn-spread", type=float, metavar="SHARE",
                    help="with --learn, the share of the explored requests served an arm drawn uniformly from all "
                         "candidate arms instead of the most promising one, so that evaluate-log can judge any "
-                        "candidate on the log (default 0.25; 0: the most promising arm only)")
+                        "candidate on the log (default 0.1; 0: the most promising arm only)")
     p.add_argument("--shadow", metavar="CANDIDATE.json",
                    help="a candidate policy file: each request is logged (--log) with the arm the candidate would "
                         "have served, which is not served")

@@ -93,7 +93,7 @@ DEFAULT_HALF_LIFE = 1500.0
 DEFAULT_BONUS = 2.0
 #: The share of the exploration spread uniformly over all candidate arms (``--learn-spread``); the rest goes to
 #: the contender.
-DEFAULT_SPREAD = 0.25
+DEFAULT_SPREAD = 0.1
 #: Majority vote with ``reward="feedback"``: answered requests remembered until their feedback arrives.
 PENDING_MAX = 100_000
 #: What a majority vote learns from.
