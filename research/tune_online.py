@@ -2,7 +2,7 @@
 of each hyper-parameter setting on tuning levels only (level ids < 10,000, never held-out), every family, each
 schedule asked for, a few runs, through the public ``make_online`` and ``run_online``.
 
-    .venv/bin/python research/tune_online.py --grid width=0.05,0.1,0.2 discount=0.9999,1.0 \\
+    .venv/bin/python research/tune_online.py --grid width=0.3,0.5 memory=100,200,inf \\
         --schedules stationary,drift --levels 0 1 --horizon 10000
 
 Every combination of the grid's values is run (the other hyper-parameters at their defaults, or ``--fixed``); each

@@ -8,9 +8,14 @@ prompts, refitted on a doubling schedule, with a change detector for drift and o
   schedule, about log2 of the completions refits in a run), never per request: a refit costs as much as thousands
   of requests.
 * **Choice.** For a request of context c, each available prompt p scores ``max_N Q^(c, p, N) + s_cp + width *
-  sigma * sqrt(log(t + 2) / n_p)`` with n_p the requests the prompt served, faded by ``discount`` per request, and
-  sigma the pooled sd of the residuals; the request gets the best prompt at its best N. The fading makes a prompt
-  not served for a while worth a look again, so a prompt that drifted while unserved is re-examined.
+  sigma * sqrt(log(t + 2) / n_p)`` with n_p the requests the prompt served, faded, and sigma the pooled sd of the
+  residuals; the request gets the best prompt at its best N. The fading makes a prompt not served for a while worth
+  a look again, so a prompt that drifted while unserved is re-examined. A request s counts exp(phi(s) - phi(t)) at
+  request t, phi(t) = 2 sqrt(t - o) / ``memory`` (plus phi(o)) with o the last detected change (0 before any): the
+  fading's window, ``memory`` * sqrt(t - o) requests, grows with t, so on a stationary table the re-examining it
+  causes falls like log(t) / sqrt(t) (a fixed factor per request kept every count below a fixed window, and the
+  regret per request of telling close prompts apart stopped falling), and after a detected change it is short
+  again, so every prompt is looked at again soon.
 * **Shift.** The plug-in estimate of a prompt with few completions is pulled toward the shared prior, far below its
   value at times (0.1-0.3 on some tuning levels). s_cp measures that bias on what the prompt served: the sum of its
   residuals under context c (each served pull's utility under c, which the env reports for every context, minus
@@ -27,7 +32,7 @@ prompts, refitted on a doubling schedule, with a change detector for drift and o
   such residuals, feeds a two-sided CUSUM per prompt (slack ``slack``, threshold ``threshold``; every CUSUM starts
   over at a refit). When one crosses, the prompt's completions before the CUSUM's change estimate (the crossing side's last
   zero) are forgotten: the estimator is rebuilt from the completions kept, and the prompt's count restarts, so it
-  is explored again.
+  is explored again; the fading's window restarts too (above), so the other prompts are soon re-examined.
 
 Everything runs on the env's schema (``OnlineEnv.schema``); the estimator's env is an ``IAPOEnv`` on that schema
 whose completion source refuses to draw: the online env serves every completion.
@@ -201,7 +206,7 @@ class IAPOOnline(OnlineAgentBase):
     """UCB over prompts on ``auto``'s plug-in estimate, with a CUSUM change detector and optimistic entry.
 
     :param width: exploration weight of a prompt's confidence width sigma * sqrt(log(t + 2) / n_p) (residual sds).
-    :param discount: factor a prompt's request count n_p fades by per request (1: none); unserved prompts come back.
+    :param memory: n_p fades over a window of ``memory`` * sqrt(t - o) requests, o the last detection (inf: none).
     :param refit: the estimate is refitted when the completions since the last refit reach this times those before.
     :param threshold: CUSUM threshold (in residual sds) at which a prompt's older completions are forgotten.
     :param slack: CUSUM slack (in residual sds): shifts of a prompt's mean utility smaller than this go undetected.
@@ -210,25 +215,26 @@ class IAPOOnline(OnlineAgentBase):
     :param bias_sd: prior sd of the estimate's bias per (context, prompt) (utility units; 0: no shift s_cp).
     """
 
-    def __init__(self, seed: int | None = None, width: float = 0.5, discount: float = 0.9999, refit: float = 1.0,
+    def __init__(self, seed: int | None = None, width: float = 0.5, memory: float = 200.0, refit: float = 1.0,
                  threshold: float = 50.0, slack: float = 0.25, entry_n: int = 4, prior: float = 0.1,
                  bias_sd: float = 0.05) -> None:
         """Hyper-parameters as documented on the class; ``seed`` for ties."""
         super().__init__(seed)
         self.width, self.threshold, self.slack, self.prior, self.bias_sd = check_nonnegative(
             width=width, threshold=threshold, slack=slack, prior=prior, bias_sd=bias_sd)
-        if isinstance(discount, bool) or not 0.0 < float(discount) <= 1.0:
-            raise ValueError(f"discount must be in (0, 1], got {discount!r}")
+        if isinstance(memory, bool) or not float(memory) > 0.0:
+            raise ValueError(f"memory must be a number > 0 (inf: no fading), got {memory!r}")
         if isinstance(refit, bool) or not float(refit) > 0.0:
             raise ValueError(f"refit must be a number > 0, got {refit!r}")
         if isinstance(entry_n, bool) or not isinstance(entry_n, (int, np.integer)) or entry_n < 1:
             raise ValueError(f"entry_n must be an integer >= 1, got {entry_n!r}")
-        self.discount, self.refit, self.entry_n = float(discount), float(refit), int(entry_n)
+        self.memory, self.refit, self.entry_n = float(memory), float(refit), int(entry_n)
+        self._rate = 2.0 / self.memory  # phi(t) = _rate * sqrt(t) (0 at memory = inf)
         warm_up()
 
     def params(self) -> dict[str, Any]:
         """The hyper-parameters."""
-        return {"width": self.width, "discount": self.discount, "refit": self.refit, "threshold": self.threshold,
+        return {"width": self.width, "memory": self.memory, "refit": self.refit, "threshold": self.threshold,
                 "slack": self.slack, "entry_n": self.entry_n, "prior": self.prior, "bias_sd": self.bias_sd}
 
     # ---- state ----------------------------------------------------------------------------------
@@ -250,8 +256,11 @@ class IAPOOnline(OnlineAgentBase):
         self.completions = np.zeros(n_p)  # completions of each prompt (kept ones)
         self._drawn = 0.0  # completions kept (in the estimator or pending)
         self._fitted_total = 0.0  # completions kept at the last refit
-        self._scaled = np.zeros(n_p)  # faded counts, times discount^-(t - _t0)
+        self._scaled = np.zeros(n_p)  # faded counts, times exp(phi(t) - phi(_t0))
         self._t0 = 0
+        # phi's pieces: it restarts growing like 2 sqrt(t - o) / memory at each detection o (the window is short again)
+        self._origin, self._phi_origin = 0, 0.0
+        self._origins, self._phi_origins = [0], [0.0]
         self._tie = self.rng.random(n_p) * 1e-12  # a fixed random order among equal indices
         self.t = 0
         self._next_new = 0
@@ -270,9 +279,22 @@ class IAPOOnline(OnlineAgentBase):
         self._avail_key = b""
         self._blocked = np.zeros(n_p, dtype=bool)
 
+    def _phi(self, t: int) -> float:
+        """phi(t): phi at the last detection plus 2 sqrt(t - that step) / ``memory`` (t at or after it)."""
+        return self._phi_origin + self._rate * math.sqrt(t - self._origin)
+
     def _fade(self) -> float:
-        """discount^(t - t0): the factor turning ``_scaled`` into the faded counts now."""
-        return self.discount ** (self.t - self._t0)
+        """exp(phi(t0) - phi(t)): the factor turning ``_scaled`` into the faded counts now."""
+        return math.exp(self._phi(self._t0) - self._phi(self.t))
+
+    def _weights(self, steps: np.ndarray, now: int) -> np.ndarray:
+        """exp(phi(s + 1) - phi(now)) per logged request s (at most ``now``), phi over every piece since the run
+        started: its weight in a count scaled as ``_scaled`` is at t0 = ``now`` (a request counts from the step after
+        it)."""
+        origins, at = np.array(self._origins, dtype=np.float64), np.array(self._phi_origins)
+        x = (steps + 1).astype(np.float64)
+        k = np.searchsorted(origins, x, side="right") - 1
+        return np.exp(at[k] + self._rate * np.sqrt(x - origins[k]) - self._phi(now))
 
     def _shift(self) -> np.ndarray:
         """(C, P) the shifts s_cp: a prompt's faded residual sum under context c over its faded residual count +
@@ -440,13 +462,17 @@ class IAPOOnline(OnlineAgentBase):
         for p, since in detected:
             keep &= ~((pulls.prompts == p) & (steps < since))
             self.changes.append((self.t, p, since))
+        if self.t > self._origin:
+            self._phi_origin, self._origin = self._phi(self.t), self.t
+            self._origins.append(self._origin)
+            self._phi_origins.append(self._phi_origin)
         self.log.keep(keep)
         steps, pulls = self.log.read()
         self.est = PlugInEstimator(self._base, alpha=32.0 * self.prior, bon_prior=self.prior)
         ns = pulls.ns.astype(np.float64)
         self.completions = np.bincount(pulls.prompts, weights=ns, minlength=self.completions.size).astype(np.float64)
-        fade = self.discount ** (self.t - steps - 1).astype(np.float64)
-        self._scaled = np.bincount(pulls.prompts, weights=fade, minlength=self.completions.size).astype(np.float64)
+        self._scaled = np.bincount(pulls.prompts, weights=self._weights(steps, self.t),
+                                   minlength=self.completions.size).astype(np.float64)
         self._t0 = self.t
         self.served = self.completions > 0
         self._n_served = int(self.served.sum())
@@ -483,14 +509,14 @@ class IAPOOnline(OnlineAgentBase):
 
     def _residual_stats(self) -> None:
         """Each prompt's residuals (utility served minus the new estimate Q^(c, p, N)) over every logged request,
-        faded by ``discount`` per request since: the shift s_cp measures the estimate's bias on what the prompt served
+        faded as the counts: the shift s_cp measures the estimate's bias on what the prompt served
         (the prior's pull on a prompt with few completions), so it does not start over at a refit."""
         steps, pulls = self.log.read()
         n_c, n_p = self._res_sum.shape
         self._res_sum, self._res_n = np.zeros((n_c, n_p)), np.zeros(n_p)
         if steps.size == 0:
             return
-        weights = self.discount ** (self._t0 - steps - 1).astype(np.float64)  # scaled as ``_scaled``
+        weights = self._weights(steps, self._t0)  # scaled as ``_scaled``
         residuals = self.log.utilities() - self.q[:, pulls.prompts, pulls.ns - 1].T  # (B, C)
         for c in range(n_c):
             self._res_sum[c] = np.bincount(pulls.prompts, weights=weights * residuals[:, c], minlength=n_p)
