@@ -196,6 +196,21 @@ def test_a_detected_change_sends_every_prompt_back_for_a_look() -> None:
     assert regret[change + 10_000:change + 30_000].mean() < 0.01
 
 
+def test_a_prompt_with_wide_utilities_trips_no_detector_on_a_stationary_table() -> None:
+    """The CUSUM's residuals are in the served prompt's own residual sd (as of the last refit). On stationary
+    ``bon_flat`` level 0 (tuning) the best prompt of one context, served at N = 16, has residuals of sd 0.12 against
+    a pooled sd of 0.045; in pooled sds its CUSUM walked past the threshold 3 times between requests 59K and 62K,
+    its completions were forgotten and it was lost again (0.0097 per request over the last tenth). In its own sd
+    nothing fires and, once it is found, the regret per request falls to almost 0."""
+    horizon = 66_000
+    env = OnlineEnv(family="bon_flat", level=0, schedule="stationary", horizon=horizon)
+    agent = IAPOOnline()
+    regret = run_online(env, agent, seed=0, batch_size=16).regret
+    assert not agent.changes
+    tenth = horizon // 10
+    assert regret[-tenth:].mean() < 0.1 * regret[:tenth].mean()
+
+
 def test_new_models_enter_optimistically() -> None:
     env = OnlineEnv(family="mv_binary", level=6, schedule="model_arrival", horizon=4_000)
     agent = IAPOOnline()

@@ -28,9 +28,12 @@ prompts, refitted on a doubling schedule, with a change detector for drift and o
   available prompt has been served (the entry round), and a prompt that arrives later is read right after its
   first request.
 * **Change detector.** Each served request's residual under its context less the prompt's shift s_cp before it
-  (the prompt's own recent mean, so the estimate's bias is not taken for a change), over the pooled sd sigma of
-  such residuals, feeds a two-sided CUSUM per prompt (slack ``slack``, threshold ``threshold``; every CUSUM starts
-  over at a refit). When one crosses, the prompt's completions before the CUSUM's change estimate (the crossing side's last
+  (the prompt's own recent mean, so the estimate's bias is not taken for a change), over the prompt's own residual
+  sd under that context as of the last refit (its faded residuals' sd about their mean then, so not inflated by a
+  change since, with the pooled variance sigma^2 counted as ``ARM_RESIDUALS`` residuals: a best-of-N prompt served
+  at a high N spreads wider than the pool, and in pooled sds its CUSUM walked past the threshold on a stationary
+  table), feeds a two-sided CUSUM per prompt (slack ``slack``, threshold ``threshold``; every CUSUM starts over at
+  a refit). When one crosses, the prompt's completions before the CUSUM's change estimate (the crossing side's last
   zero) are forgotten: the estimator is rebuilt from the completions kept, and the prompt's count restarts, so it
   is explored again; the fading's window restarts too (above), so the other prompts are soon re-examined.
 
@@ -208,8 +211,8 @@ class IAPOOnline(OnlineAgentBase):
     :param width: exploration weight of a prompt's confidence width sigma * sqrt(log(t + 2) / n_p) (residual sds).
     :param memory: n_p fades over a window of ``memory`` * sqrt(t - o) requests, o the last detection (inf: none).
     :param refit: the estimate is refitted when the completions since the last refit reach this times those before.
-    :param threshold: CUSUM threshold (in residual sds) at which a prompt's older completions are forgotten.
-    :param slack: CUSUM slack (in residual sds): shifts of a prompt's mean utility smaller than this go undetected.
+    :param threshold: CUSUM threshold (in the prompt's residual sds) at which its older completions are forgotten.
+    :param slack: CUSUM slack (in the prompt's residual sds): smaller shifts of its mean utility go undetected.
     :param entry_n: N of a never-served prompt's first pull (optimistic entry; capped at N_max).
     :param prior: weight of the estimator's shared prior, times ``auto``'s (``alpha`` 32 pseudo-votes, ``bon_prior`` 1).
     :param bias_sd: prior sd of the estimate's bias per (context, prompt) (utility units; 0: no shift s_cp).
@@ -270,6 +273,9 @@ class IAPOOnline(OnlineAgentBase):
         self._scale = 1.0  # the width's unit: the pooled residual sd sigma once read (1 before)
         self._res_sum = np.zeros((n_c, n_p))  # per (context, prompt): faded residual sum, scaled as ``_scaled``
         self._res_n = np.zeros(n_p)  # per prompt: its faded residual count, scaled as ``_scaled``
+        # per (context, prompt) at the last refit: the faded sum of squared residuals about their mean, and per prompt
+        # their faded count, scaled as ``_scaled``: the prompt's own residual variance, read by the change detector
+        self._ref_ss, self._ref_n = np.zeros((n_c, n_p)), np.zeros(n_p)
         self._n_served = self._n_read = 0
         self._up = [0.0] * n_p
         self._down = [0.0] * n_p
@@ -414,6 +420,8 @@ class IAPOOnline(OnlineAgentBase):
             fade = self._fade()
             self._scaled *= fade
             self._res_sum *= fade
+            self._ref_ss *= fade
+            self._ref_n *= fade
             self._res_n *= fade
             self._t0 = self.t
         if detected:
@@ -440,7 +448,11 @@ class IAPOOnline(OnlineAgentBase):
         var = self._res_ss / self._pool_n
         self._shift_prior = var / self.bias_sd ** 2 if self.bias_sd > 0.0 else _NO_SHIFT
         self._scale = math.sqrt(var)
-        x = centred / self._scale
+        # in the prompt's own residual sd under c as of the last refit (the residuals before a change, not those
+        # after), with the pooled variance counted as ARM_RESIDUALS residuals: a prompt whose utilities spread wider
+        # than the pool's (a high N of best-of-N) walked its CUSUM past the threshold on a stationary table
+        own = (float(self._ref_ss[c, p]) * fade + ARM_RESIDUALS * var) / (self._ref_n[p] * fade + ARM_RESIDUALS)
+        x = centred / math.sqrt(own)
         k = self.slack
         u = self._up[p] + x - k
         if u <= 0.0:
@@ -514,10 +526,16 @@ class IAPOOnline(OnlineAgentBase):
         steps, pulls = self.log.read()
         n_c, n_p = self._res_sum.shape
         self._res_sum, self._res_n = np.zeros((n_c, n_p)), np.zeros(n_p)
+        self._ref_ss, self._ref_n = np.zeros((n_c, n_p)), np.zeros(n_p)
         if steps.size == 0:
             return
         weights = self._weights(steps, self._t0)  # scaled as ``_scaled``
         residuals = self.log.utilities() - self.q[:, pulls.prompts, pulls.ns - 1].T  # (B, C)
         for c in range(n_c):
             self._res_sum[c] = np.bincount(pulls.prompts, weights=weights * residuals[:, c], minlength=n_p)
+            self._ref_ss[c] = np.bincount(pulls.prompts, weights=weights * residuals[:, c] ** 2, minlength=n_p)
         self._res_n = np.bincount(pulls.prompts, weights=weights, minlength=n_p).astype(np.float64)
+        self._ref_n = self._res_n.copy()
+        seen = self._res_n > 0.0  # the sums of squares about each (context, prompt)'s mean
+        self._ref_ss[:, seen] -= self._res_sum[:, seen] ** 2 / self._res_n[seen]
+        np.maximum(self._ref_ss, 0.0, out=self._ref_ss)
