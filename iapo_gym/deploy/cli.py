@@ -281,6 +281,13 @@ def add_commands(subparsers: Any) -> None:
                         "serving budget through --budget-store")
     p.add_argument("--access-log", help="file to append JSON-lines access records to ('-': stdout)")
     p.add_argument("--seed", type=int, default=0, help="root seed of the majority-vote tie breaks (default 0)")
+    from iapo_gym.deploy.learn import (
+        DEFAULT_BONUS,
+        DEFAULT_EXPLORE_SHARE,
+        DEFAULT_HALF_LIFE,
+        DEFAULT_PRIOR_WEIGHT,
+        DEFAULT_SPREAD,
+    )
     from iapo_gym.outcome_log import DEFAULT_BATCH, DEFAULT_FLUSH_MS, DEFAULT_KEEP, DEFAULT_MAX_BYTES
 
     p.add_argument("--log", metavar="DIR", help="keep an outcome log of every answered request in DIR (SQLite; its "
@@ -306,24 +313,25 @@ def add_commands(subparsers: Any) -> None:
                         "serving'); --workers 1 only")
     p.add_argument("--explore-share", type=float, metavar="SHARE",
                    help="with --learn, the share of requests that may be served another arm than the best estimated "
-                        "one, never exceeded over the requests served (default 0.05)")
+                        f"one, never exceeded over the requests served (default {DEFAULT_EXPLORE_SHARE:g})")
     p.add_argument("--learn-reward", choices=("agreement", "feedback"),
                    help="with --learn, what a majority vote learns from: agreement (the share of the completions "
                         "drawn that voted for the winner, at once; the default) or feedback (the reward of POST "
                         "/v1/feedback, when it arrives; needs --log)")
     p.add_argument("--learn-prior", type=float, metavar="W",
-                   help="with --learn, observations the policy file's estimate of an arm counts as (default 20; 0 "
-                        "ignores the file's estimates)")
+                   help=f"with --learn, observations the policy file's estimate of an arm counts as "
+                        f"(default {DEFAULT_PRIOR_WEIGHT:g}; 0 ignores the file's estimates)")
     p.add_argument("--learn-half-life", type=float, metavar="REQUESTS",
                    help="with --learn, requests after which earlier evidence counts half, so that outcomes from before "
-                        "a drift fade (default 1500; inf never forgets)")
+                        f"a drift fade (default {DEFAULT_HALF_LIFE:g}; inf never forgets)")
     p.add_argument("--learn-bonus", type=float, metavar="B",
                    help="with --learn, the exploration bound's width: an arm is explored while its estimate plus B "
-                        "standard deviations / sqrt(its observations) is above the served arm's estimate (default 2)")
+                        "standard deviations / sqrt(its observations) is above the served arm's estimate "
+                        f"(default {DEFAULT_BONUS:g})")
     p.add_argument("--learn-spread", type=float, metavar="SHARE",
                    help="with --learn, the share of the explored requests served an arm drawn uniformly from all "
                         "candidate arms instead of the most promising one, so that evaluate-log can judge any "
-                        "candidate on the log (default 0.1; 0: the most promising arm only)")
+                        f"candidate on the log (default {DEFAULT_SPREAD:g}; 0: the most promising arm only)")
     p.add_argument("--shadow", metavar="CANDIDATE.json",
                    help="a candidate policy file: each request is logged (--log) with the arm the candidate would "
                         "have served, which is not served")
