@@ -17,11 +17,11 @@ resumable (rerun the command to continue after an interruption), ``--jobs`` work
 ``online_peers:MABWiserLinUCB@mabwiser`` (worker processes import ``online_peers`` from this folder, on the
 ``sys.path`` they inherit). Prints the online report (cumulative regret at the checkpoints, each agent paired
 against the first ``--baseline``, default ``etc_auto``) and each agent's paired comparison against every further
-``--baseline`` (default ``vw``, when it has runs).
+``--baseline`` (default ``vw``, when it has runs), then the goal table of ``--candidate`` (default
+``iapo_online``) against every baseline at T; ``--figure PNG`` draws every cell's regret curves in one figure.
 
 Run: ``.venv/bin/python benchmarks/bench_online.py`` (about two minutes on two cores),
 ``.venv/bin/python benchmarks/bench_online.py --speed``, ``.venv/bin/python benchmarks/bench_online.py --tune c``.
-This is the first, small slice of issue 53's benchmark, not the full one (20 levels x 4 runs at 10K, 100K).
 """
 
 from __future__ import annotations
@@ -110,11 +110,54 @@ def versus_markdown(report: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
+def goal_markdown(reports: list[Any], candidate: str) -> str:
+    """Issue 53's goal at T, one row per (task, schedule, horizon): ``candidate``'s mean cumulative regret and each
+    baseline's (one report per baseline, each paired against it), the mean ratio, adjusted p and verdict; then the
+    counts the goal is judged by (drift and arrival: at most half of the first baseline's regret; stationary: never
+    significantly more; every cell: below each further baseline's)."""
+    names = [r.baseline for r in reports]
+    lines = [f"`{candidate}` at T against {', '.join(f'`{n}`' for n in names)} (ratio = mean cumulative regret over "
+             "the baseline's on the paired runs; p adjusted; **less** / **more**: significantly less / more):", "",
+             "| task | schedule | T | " + " | ".join([candidate, *names]) + " | "
+             + " | ".join(f"vs {n}" for n in names) + " |",
+             "|---|---|---:|" + "---:|" * (1 + 2 * len(names))]
+    counts: dict[str, list[int]] = {}
+    for cell in reports[0].cells():
+        curves = [r.curves(cell) for r in reports]
+        if candidate not in curves[0] or any(n not in c for n, c in zip(names, curves, strict=True)):
+            continue
+        means = [curves[0][candidate][1][-1]] + [c[n][1][-1] for n, c in zip(names, curves, strict=True)]
+        verdicts = []
+        for k, r in enumerate(reports):
+            p = next(q for q in r.pairs if (q.task, q.schedule, q.horizon) == cell and q.label == candidate
+                     and q.checkpoint == cell[2])
+            word = {1: "**less**", -1: "**more**", 0: "n.s."}[p.winner]
+            verdicts.append(f"{p.mean_ratio:.2f}x, p {p.p_adjusted:.2g}, {word}")
+            key = f"{cell[1]} vs {names[k]}"
+            good = (p.mean_ratio <= 0.5 if cell[1] in ("drift", "arrival") else p.winner >= 0) if k == 0 else \
+                p.winner == 1
+            counts.setdefault(key, [0, 0])[0] += int(good)
+            counts[key][1] += 1
+        task = cell[0].split(":")[1] if cell[0].startswith("generated:") else cell[0]
+        lines.append(f"| {task} | {cell[1]} | {cell[2]} | " + " | ".join(f"{m:,.1f}" for m in means) + " | "
+                     + " | ".join(verdicts) + " |")
+    lines.append("")
+    for key, (good, total) in sorted(counts.items()):
+        schedule, versus = key.split(" vs ")
+        rule = ("significantly less regret" if versus != names[0] else
+                "at most half the regret" if schedule in ("drift", "arrival") else "not significantly more regret")
+        lines.append(f"- {schedule}, against `{versus}` ({rule}): {good} of {total} cells")
+    return "\n".join(lines) + "\n"
+
+
 def through_runner(out: str, families: list[str], schedules: list[str], agents: list[str], levels: int, runs: int,
-                   horizon: int, batch_size: int, jobs: int, baselines: list[str]) -> None:
+                   horizon: int, batch_size: int, jobs: int, baselines: list[str], candidate: str,
+                   figure: str | None) -> None:
     """The results grid through the leaderboard's runner into ``out`` (resumable), then its online report paired
-    against the first of ``baselines`` and the paired comparisons against each other one that has runs."""
-    from iapo_gym.leaderboard.report.online import online_markdown, online_report
+    against the first of ``baselines`` and the paired comparisons against each other one that has runs; the goal
+    table of ``candidate`` against the baselines when all of them ran, and (``figure``) every cell's regret curves
+    in one figure."""
+    from iapo_gym.leaderboard.report.online import online_markdown, online_report, plot_regret_grid
     from iapo_gym.leaderboard.run.online import parse_online_spec, run_online_sweep
     from iapo_gym.leaderboard.run.specs import resolve_task
 
@@ -124,6 +167,7 @@ def through_runner(out: str, families: list[str], schedules: list[str], agents: 
                                [horizon], runs, jobs=jobs, batch_size=batch_size)
     print(f"{summary.added} runs added, {summary.skipped} already in {out}, {len(summary.failures)} failed; "
           f"{summary.seconds:.0f} s")
+    reports = []
     for k, baseline in enumerate(baselines):
         report = online_report(out, baseline=baseline, tasks=[t.name for t in tasks])
         if report is None:
@@ -134,6 +178,12 @@ def through_runner(out: str, families: list[str], schedules: list[str], agents: 
             print(versus_markdown(report))
         else:
             print(f"No runs of `{baseline}` in {out}: no comparison against it.\n")
+            continue
+        reports.append(report)
+    if any(r.label == candidate for r in reports[0].results):
+        print(goal_markdown(reports, candidate))
+    if figure:
+        print(f"regret curves: {plot_regret_grid(reports[0], Path(figure))}")
 
 
 def rate(fn: Any, requests: int) -> float:
@@ -248,11 +298,15 @@ def main() -> None:
                         help="with --out: an agent label the others pair against; repeatable, the first gets the "
                              "full report, each other one a table of paired comparisons (default: etc_auto, then "
                              "vw when it has runs)")
+    parser.add_argument("--candidate", default="iapo_online",
+                        help="with --out: the agent whose goal table (against every --baseline at T) is printed")
+    parser.add_argument("--figure", metavar="PNG",
+                        help="with --out: draw every (family, schedule) cell's regret curves into this file")
     args = parser.parse_args()
     if args.out:
         through_runner(args.out, args.families.split(","), args.schedules.split(","), args.agents.split(","),
                        args.levels, args.runs, args.horizon, args.batch_size, args.jobs,
-                       args.baseline or ["etc_auto", "vw"])
+                       args.baseline or ["etc_auto", "vw"], args.candidate, args.figure)
     elif args.speed:
         speed(100_000)
     elif args.speed_peers:

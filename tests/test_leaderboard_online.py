@@ -162,6 +162,53 @@ def test_the_report_has_every_checkpoint_the_paired_tests_and_the_curves(swept: 
     assert other is not None and {p.label for p in other.pairs} == {"thompson", "etc_auto"}
 
 
+
+def _bench_online() -> Any:
+    """benchmarks/bench_online.py as a module (benchmarks/ is not a package; its peers module sits beside it)."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_online", REPO / "benchmarks" / "bench_online.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return module
+
+
+def test_the_goal_table_and_the_grid_figure_read_the_paired_report(swept: Path, tmp_path: Path) -> None:
+    """bench_online's goal table: each cell's means at T are the report's, its verdicts the paired rows at T,
+    and the counts add them up; the grid figure draws every cell and refuses a horizon without runs."""
+    from iapo_gym.leaderboard.report.online import plot_regret_grid
+
+    reports = [online_report(swept, baseline=b) for b in ("etc_auto", "thompson")]
+    assert all(r is not None for r in reports)
+    text = _bench_online().goal_markdown(reports, "ucb")
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == len(reports[0].cells()) == 4
+    for row in rows:
+        task = next(c[0] for c in reports[0].cells() if row[0].removeprefix("| ") in c[0])
+        cell = (task, row[1], HORIZON)
+        curves = reports[0].curves(cell)
+        assert [float(x.replace(",", "")) for x in row[3:6]] == [
+            round(float(curves[label][1][-1]), 1) for label in ("ucb", "etc_auto", "thompson")]
+        for k in range(2):
+            pair = next(p for p in reports[k].pairs if (p.task, p.schedule, p.horizon) == cell and p.label == "ucb"
+                        and p.checkpoint == HORIZON)
+            assert row[6 + k].startswith(f"{pair.mean_ratio:.2f}x, p {pair.p_adjusted:.2g}")
+    stationary = sum(1 for r in rows if r[1] == "stationary" and "**more**" not in r[6])
+    assert f"- stationary, against `etc_auto` (not significantly more regret): {stationary} of 2 cells" in text
+    half = sum(1 for r in rows if r[1] == "arrival" and float(r[6].split("x")[0]) <= 0.5)
+    assert f"- arrival, against `etc_auto` (at most half the regret): {half} of 2 cells" in text
+    figure = plot_regret_grid(reports[0], tmp_path / "grid.png")
+    assert figure.stat().st_size > 20_000
+    with pytest.raises(ValueError, match=r"no runs at horizon 7; it has \[300\]"):
+        plot_regret_grid(reports[0], tmp_path / "none.png", horizon=7)
+    assert not (tmp_path / "none.png").exists()
+
 # ---- bundles, verify, merge --------------------------------------------------------------------------------------
 
 

@@ -245,6 +245,18 @@ def online_markdown(report: OnlineReport) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _curve_panel(ax: Any, report: OnlineReport, cell: Cell, colors: dict[str, Any], title: str) -> None:
+    """One panel: every agent's mean cumulative regret of ``cell`` against requests served, with a SEM band."""
+    for label, (x, y, sem, _) in report.curves(cell).items():
+        band = np.nan_to_num(sem)
+        ax.plot(x, y, lw=1.4, color=colors[label], label=label)
+        ax.fill_between(x, y - band, y + band, color=colors[label], alpha=0.2, lw=0)
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("requests served")
+    ax.set_ylabel("cumulative exact regret")
+    ax.grid(alpha=0.3)
+
+
 def plot_regret_curves(report: OnlineReport, task: str, path: Path) -> Path:
     """Mean cumulative regret against requests served with SEM bands, one panel per (schedule, horizon) of
     ``task``, one line per agent (colours as in the paper protocol's plots)."""
@@ -256,14 +268,7 @@ def plot_regret_curves(report: OnlineReport, task: str, path: Path) -> Path:
     nrows = math.ceil(len(cells) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.8 * nrows), squeeze=False)
     for ax, cell in zip(axes.flat, cells, strict=False):
-        for label, (x, y, sem, _) in report.curves(cell).items():
-            band = np.nan_to_num(sem)
-            ax.plot(x, y, lw=1.4, color=colors[label], label=label)
-            ax.fill_between(x, y - band, y + band, color=colors[label], alpha=0.2, lw=0)
-        ax.set_title(f"{cell[1]}, T = {cell[2]}")
-        ax.set_xlabel("requests served")
-        ax.set_ylabel("cumulative exact regret")
-        ax.grid(alpha=0.3)
+        _curve_panel(ax, report, cell, colors, f"{cell[1]}, T = {cell[2]}")
     for ax in list(axes.flat)[len(cells):]:
         ax.set_visible(False)
     info = report.tasks.get(task)
@@ -271,6 +276,41 @@ def plot_regret_curves(report: OnlineReport, task: str, path: Path) -> Path:
     fig.tight_layout()
     figure_legend(fig, axes)
     fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def plot_regret_grid(report: OnlineReport, path: Path, horizon: int | None = None) -> Path:
+    """Every task's regret curves in one figure: a row per task, a column per schedule (at ``horizon``, default
+    the largest of the report), one line per agent; a cell without runs is left blank. For a benchmark's
+    overview, where ``plot_regret_curves`` draws one task per file."""
+    from iapo_gym.leaderboard.report.plots import _colors, figure_legend, plt
+
+    horizon = max(c[2] for c in report.cells()) if horizon is None else horizon
+    cells = {c for c in report.cells() if c[2] == horizon}
+    if not cells:
+        raise ValueError(f"the report has no runs at horizon {horizon}; it has "
+                         f"{sorted({c[2] for c in report.cells()})}")
+    tasks = sorted({c[0] for c in cells})
+    schedules = list(dict.fromkeys(c[1] for c in report.cells() if c[2] == horizon))
+    colors = _colors(sorted({r.label for r in report.results}))
+    fig, axes = plt.subplots(len(tasks), len(schedules), figsize=(3.6 * len(schedules), 2.5 * len(tasks)),
+                             squeeze=False)
+    for i, task in enumerate(tasks):
+        info = report.tasks.get(task)
+        for j, schedule in enumerate(schedules):
+            ax = axes[i, j]
+            if (task, schedule, horizon) not in cells:
+                ax.set_visible(False)
+                continue
+            _curve_panel(ax, report, (task, schedule, horizon), colors,
+                         f"{info.title if info else task}: {schedule}")
+            ax.set_xlabel("requests served" if i == len(tasks) - 1 else "")
+            ax.set_ylabel("regret" if j == 0 else "")
+            ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    figure_legend(fig, axes)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
 
