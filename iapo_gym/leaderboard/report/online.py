@@ -282,8 +282,9 @@ def plot_regret_curves(report: OnlineReport, task: str, path: Path) -> Path:
 
 def plot_regret_grid(report: OnlineReport, path: Path, horizon: int | None = None) -> Path:
     """Every task's regret curves in one figure: a row per task, a column per schedule (at ``horizon``, default
-    the largest of the report), one line per agent; a cell without runs is left blank. For a benchmark's
-    overview, where ``plot_regret_curves`` draws one task per file."""
+    the largest of the report), one line per agent, on a log scale (agents' regrets differ by orders of
+    magnitude); a cell without runs is left blank. For a benchmark's overview, where ``plot_regret_curves`` draws
+    one task per file."""
     from iapo_gym.leaderboard.report.plots import _colors, figure_legend, plt
 
     horizon = max(c[2] for c in report.cells()) if horizon is None else horizon
@@ -307,6 +308,7 @@ def plot_regret_grid(report: OnlineReport, path: Path, horizon: int | None = Non
                          f"{info.title if info else task}: {schedule}")
             ax.set_xlabel("requests served" if i == len(tasks) - 1 else "")
             ax.set_ylabel("regret" if j == 0 else "")
+            ax.set_yscale("log")
             ax.tick_params(labelsize=7)
     fig.tight_layout()
     figure_legend(fig, axes)
