@@ -169,7 +169,7 @@ def through_runner(out: str, families: list[str], schedules: list[str], agents: 
           f"{summary.seconds:.0f} s")
     reports = []
     for k, baseline in enumerate(baselines):
-        report = online_report(out, baseline=baseline, tasks=[t.name for t in tasks])
+        report = online_report(out, baseline=baseline, tasks=[t.name for t in tasks], schedules=schedules)
         if report is None:
             return
         if k == 0:

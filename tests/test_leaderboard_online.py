@@ -203,6 +203,9 @@ def test_the_goal_table_and_the_grid_figure_read_the_paired_report(swept: Path, 
     assert f"- stationary, against `etc_auto` (not significantly more regret): {stationary} of 2 cells" in text
     half = sum(1 for r in rows if r[1] == "arrival" and float(r[6].split("x")[0]) <= 0.5)
     assert f"- arrival, against `etc_auto` (at most half the regret): {half} of 2 cells" in text
+    only = online_report(swept, baseline="etc_auto", schedules=["arrival"])
+    assert only is not None and {c[1] for c in only.cells()} == {"arrival"} and {p.schedule for p in only.pairs} == {
+        "arrival"} and [p for p in reports[0].pairs if p.schedule == "arrival"] == only.pairs
     figure = plot_regret_grid(reports[0], tmp_path / "grid.png")
     assert figure.stat().st_size > 20_000
     with pytest.raises(ValueError, match=r"no runs at horizon 7; it has \[300\]"):

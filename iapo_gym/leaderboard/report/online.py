@@ -170,9 +170,11 @@ def pair_online(results: Sequence[OnlineRunResult], baseline: str, test: str = "
 
 def online_report(out_dir: str | Path, test: str = "wilcoxon", correction: str = "holm",
                   alpha: float = DEFAULT_ALPHA, baseline: str | None = None,
-                  tasks: Sequence[str] | None = None) -> OnlineReport | None:
-    """The online report of ``out_dir`` (None when it has no online runs); ``baseline`` is the label the
-    agents are paired against (default ``DEFAULT_BASELINE``, ``etc_auto``)."""
+                  tasks: Sequence[str] | None = None,
+                  schedules: Sequence[str] | None = None) -> OnlineReport | None:
+    """The online report of ``out_dir`` (None when it has no online runs), over the runs of ``tasks`` and
+    ``schedules`` only when given; ``baseline`` is the label the agents are paired against (default
+    ``DEFAULT_BASELINE``, ``etc_auto``)."""
     baseline = DEFAULT_BASELINE if baseline is None else baseline
     with OnlineStore(out_dir, create=False) as store:
         results = store.online_results()
@@ -183,6 +185,9 @@ def online_report(out_dir: str | Path, test: str = "wilcoxon", correction: str =
     if tasks:
         wanted = set(tasks)
         results = [r for r in results if r.task in wanted]
+    if schedules:
+        wanted = set(schedules)
+        results = [r for r in results if r.schedule in wanted]
     if not results:
         return None
     meta["versions"] = sorted({r.version for r in results})
