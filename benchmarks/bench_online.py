@@ -113,8 +113,8 @@ def versus_markdown(report: Any) -> str:
 def goal_markdown(reports: list[Any], candidate: str) -> str:
     """Issue 53's goal at T, one row per (task, schedule, horizon): ``candidate``'s mean cumulative regret and each
     baseline's (one report per baseline, each paired against it), the mean ratio, adjusted p and verdict; then the
-    counts the goal is judged by (drift and arrival: at most half of the first baseline's regret; stationary: never
-    significantly more; every cell: below each further baseline's)."""
+    counts the goal is judged by (drift and arrival: at most half of the first baseline's regret; stationary and
+    the other schedules: never significantly more; every cell: significantly less than each further baseline)."""
     names = [r.baseline for r in reports]
     lines = [f"`{candidate}` at T against {', '.join(f'`{n}`' for n in names)} (ratio = mean cumulative regret over "
              "the baseline's on the paired runs; p adjusted; **less** / **more**: significantly less / more):", "",
