@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from online_peers import PEERS  # noqa: E402  (benchmarks/ is not a package)
 
 SPEED_TABLE = ("bon_shift", 1_000_017)  # 23 prompts, 924 queries, 27 contexts, N_max 44
+VERDICT = {1: "**less**", -1: "**more**", 0: "n.s."}  # a paired row's winner (+1: significantly less regret)
 PEER_SPEED_HORIZON = 2_000  # the peers' speed rows: VW and MABWiser are far slower than the suite's agents
 
 
@@ -104,49 +105,55 @@ def versus_markdown(report: Any) -> str:
         shown = []
         for point in (horizon // 2, horizon):
             p = at[min(at, key=lambda c: abs(c - point))]  # noqa: B023  (the tested checkpoint nearest T/2, T)
-            word = {1: "**less**", -1: "**more**", 0: "n.s."}[p.winner]
-            shown.append(f"{p.mean_ratio:.2f}x, p {p.p_adjusted:.3g}, {word}")
+            shown.append(f"{p.mean_ratio:.2f}x, p {p.p_adjusted:.3g}, {VERDICT[p.winner]}")
         lines.append(f"| {task} | {schedule} | {horizon} | {label} | {shown[0]} | {shown[1]} |")
     return "\n".join(lines) + "\n"
+
+
+def _goal_rule(schedule: str, first: bool) -> tuple[str, Any]:
+    """The part of issue 53's goal a cell of ``schedule`` is judged by against the first baseline (``first``) or a
+    further one: its wording and its test of the candidate's paired row at T."""
+    if not first:
+        return "significantly less regret", lambda p: p.winner == 1
+    if schedule in ("drift", "arrival"):
+        return "at most half the regret", lambda p: p.mean_ratio <= 0.5
+    return "not significantly more regret", lambda p: p.winner >= 0
 
 
 def goal_markdown(reports: list[Any], candidate: str) -> str:
     """Issue 53's goal at T, one row per (task, schedule, horizon): ``candidate``'s mean cumulative regret and each
     baseline's (one report per baseline, each paired against it), the mean ratio, adjusted p and verdict; then the
-    counts the goal is judged by (drift and arrival: at most half of the first baseline's regret; stationary and
-    the other schedules: never significantly more; every cell: significantly less than each further baseline)."""
+    counts the goal is judged by (``_goal_rule``: drift and arrival: at most half of the first baseline's regret;
+    stationary and the other schedules: never significantly more; every cell: significantly less than each further
+    baseline)."""
     names = [r.baseline for r in reports]
     lines = [f"`{candidate}` at T against {', '.join(f'`{n}`' for n in names)} (ratio = mean cumulative regret over "
              "the baseline's on the paired runs; p adjusted; **less** / **more**: significantly less / more):", "",
              "| task | schedule | T | " + " | ".join([candidate, *names]) + " | "
              + " | ".join(f"vs {n}" for n in names) + " |",
              "|---|---|---:|" + "---:|" * (1 + 2 * len(names))]
-    counts: dict[str, list[int]] = {}
+    at_t = [{(p.task, p.schedule, p.horizon): p for p in r.pairs if p.label == candidate and p.checkpoint == p.horizon}
+            for r in reports]  # per report: the candidate's paired row at T of each cell
+    counts: dict[tuple[str, str], list[int]] = {}  # (schedule, baseline) -> [cells meeting the goal, cells]
     for cell in reports[0].cells():
         curves = [r.curves(cell) for r in reports]
         if candidate not in curves[0] or any(n not in c for n, c in zip(names, curves, strict=True)):
             continue
         means = [curves[0][candidate][1][-1]] + [c[n][1][-1] for n, c in zip(names, curves, strict=True)]
         verdicts = []
-        for k, r in enumerate(reports):
-            p = next(q for q in r.pairs if (q.task, q.schedule, q.horizon) == cell and q.label == candidate
-                     and q.checkpoint == cell[2])
-            word = {1: "**less**", -1: "**more**", 0: "n.s."}[p.winner]
-            verdicts.append(f"{p.mean_ratio:.2f}x, p {p.p_adjusted:.2g}, {word}")
-            key = f"{cell[1]} vs {names[k]}"
-            good = (p.mean_ratio <= 0.5 if cell[1] in ("drift", "arrival") else p.winner >= 0) if k == 0 else \
-                p.winner == 1
-            counts.setdefault(key, [0, 0])[0] += int(good)
-            counts[key][1] += 1
+        for k, name in enumerate(names):
+            p = at_t[k][cell]
+            verdicts.append(f"{p.mean_ratio:.2f}x, p {p.p_adjusted:.2g}, {VERDICT[p.winner]}")
+            tally = counts.setdefault((cell[1], name), [0, 0])
+            tally[0] += int(_goal_rule(cell[1], k == 0)[1](p))
+            tally[1] += 1
         task = cell[0].split(":")[1] if cell[0].startswith("generated:") else cell[0]
         lines.append(f"| {task} | {cell[1]} | {cell[2]} | " + " | ".join(f"{m:,.1f}" for m in means) + " | "
                      + " | ".join(verdicts) + " |")
     lines.append("")
-    for key, (good, total) in sorted(counts.items()):
-        schedule, versus = key.split(" vs ")
-        rule = ("significantly less regret" if versus != names[0] else
-                "at most half the regret" if schedule in ("drift", "arrival") else "not significantly more regret")
-        lines.append(f"- {schedule}, against `{versus}` ({rule}): {good} of {total} cells")
+    for (schedule, name), (good, total) in sorted(counts.items()):
+        rule = _goal_rule(schedule, name == names[0])[0]
+        lines.append(f"- {schedule}, against `{name}` ({rule}): {good} of {total} cells")
     return "\n".join(lines) + "\n"
 
 
