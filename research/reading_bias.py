@@ -33,8 +33,9 @@ SPREAD_BOUNDS = (0.2, 0.4)
 
 def reading_bias(kind: str, level: int, seed: int, budget: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """One record per prompt live in context 0 when the tail began (its index, whether it saw as many queries as the
-    most-read prompt, its spread on the train split, its completions, and its estimate less its train-split value at
-    N = 1 and at N_max), and the level's regret split: ``absent``, ``among_live`` and ``n`` add up to ``regret``;
+    most-read prompt, its spread on the train split, its completions, its estimate less its train-split value at
+    N = 1 and at N_max, and ``sample_gap``: the mean score of its completions less their expected score on the
+    queries they were drawn on, context 0's objective weights; below 0 where the draws it kept were unlucky), and the level's regret split: ``absent``, ``among_live`` and ``n`` add up to ``regret``;
     ``read_optimal`` and ``read_chosen`` are the train-optimal and the chosen arm's estimates less their values (all
     weighted by the contexts' probabilities)."""
     table, env_seed, agent_seed = level_table(kind, level, seed)
@@ -50,15 +51,23 @@ def reading_bias(kind: str, level: int, seed: int, budget: int) -> tuple[list[di
     seen = (draws > 0).sum(axis=1)
     read = np.flatnonzero(seen > 0)
     estimate = est.estimate(read)  # (C, len(read), N_max), read with every prompt that has draws
+    assert table.atoms is not None, "reading_bias reads Best-of-N tables"
+    counts = est.atom_counts  # (P, Q, M) the completions' outcomes
+    objectives = table.context_weights[0, :-1]
     records = []
     for i, p in enumerate(read.tolist()):
         if not live[0, p]:
             continue
+        queries = np.flatnonzero(draws[p] > 0)
+        scores = table.atoms[p, queries] @ objectives  # (q, M)
+        drawn_mean = (counts[p, queries] * scores).sum(axis=1) / draws[p, queries]
+        true_mean = (table.probs[p, queries] * scores).sum(axis=1)
         records.append({
             "prompt": p, "reference_queries": bool(seen[p] == seen.max()),
             "spread": float(q_train[0, p, -1] - q_train[0, p, 0]), "completions": int(draws[p].sum()),
             "bias_1": float(estimate[0, i, 0] - q_train[0, p, 0]),
             "bias_max": float(estimate[0, i, -1] - q_train[0, p, -1]),
+            "sample_gap": float(np.average(drawn_mean - true_mean, weights=draws[p, queries])),
         })
     contexts = np.arange(table.n_contexts)
     chosen_p = np.array([arm[0] for arm in policy.arms])
@@ -80,9 +89,9 @@ def reading_bias(kind: str, level: int, seed: int, budget: int) -> tuple[list[di
     return records, split
 
 
-def summarize(records: list[dict[str, Any]]) -> list[tuple[str, int, float, float, float]]:
-    """(group, prompts, mean bias at N = 1, mean bias at N_max, SD of the bias at N_max) per non-empty group of
-    (reference queries or fewer) x spread class."""
+def summarize(records: list[dict[str, Any]]) -> list[tuple[str, int, float, float, float, float]]:
+    """(group, prompts, mean bias at N = 1, mean bias at N_max, SD of the bias at N_max, mean sample gap) per
+    non-empty group of (reference queries or fewer) x spread class."""
     rows = []
     edges = (-np.inf, *SPREAD_BOUNDS, np.inf)
     for reference in (True, False):
@@ -93,7 +102,7 @@ def summarize(records: list[dict[str, Any]]) -> list[tuple[str, int, float, floa
             at_max = np.array([r["bias_max"] for r in group])
             name = f"{'reference' if reference else 'fewer'} queries, spread [{lo:g}, {hi:g})"
             rows.append((name, len(group), float(np.mean([r["bias_1"] for r in group])), float(at_max.mean()),
-                         float(at_max.std())))
+                         float(at_max.std()), float(np.mean([r["sample_gap"] for r in group]))))
     return rows
 
 
@@ -111,10 +120,10 @@ def main() -> None:
     print(f"train regret {means['regret']:.4f}: prompt absent at the tail's start {means['absent']:.4f}, "
           f"choice among the live prompts {means['among_live']:.4f}, choice of N {means['n']:.4f}; "
           f"read minus value: train-optimal arm {means['read_optimal']:+.4f}, chosen arm {means['read_chosen']:+.4f}")
-    print("| prompts live at the tail's start | n | bias at N = 1 | bias at N_max | SD at N_max |")
-    print("|---|---:|---:|---:|---:|")
-    for name, n, bias_1, bias_max, sd in summarize(records):
-        print(f"| {name} | {n} | {bias_1:+.4f} | {bias_max:+.4f} | {sd:.4f} |")
+    print("| prompts live at the tail's start | n | bias at N = 1 | bias at N_max | SD at N_max | sample gap |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, n, bias_1, bias_max, sd, gap in summarize(records):
+        print(f"| {name} | {n} | {bias_1:+.4f} | {bias_max:+.4f} | {sd:.4f} | {gap:+.4f} |")
 
 
 if __name__ == "__main__":

@@ -29,4 +29,4 @@ def test_the_split_adds_up_to_the_regret_of_the_policy_auto_trains() -> None:
     assert min(parts) >= -1e-12 and abs(sum(parts) - split["regret"]) < 1e-12
     prompts = [r["prompt"] for r in records]
     assert records and len(set(prompts)) == len(prompts) and all(r["completions"] > 0 for r in records)
-    assert sum(n for _, n, _, _, _ in summarize(records)) == len(records)
+    assert sum(row[1] for row in summarize(records)) == len(records)
