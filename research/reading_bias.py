@@ -35,9 +35,10 @@ def reading_bias(kind: str, level: int, seed: int, budget: int) -> tuple[list[di
     """One record per prompt live in context 0 when the tail began (its index, whether it saw as many queries as the
     most-read prompt, its spread on the train split, its completions, its estimate less its train-split value at
     N = 1 and at N_max, and ``sample_gap``: the mean score of its completions less their expected score on the
-    queries they were drawn on, context 0's objective weights; below 0 where the draws it kept were unlucky), and the level's regret split: ``absent``, ``among_live`` and ``n`` add up to ``regret``;
-    ``read_optimal`` and ``read_chosen`` are the train-optimal and the chosen arm's estimates less their values (all
-    weighted by the contexts' probabilities)."""
+    queries they were drawn on, context 0's objective weights; below 0 where the draws it kept were unlucky), and
+    the level's regret split: ``absent``, ``among_live`` and ``n`` add up to ``regret``; ``read_optimal`` and
+    ``read_chosen`` are the train-optimal and the chosen arm's estimates less their values (all weighted by the
+    contexts' probabilities)."""
     table, env_seed, agent_seed = level_table(kind, level, seed)
     env = IAPOEnv(table=table)
     env.reset(seed=env_seed)
