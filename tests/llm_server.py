@@ -85,11 +85,23 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     return path
 
 
+#: The ports ``free_port`` has handed out in this process.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free TCP port on 127.0.0.1, and never one this process was handed before: the port is released before its
+    server binds it, so two calls in a row (a page's port and a server's, bound later) could otherwise get the same
+    port back from the kernel, and the second server would fail to bind while a check of the port reached the
+    first."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError(f"no port on 127.0.0.1 that was not handed out before after 1000 tries ({len(_HANDED_OUT)} handed out)")
 
 
 def _log_file(name: str) -> object:
