@@ -25,7 +25,7 @@ from screen_tables import level_table
 
 from agents.plugin.anytime import AnytimePlugIn
 from iapo_gym import IAPOEnv
-from iapo_gym.oracle import q_table
+from iapo_gym.oracle import greedy_policy, q_table
 
 #: The spread classes' bounds, in utility units: low, middle, high.
 SPREAD_BOUNDS = (0.2, 0.4)
@@ -73,8 +73,8 @@ def reading_bias(kind: str, level: int, seed: int, budget: int) -> tuple[list[di
     contexts = np.arange(table.n_contexts)
     chosen_p = np.array([arm[0] for arm in policy.arms])
     chosen_n = np.array([arm[1] for arm in policy.arms]) - 1
-    flat = q_train.reshape(table.n_contexts, -1).argmax(axis=1)
-    optimal_p, optimal_n = np.divmod(flat, table.n_max)
+    optimal = np.array(greedy_policy(q_train).arms, dtype=np.int64)  # (C, 2): each context's train-optimal (p, N)
+    optimal_p, optimal_n = optimal[:, 0], optimal[:, 1] - 1
     best = q_train[contexts, optimal_p, optimal_n]
     live_best = np.where(live[:, :, None], q_train, -np.inf).max(axis=(1, 2))
     prompt_best = q_train[contexts, chosen_p].max(axis=1)
