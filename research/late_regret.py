@@ -20,6 +20,9 @@ from iapo_gym.online import OnlineEnv
 from iapo_gym.seeding import derive_seed
 from iapo_gym.tasks.generated import TUNING_LEVELS
 
+#: The requests of a run, by default: the online benchmark's long horizon.
+HORIZON = 100_000
+
 
 @dataclass(frozen=True)
 class LateRegret:
@@ -35,7 +38,7 @@ class LateRegret:
 
 
 def late_regret(family: str, level: int, agent: str = "iapo_online", schedule: str = "stationary",
-                horizon: int = 100_000, batch_size: int = 16, seed: int = 0) -> LateRegret:
+                horizon: int = HORIZON, batch_size: int = 16, seed: int = 0) -> LateRegret:
     """Serve ``horizon`` requests of a tuning level with ``agent`` (its defaults) as ``run_online(..., seed,
     batch_size)`` does, keeping what the late half (requests T/2 on) was served. Stationary schedules only: the gaps
     are read from the one segment's exact tensor."""
@@ -75,7 +78,7 @@ def main() -> None:
     parser.add_argument("family")
     parser.add_argument("--levels", type=int, nargs="+", default=[0])
     parser.add_argument("--agent", default="iapo_online")
-    parser.add_argument("--horizon", type=int, default=100_000)
+    parser.add_argument("--horizon", type=int, default=HORIZON)
     parser.add_argument("--top", type=int, default=10, help="late arms shown per level, by regret taken")
     args = parser.parse_args()
     for level in args.levels:
