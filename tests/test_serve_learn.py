@@ -282,8 +282,8 @@ def test_the_commands_of_the_learning_section_run_as_written(tmp_path: Path) -> 
 
 
 MV = "generated:mv_binary:21"  # 4 prompts x 46 queries; accuracy at N = 1 from 0.58 to 0.89
-FEEDBACK_SETTLED = 150  # majority vote from feedback: the table's best arm is greedy from this request on
-FEEDBACK_REQUESTS = 220
+FEEDBACK_SETTLED = 300  # majority vote from feedback: the table's best arm is greedy from this request on
+FEEDBACK_REQUESTS = 440
 
 
 def test_majority_vote_learns_from_feedback_once_per_response(tmp_path: Path) -> None:
@@ -299,6 +299,11 @@ def test_majority_vote_learns_from_feedback_once_per_response(tmp_path: Path) ->
     subprocess.run([*cli, "simulate", MV, "--port", str(port), "--write-spec", str(spec_path)], check=True, cwd=ROOT,
                    capture_output=True)
     spec = json.loads(spec_path.read_text())
+    # unseeded sampling: every request is a fresh draw of the table's outcomes (a seeded spec derives each
+    # completion's seed from the endpoint's URL and the prompt, so a (prompt, query) would answer the same every time
+    # and the prompts' accuracies on that one draw, not the table's, would decide which prompt is best)
+    del spec["sampling"]["seed"]
+    spec_path.write_text(json.dumps(spec))
     gold = {json.loads(line)["text"]: json.loads(line)["gold"]
             for line in (tmp_path / "mv.queries.jsonl").read_text().splitlines()}
     path = PolicyFile(
@@ -332,8 +337,10 @@ def test_majority_vote_learns_from_feedback_once_per_response(tmp_path: Path) ->
         stop(sim)
     assert health["learn"]["observed"] == FEEDBACK_REQUESTS  # one observation per response, not per post
     assert greedy[0] == table.prompts[worst]
-    # the most accurate prompt leads from FEEDBACK_SETTLED on; an upstream retry under load shifts the simulator's
-    # draws (they follow the request count), so the test asks for most of the greedy choices, and the last one
+    # the most accurate prompt leads from FEEDBACK_SETTLED on. The draws follow the simulator's request count, which
+    # an upstream retry under load shifts, so the run is one random draw of the learner's path: in 2,000 in-process
+    # replays of this learner on this table (fresh Bernoulli feedback at the table's accuracies) none failed these
+    # two checks at 440 requests, while 1.85 % failed at 220 (research/feedback_replay.py)
     settled = greedy[FEEDBACK_SETTLED:]
     assert sum(g == table.prompts[best] for g in settled) >= 0.75 * len(settled), greedy
     assert greedy[-1] == table.prompts[best], greedy
