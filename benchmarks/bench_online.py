@@ -17,8 +17,9 @@ resumable (rerun the command to continue after an interruption), ``--jobs`` work
 ``online_peers:MABWiserLinUCB@mabwiser`` (worker processes import ``online_peers`` from this folder, on the
 ``sys.path`` they inherit). Prints the online report (cumulative regret at the checkpoints, each agent paired
 against the first ``--baseline``, default ``etc_auto``) and each agent's paired comparison against every further
-``--baseline`` (default ``vw``, when it has runs), then the goal table of ``--candidate`` (default
-``iapo_online``) against every baseline at T; ``--figure PNG`` draws every cell's regret curves in one figure.
+``--baseline`` (default ``vw``, when it is among ``--agents``), then the goal table of ``--candidate`` (default
+``iapo_online``) against every baseline at T; ``--figure PNG`` draws every cell's regret curves in one figure. The
+report covers the command's families, schedules and agents, whatever else the folder holds.
 
 Run: ``.venv/bin/python benchmarks/bench_online.py`` (about two minutes on two cores),
 ``.venv/bin/python benchmarks/bench_online.py --speed``, ``.venv/bin/python benchmarks/bench_online.py --tune c``.
@@ -170,13 +171,14 @@ def through_runner(out: str, families: list[str], schedules: list[str], agents: 
 
     first = HELD_OUT_LEVELS.start
     tasks = [resolve_task(f"generated:{family}:{first}-{first + levels - 1}") for family in families]
-    summary = run_online_sweep(out, tasks, [parse_online_spec(runner_spec(a)) for a in agents], schedules,
-                               [horizon], runs, jobs=jobs, batch_size=batch_size)
+    specs = [parse_online_spec(runner_spec(a)) for a in agents]
+    summary = run_online_sweep(out, tasks, specs, schedules, [horizon], runs, jobs=jobs, batch_size=batch_size)
     print(f"{summary.added} runs added, {summary.skipped} already in {out}, {len(summary.failures)} failed; "
           f"{summary.seconds:.0f} s")
     reports = []
     for k, baseline in enumerate(baselines):
-        report = online_report(out, baseline=baseline, tasks=[t.name for t in tasks], schedules=schedules)
+        report = online_report(out, baseline=baseline, tasks=[t.name for t in tasks], schedules=schedules,
+                               agents=[spec.label for spec in specs])
         if report is None:
             return
         if k == 0:
@@ -184,7 +186,7 @@ def through_runner(out: str, families: list[str], schedules: list[str], agents: 
         elif any(r.label == baseline for r in report.results):
             print(versus_markdown(report))
         else:
-            print(f"No runs of `{baseline}` in {out}: no comparison against it.\n")
+            print(f"No runs of `{baseline}` among --agents in {out}: no comparison against it.\n")
             continue
         reports.append(report)
     if any(r.label == candidate for r in reports[0].results):
@@ -304,7 +306,7 @@ def main() -> None:
     parser.add_argument("--baseline", action="append", metavar="LABEL",
                         help="with --out: an agent label the others pair against; repeatable, the first gets the "
                              "full report, each other one a table of paired comparisons (default: etc_auto, then "
-                             "vw when it has runs)")
+                             "vw when it is among --agents)")
     parser.add_argument("--candidate", default="iapo_online",
                         help="with --out: the agent whose goal table (against every --baseline at T) is printed")
     parser.add_argument("--figure", metavar="PNG",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import shlex
 import shutil
@@ -203,6 +204,12 @@ def test_the_goal_table_and_the_grid_figure_read_the_paired_report(swept: Path, 
     assert f"- stationary, against `etc_auto` (not significantly more regret): {stationary} of 2 cells" in text
     half = sum(1 for r in rows if r[1] == "arrival" and float(r[6].split("x")[0]) <= 0.5)
     assert f"- arrival, against `etc_auto` (at most half the regret): {half} of 2 cells" in text
+    alone = online_report(swept, baseline="etc_auto", agents=["ucb", "etc_auto"])  # thompson's runs left out
+    assert alone is not None and {r.label for r in alone.results} == {"ucb", "etc_auto"}
+    assert {p.label for p in alone.pairs} == {"ucb"}
+    # Holm over the one comparison per cell: the raw p; the report of all three agents corrects over two
+    assert all(p.p_adjusted == p.p_value for p in alone.pairs if math.isfinite(p.p_value))
+    assert any(p.p_adjusted > p.p_value for p in reports[0].pairs if p.p_value < 1.0)
     only = online_report(swept, baseline="etc_auto", schedules=["arrival"])
     assert only is not None and {c[1] for c in only.cells()} == {"arrival"} and {p.schedule for p in only.pairs} == {
         "arrival"} and [p for p in reports[0].pairs if p.schedule == "arrival"] == only.pairs

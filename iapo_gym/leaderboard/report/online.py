@@ -171,10 +171,13 @@ def pair_online(results: Sequence[OnlineRunResult], baseline: str, test: str = "
 def online_report(out_dir: str | Path, test: str = "wilcoxon", correction: str = "holm",
                   alpha: float = DEFAULT_ALPHA, baseline: str | None = None,
                   tasks: Sequence[str] | None = None,
-                  schedules: Sequence[str] | None = None) -> OnlineReport | None:
-    """The online report of ``out_dir`` (None when it has no online runs), over the runs of ``tasks`` and
-    ``schedules`` only when given; ``baseline`` is the label the agents are paired against (default
-    ``DEFAULT_BASELINE``, ``etc_auto``)."""
+                  schedules: Sequence[str] | None = None,
+                  agents: Sequence[str] | None = None) -> OnlineReport | None:
+    """The online report of ``out_dir`` (None when it has no online runs), over the runs of ``tasks``,
+    ``schedules`` and agent labels ``agents`` only when given; ``baseline`` is the label the agents are paired
+    against (default ``DEFAULT_BASELINE``, ``etc_auto``). The multiple-comparison correction is per cell over the
+    agents reported, so a folder that also holds other agents' runs gives a command's agents the p-values they
+    have on their own when ``agents`` names them."""
     baseline = DEFAULT_BASELINE if baseline is None else baseline
     with OnlineStore(out_dir, create=False) as store:
         results = store.online_results()
@@ -188,6 +191,9 @@ def online_report(out_dir: str | Path, test: str = "wilcoxon", correction: str =
     if schedules:
         wanted = set(schedules)
         results = [r for r in results if r.schedule in wanted]
+    if agents:
+        wanted = set(agents)
+        results = [r for r in results if r.label in wanted]
     if not results:
         return None
     meta["versions"] = sorted({r.version for r in results})
