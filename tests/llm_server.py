@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -87,18 +89,40 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
 
 #: The ports ``free_port`` has handed out in this process.
 _HANDED_OUT: set[int] = set()
+#: Where processes on this machine claim the ports ``free_port`` hands out (one file per port, under a lock).
+_CLAIMS = Path(tempfile.gettempdir()) / "iapo-test-ports"
+#: Seconds a claim keeps another process from being handed the port (a server binds its port within seconds).
+CLAIM_SECONDS = 600.0
+
+
+def _claim(port: int) -> bool:
+    """Claim ``port`` for this process; False when any process on this machine claimed it in the last
+    ``CLAIM_SECONDS``. The check and the claim are one step under an exclusive lock, so two test processes (the
+    suites .ci/other_pythons runs side by side) never both get a port from the kernel's free ones."""
+    _CLAIMS.mkdir(exist_ok=True)
+    with open(_CLAIMS / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        path = _CLAIMS / str(port)
+        try:
+            if time.time() - path.stat().st_mtime < CLAIM_SECONDS:
+                return False
+        except FileNotFoundError:
+            pass
+        path.write_text(f"{os.getpid()}\n")
+        return True
 
 
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1, and never one this process was handed before: the port is released before its
-    server binds it, so two calls in a row (a page's port and a server's, bound later) could otherwise get the same
-    port back from the kernel, and the second server would fail to bind while a check of the port reached the
-    first."""
+    """A free TCP port on 127.0.0.1, never one this process was handed before, nor one another process on this
+    machine was handed in the last ``CLAIM_SECONDS``: the port is released before its server binds it, so two calls
+    in a row (a page's port and a server's, bound later), or two test processes at once, could otherwise get the
+    same port back from the kernel, and the second server would fail to bind (while a check of the port reached the
+    first)."""
     for _ in range(1000):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
-        if port not in _HANDED_OUT:
+        if port not in _HANDED_OUT and _claim(port):
             _HANDED_OUT.add(port)
             return port
     raise RuntimeError(f"no port on 127.0.0.1 that was not handed out before after 1000 tries ({len(_HANDED_OUT)} handed out)")
