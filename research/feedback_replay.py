@@ -15,6 +15,7 @@ prints the failure rate; ``--requests 220 --settled 150`` gives the test's forme
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import types
 from pathlib import Path
@@ -26,24 +27,32 @@ sys.path.insert(0, str(ROOT))
 
 from iapo_gym.deploy.learn import ServeLearner  # noqa: E402
 from iapo_gym.policyfile import PolicyContext, PolicyFile, PolicyPrompt  # noqa: E402
+from iapo_gym.tables import OutcomeTable  # noqa: E402
 from iapo_gym.tasks.generated import level_table  # noqa: E402
 
 #: The test's table and exploration share.
 FAMILY, LEVEL, EXPLORE_SHARE = "mv_binary", 21, 0.25
 
 
-def replay(seed: int, requests: int) -> tuple[list[str], str]:
-    """One replay: the greedy prompt at each request, and the most accurate prompt."""
+@functools.cache
+def scenario() -> tuple[OutcomeTable, np.ndarray, PolicyFile]:
+    """The table, its exact accuracy per (prompt, query) at N = 1, and the policy serving its least accurate prompt
+    (built once for all replays)."""
     table = level_table(FAMILY, LEVEL)
     assert table.gold is not None
-    accuracy = table.probs[:, np.arange(table.n_queries), table.gold]  # (P, Q), exact at N = 1
-    means = accuracy.mean(axis=1)
-    worst = table.prompts[int(np.argmin(means))]
+    accuracy = table.probs[:, np.arange(table.n_queries), table.gold]  # (P, Q)
+    worst = table.prompts[int(np.argmin(accuracy.mean(axis=1)))]
     policy = PolicyFile(
         task=FAMILY, aggregator="mv", api="completions", n_max=int(table.n_max), objectives=("correct",),
         scorer={"extractor": {"kind": "regex", "pattern": "(.)"}}, sampling={"max_tokens": 4, "temperature": 1.0},
         prompts=tuple(PolicyPrompt(p, "{query}") for p in table.prompts),
         contexts=(PolicyContext("c", (1.0,), 0.0, 1.0, worst, 1),), learned={"agent": "replay"})
+    return table, accuracy, policy
+
+
+def replay(seed: int, requests: int) -> tuple[list[str], str]:
+    """One replay: the greedy prompt at each request, and the most accurate prompt."""
+    table, accuracy, policy = scenario()
     learner = ServeLearner(policy, explore_share=EXPLORE_SHARE, reward="feedback", seed=0)
     context = policy.contexts[0]
     rng = np.random.default_rng(seed)
@@ -57,7 +66,7 @@ def replay(seed: int, requests: int) -> tuple[list[str], str]:
                                        completion_tokens=0, answers=["a"], chosen=0)
         learner.observe(str(t), routed)
         learner.feedback(str(t), bool(rng.random() < accuracy[p, t % table.n_queries]))
-    return greedy, table.prompts[int(np.argmax(means))]
+    return greedy, table.prompts[int(np.argmax(accuracy.mean(axis=1)))]
 
 
 def failed(greedy: list[str], best: str, settled: int) -> bool:
