@@ -50,3 +50,11 @@ def test_wheel_ships_registry_and_type_marker(tmp_path: Path) -> None:
     assert "iapo_gym/leaderboard/report/templates/index.html.j2" in names
     assert "iapo_gym/policy.schema.json" in names  # policy files are validated against it
     assert "iapo_gym/llm/spec.schema.json" in names  # collection specs are validated against it
+
+
+def test_every_agent_module_is_under_500_lines() -> None:
+    """One module per agent family, each under 500 lines (docs/architecture.md): a family that outgrows it moves its
+    helpers into a module of their own."""
+    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "agents").rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) >= 500}
+    assert not long, f"agent modules of 500 lines or more: {long}"
