@@ -190,9 +190,8 @@ class RuleEstimator(Estimator):
         """Read the kept pulls into ``rule_sums``."""
         if self._singles:
             p, n, q, atoms = zip(*self._singles, strict=True)
-            ns = np.array(n, dtype=np.int64)
-            self._pending.append((Pulls(np.array(p, dtype=np.int64), ns, np.array(q, dtype=np.int64),
-                                        np.concatenate(atoms), np.r_[0, np.cumsum(ns)]), None))
+            self._pending.append((Pulls.of(np.array(p, dtype=np.int64), np.array(n, dtype=np.int64),
+                                           np.array(q, dtype=np.int64), np.concatenate(atoms)), None))
             self._singles.clear()
         for pulls, mask in self._pending:
             self._add(pulls, mask)

@@ -34,6 +34,13 @@ class Pulls:
     atoms: np.ndarray  # (sum ns,) int64
     offsets: np.ndarray  # (n + 1,) int64
 
+    @classmethod
+    def of(cls, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray, atoms: np.ndarray) -> Pulls:
+        """The batch of these pulls, its offsets the running sum of ``ns``."""
+        offsets = np.zeros(ns.size + 1, dtype=np.int64)
+        np.cumsum(ns, out=offsets[1:])
+        return cls(prompts, ns, queries, atoms, offsets)
+
     def __len__(self) -> int:
         return int(self.prompts.size)
 
@@ -289,10 +296,9 @@ class IAPOEnv(gym.Env[np.ndarray, tuple[int, int]]):
             return self._pull_one(int(prompts[0]), int(ns[0]))
         queries = self._pull_queries(prompts, ns, queries)
         atoms = self.source.draw(prompts, queries, ns, self.np_random)
-        offsets = np.zeros(prompts.size + 1, dtype=np.int64)
-        np.cumsum(ns, out=offsets[1:])
-        self.completions_drawn += int(offsets[-1])
-        return Pulls(prompts, ns, queries, atoms, offsets)
+        pulls = Pulls.of(prompts, ns, queries, atoms)
+        self.completions_drawn += pulls.completions
+        return pulls
 
     def _pull_queries(self, prompts: np.ndarray, ns: np.ndarray, queries: np.ndarray | None) -> np.ndarray:
         """Check a batch's prompts and Ns, then its given queries or draw them from the split (one rule for every

@@ -118,11 +118,12 @@ def binomial_z2_tail(n: int, probs: np.ndarray, z2: float, step: float = 0.01) -
     for p in probs:
         mass = stats.binom.pmf(k, n, p)
         terms = np.minimum(np.ceil((k / n - p) ** 2 / (p * (1 - p) / n) / step - 1e-9), bins).astype(np.int64)
+        below = np.concatenate([np.cumsum(dist[:bins][::-1])[::-1], [0.0]])  # below[b]: mass of sums b..bins-1
         new = np.zeros_like(dist)
         new[bins] = dist[bins]  # a sum already past z2 stays past it
         for s, m in zip(terms, mass, strict=True):
             new[s:bins] += m * dist[:bins - s]
-            new[bins] += m * dist[max(bins - s, 0):bins].sum()
+            new[bins] += m * below[bins - s]  # the sums this term carries past z2
         dist = new
     return float(min(dist[bins], 1.0))
 

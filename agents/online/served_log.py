@@ -63,11 +63,8 @@ class ServedLog:
     def _flush(self) -> None:
         if not self._steps:
             return
-        ns = np.array(self._ns, dtype=np.int64)
-        offsets = np.zeros(ns.size + 1, dtype=np.int64)
-        np.cumsum(ns, out=offsets[1:])
-        pulls = Pulls(np.array(self._prompts, dtype=np.int64), ns, np.array(self._queries, dtype=np.int64),
-                      np.concatenate(self._atoms), offsets)
+        pulls = Pulls.of(np.array(self._prompts, dtype=np.int64), np.array(self._ns, dtype=np.int64),
+                         np.array(self._queries, dtype=np.int64), np.concatenate(self._atoms))
         self.blocks.append((np.array(self._steps, dtype=np.int64), pulls, np.stack(self._utilities)))
         self._clear_singles()
 
@@ -103,18 +100,12 @@ class ServedLog:
 
 def select_pulls(pulls: Pulls, mask: np.ndarray) -> Pulls:
     """The pulls where ``mask`` is True, their atoms in draw order."""
-    ns = pulls.ns[mask]
-    offsets = np.zeros(ns.size + 1, dtype=np.int64)
-    np.cumsum(ns, out=offsets[1:])
-    return Pulls(pulls.prompts[mask], ns, pulls.queries[mask], pulls.atoms[np.repeat(mask, pulls.ns)], offsets)
+    return Pulls.of(pulls.prompts[mask], pulls.ns[mask], pulls.queries[mask], pulls.atoms[np.repeat(mask, pulls.ns)])
 
 
 def concat_pulls(parts: list[Pulls]) -> Pulls:
     """One block of ``parts``' pulls, in order."""
     if len(parts) == 1:
         return parts[0]
-    ns = np.concatenate([p.ns for p in parts])
-    offsets = np.zeros(ns.size + 1, dtype=np.int64)
-    np.cumsum(ns, out=offsets[1:])
-    return Pulls(np.concatenate([p.prompts for p in parts]), ns, np.concatenate([p.queries for p in parts]),
-                 np.concatenate([p.atoms for p in parts]), offsets)
+    return Pulls.of(np.concatenate([p.prompts for p in parts]), np.concatenate([p.ns for p in parts]),
+                    np.concatenate([p.queries for p in parts]), np.concatenate([p.atoms for p in parts]))
