@@ -9,8 +9,11 @@ prompts, refitted on a doubling schedule, with a change detector for drift and o
   of requests.
 * **Choice.** For a request of context c, each available prompt p scores ``max_N Q^(c, p, N) + s_cp + width *
   sigma * sqrt(log(t + 2) / n_p)`` with n_p the requests the prompt served, faded, and sigma the pooled sd of the
-  residuals; the request gets the best prompt at its best N. The fading makes a prompt not served for a while worth
-  a look again, so a prompt that drifted while unserved is re-examined. A request s counts exp(phi(s) - phi(t)) at
+  residuals; the request gets the best prompt at its best N. Within a batch each earlier choice counts as a request
+  served (n_p one higher, t one later), so a batch spreads over the prompts as one-at-a-time choices would; given
+  all to the one prompt whose index topped, a batch of 16 went to prompts 0.4-0.6 below the best early in a run.
+  The fading makes a prompt not served for a while worth a look again, so a prompt that drifted while unserved is
+  re-examined. A request s counts exp(phi(s) - phi(t)) at
   request t, phi(t) = 2 sqrt(t - o) / ``memory`` (plus phi(o)) with o the last detected change (0 before any): the
   fading's window, ``memory`` * sqrt(t - o) requests, grows with t, so on a stationary table the re-examining it
   causes falls like log(t) / sqrt(t) (a fixed factor per request kept every count below a fixed window, and the
@@ -23,10 +26,16 @@ prompts, refitted on a doubling schedule, with a change detector for drift and o
   of a bias of prior sd ``bias_sd`` under residual noise sigma. It is recomputed over every logged pull at each
   refit (against the new estimate) and follows every residual in between, so the choice follows what is served
   without paying for a refit, and a prompt's few unlucky residuals fade with its count.
-* **Optimistic entry.** A prompt never served (at the start, or one that arrives) comes before every other, at N =
-  ``entry_n``; the requests of one batch spread over the new prompts. The estimate is first read once every
-  available prompt has been served (the entry round), and a prompt that arrives later is read right after its
-  first request.
+* **Optimistic entry.** A prompt with fewer than ``ENTRY_REQUESTS`` (2) requests served (at the start, one that
+  arrives, or one whose completions were all forgotten) comes before every other, at N = ``entry_n``; the requests
+  of one batch spread over the entering prompts, the fewest served first. One request's completions are on one
+  query, and a first estimate from them sat far below the prompt's value at times (0.32 against 0.86). The
+  estimate is first read once every available prompt is through its entry (the entry round); a prompt that enters
+  later is read as soon as it is.
+* **Early reads.** Between refits of the whole estimate, a prompt whose completions have doubled since its
+  estimate was last read is read again at once (its pending pulls go into the estimator; its estimates, shifts and
+  residual sds are re-read): a prompt served only a few times at a refit would otherwise be judged on those few
+  until the next doubling of every completion, thousands of requests later.
 * **Change detector.** Each served request's residual under its context less the prompt's shift s_cp before it
   (the prompt's own recent mean, so the estimate's bias is not taken for a change), over the prompt's own residual
   sd under that context as of the last refit (its faded residuals' sd about their mean then, so not inflated by a
@@ -48,50 +57,14 @@ from typing import Any
 
 import numpy as np
 
-from agents.online.served_log import ServedElsewhere, ServedLog
+from agents.online._iapo_kernels import ENTRY_REQUESTS, NO_SHIFT, best_prompts, feed_cusums
+from agents.online.served_log import ServedElsewhere, ServedLog, select_pulls
 from agents.plugin.estimator import PlugInEstimator, check_nonnegative, warm_up
-from iapo_gym.compiled import njit
-from iapo_gym.env import IAPOEnv
+from iapo_gym.env import IAPOEnv, Pulls
 from iapo_gym.online import OnlineAgentBase, OnlineEnv, Requests, Served
 
-#: The shift prior before the pooled residual sd is read (shifts stay 0), and at ``bias_sd`` = 0.
-_NO_SHIFT = 1e300
-#: Residuals the pooled sd sigma is read from before the change detector, the shifts and the width's unit are armed.
-ARM_RESIDUALS = 50
-#: A prompt's faded count below this is treated as this (its width stays finite).
-MIN_COUNT = 1e-3
 #: The lazily faded counts are renormalized when their scale passes this.
 _RESCALE = 1e150
-
-
-@njit
-def _best_prompt(scaled: np.ndarray, fade: float, width: float, log_t: float, tie: np.ndarray, res_sum: np.ndarray,
-                 res_n: np.ndarray, shift_prior: float, served: np.ndarray, blocked: np.ndarray,
-                 value: np.ndarray) -> int:  # pragma: no cover - compiled
-    """``IAPOOnline.choose``'s prompt for a context of estimates ``value`` (P,), or -1 when a prompt's index is +inf
-    (never served, or an infinite width): ``_index``'s arithmetic per prompt, in the same order, then the first
-    maximum of ``value + index`` as ``np.argmax`` takes it (the first NaN, if any)."""
-    best, best_v, nan = -1, 0.0, False
-    for i in range(scaled.size):
-        if blocked[i]:
-            b = -np.inf
-        elif not served[i]:
-            return -1
-        else:
-            count = scaled[i] * fade
-            if count < MIN_COUNT:
-                count = MIN_COUNT
-            shift = res_sum[i] * fade / (res_n[i] * fade + shift_prior)
-            b = width * np.sqrt(log_t / count) + tie[i] + shift
-            if b == np.inf:
-                return -1
-        v = value[i] + b
-        if v != v:
-            if not nan:
-                best, nan = i, True
-        elif not nan and (best < 0 or v > best_v):
-            best, best_v = i, v
-    return best
 
 
 class IAPOOnline(OnlineAgentBase):
@@ -102,13 +75,13 @@ class IAPOOnline(OnlineAgentBase):
     :param refit: the estimate is refitted when the completions since the last refit reach this times those before.
     :param threshold: CUSUM threshold (in the prompt's residual sds) at which its older completions are forgotten.
     :param slack: CUSUM slack (in the prompt's residual sds): smaller shifts of its mean utility go undetected.
-    :param entry_n: N of a never-served prompt's first pull (optimistic entry; capped at N_max).
+    :param entry_n: N of an entering prompt's ``ENTRY_REQUESTS`` pulls (optimistic entry; capped at N_max).
     :param prior: weight of the estimator's shared prior, times ``auto``'s (``alpha`` 32 pseudo-votes, ``bon_prior`` 1).
     :param bias_sd: prior sd of the estimate's bias per (context, prompt) (utility units; 0: no shift s_cp).
     """
 
     def __init__(self, seed: int | None = None, width: float = 0.5, memory: float = 200.0, refit: float = 1.0,
-                 threshold: float = 50.0, slack: float = 0.25, entry_n: int = 4, prior: float = 0.1,
+                 threshold: float = 50.0, slack: float = 0.25, entry_n: int = 8, prior: float = 0.1,
                  bias_sd: float = 0.05) -> None:
         """Hyper-parameters as documented on the class; ``seed`` for ties."""
         super().__init__(seed)
@@ -144,8 +117,10 @@ class IAPOOnline(OnlineAgentBase):
         self.best_n = np.full((n_c, n_p), self._entry, dtype=np.int64)
         self.q = np.zeros((n_c, n_p, n_max))
         self.served = np.zeros(n_p, dtype=bool)  # prompts served at least once (since a forget)
+        self.entries = np.zeros(n_p, dtype=np.int64)  # requests each prompt served (kept ones)
         self.read = np.zeros(n_p, dtype=bool)  # prompts with an estimate
         self.completions = np.zeros(n_p)  # completions of each prompt (kept ones)
+        self._read_at = np.zeros(n_p)  # each prompt's completions when its estimate was last read
         self._drawn = 0.0  # completions kept (in the estimator or pending)
         self._fitted_total = 0.0  # completions kept at the last refit
         self._scaled = np.zeros(n_p)  # faded counts, times exp(phi(t) - phi(_t0))
@@ -155,24 +130,23 @@ class IAPOOnline(OnlineAgentBase):
         self._origins, self._phi_origins = [0], [0.0]
         self._tie = self.rng.random(n_p) * 1e-12  # a fixed random order among equal indices
         self.t = 0
-        self._next_new = 0
+        self._first_read = False  # the entry round is over and the estimate was read
         # the change detector: pooled residual moments, per prompt two CUSUMs and their last zeros
-        self._pool_n, self._res_ss = 0, 0.0
-        self._shift_prior = _NO_SHIFT  # sigma^2 / bias_sd^2 once the pooled residual sd sigma is read
-        self._scale = 1.0  # the width's unit: the pooled residual sd sigma once read (1 before)
+        # residuals pooled, their sum of squares, the shift prior sigma^2 / bias_sd^2 and the width's unit sigma once
+        # the pooled residual sd sigma is read (``NO_SHIFT`` and 1 before)
+        self._pool = np.array([0.0, 0.0, NO_SHIFT, 1.0])
         self._res_sum = np.zeros((n_c, n_p))  # per (context, prompt): faded residual sum, scaled as ``_scaled``
         self._res_n = np.zeros(n_p)  # per prompt: its faded residual count, scaled as ``_scaled``
         # per (context, prompt) at the last refit: the faded sum of squared residuals about their mean, and per prompt
         # their faded count, scaled as ``_scaled``: the prompt's own residual variance, read by the change detector
         self._ref_ss, self._ref_n = np.zeros((n_c, n_p)), np.zeros(n_p)
-        self._n_served = self._n_read = 0
-        self._up = [0.0] * n_p
-        self._down = [0.0] * n_p
-        self._up_zero = [0] * n_p
-        self._down_zero = [0] * n_p
+        self._up, self._down = np.zeros(n_p), np.zeros(n_p)
+        self._up_zero, self._down_zero = np.zeros(n_p, dtype=np.int64), np.zeros(n_p, dtype=np.int64)
+        self._since = np.zeros(1, dtype=np.int64)
         self.changes: list[tuple[int, int, int]] = []  # (step detected, prompt, change estimate)
         self._avail_key = b""
         self._blocked = np.zeros(n_p, dtype=bool)
+        self._one, self._one_p, self._one_n = (np.zeros(1, dtype=np.int64) for _ in range(3))
 
     def _phi(self, t: int) -> float:
         """phi(t): phi at the last detection plus 2 sqrt(t - that step) / ``memory`` (t at or after it)."""
@@ -191,19 +165,6 @@ class IAPOOnline(OnlineAgentBase):
         k = np.searchsorted(origins, x, side="right") - 1
         return np.exp(at[k] + self._rate * np.sqrt(x - origins[k]) - self._phi(now))
 
-    def _shift(self) -> np.ndarray:
-        """(C, P) the shifts s_cp: a prompt's faded residual sum under context c over its faded residual count +
-        sigma^2 / ``bias_sd``^2."""
-        fade = self._fade()
-        return self._res_sum * fade / (self._res_n * fade + self._shift_prior)
-
-    def _index(self) -> np.ndarray:
-        """(P,) each prompt's confidence width now (0 for none when width = 0); +inf for never-served prompts."""
-        counts = np.maximum(self._scaled * self._fade(), MIN_COUNT)
-        bonus = self.width * self._scale * np.sqrt(math.log(self.t + 2) / counts) + self._tie
-        bonus[~self.served] = np.inf
-        return bonus
-
     def _set_available(self, available: np.ndarray) -> None:
         key = available.tobytes()
         if key != self._avail_key:
@@ -212,40 +173,26 @@ class IAPOOnline(OnlineAgentBase):
 
     # ---- choosing -------------------------------------------------------------------------------
     def choose_batch(self, requests: Requests) -> tuple[np.ndarray, np.ndarray]:
-        """Per request the best available prompt by estimate plus width at its best N; never-served prompts first,
-        the batch's requests spread over them."""
+        """Per request the best available prompt by estimate plus width at its best N, each earlier choice of the
+        batch counted as a request served; entering prompts first (``_iapo_kernels.best_prompts``)."""
         self._set_available(requests.available)
-        bonus = self._index()
-        bonus[self._blocked] = -np.inf
-        fresh = np.flatnonzero(np.isposinf(bonus))
-        contexts = requests.contexts
-        b = contexts.size
-        if fresh.size:
-            k = np.arange(self._next_new, self._next_new + b)
-            self._next_new += b
-            prompts = fresh[k % fresh.size]
-            return prompts, np.full(b, self._entry, dtype=np.int64)
-        index = self.value[contexts] + self._shift()[contexts] + bonus[None, :]
-        prompts = index.argmax(axis=1)
-        return prompts, self.best_n[contexts, prompts]
+        contexts = np.ascontiguousarray(requests.contexts, dtype=np.int64)
+        prompts = np.empty(contexts.size, dtype=np.int64)
+        ns = np.empty(contexts.size, dtype=np.int64)
+        self._choose(contexts, prompts, ns)
+        return prompts, ns
 
     def choose(self, observation: dict[str, Any]) -> tuple[int, int]:
-        """(p, N) for one request: what ``choose_batch`` gives for a batch of one, without building one."""
+        """(p, N) for one request: ``choose_batch`` for a batch of one."""
         self._set_available(observation["available"])
-        c = int(observation["context"])
-        p = _best_prompt(self._scaled, self._fade(), self.width * self._scale, math.log(self.t + 2), self._tie,
-                         self._res_sum[c], self._res_n, self._shift_prior, self.served, self._blocked, self.value[c])
-        if p >= 0:
-            return p, int(self.best_n[c, p])
-        bonus = self._index()  # a never-served prompt is due (its index is +inf): the entry round's order
-        bonus[self._blocked] = -np.inf
-        if np.isposinf(bonus).any():
-            fresh = np.flatnonzero(np.isposinf(bonus))
-            p = int(fresh[self._next_new % fresh.size])
-            self._next_new += 1
-            return p, self._entry
-        p = int((self.value[c] + self._shift()[c] + bonus).argmax())
-        return p, int(self.best_n[c, p])
+        self._one[0] = int(observation["context"])
+        self._choose(self._one, self._one_p, self._one_n)
+        return int(self._one_p[0]), int(self._one_n[0])
+
+    def _choose(self, contexts: np.ndarray, prompts: np.ndarray, ns: np.ndarray) -> None:
+        best_prompts(contexts, self._scaled, self._fade(), self.width * self._pool[3], self.t, self._tie,
+                     self._res_sum, self._res_n, self._pool[2], self.entries, self.read, self._blocked,
+                     self.value, self.best_n, self._entry, prompts, ns)
 
     # ---- learning -------------------------------------------------------------------------------
     def update_batch(self, requests: Requests, served: Served) -> None:
@@ -260,10 +207,11 @@ class IAPOOnline(OnlineAgentBase):
             idx = np.flatnonzero(read)
             prompts = pulls.prompts[idx]
             residuals = utilities[idx] - self.q[:, prompts, pulls.ns[idx] - 1].T  # (b, C)
-            for i, p, t in zip(range(idx.size), prompts.tolist(), (idx + start).tolist(), strict=True):
-                since = self._cusum(p, residuals[i], int(contexts[idx[i]]), t, fade_now)
-                if since >= 0 and p not in detected:
-                    detected[p] = since
+            since = np.empty(idx.size, dtype=np.int64)
+            self._feed(prompts, np.ascontiguousarray(contexts[idx], dtype=np.int64), idx + start, residuals,
+                       fade_now, since)
+            for i in np.flatnonzero(since >= 0).tolist():
+                detected.setdefault(int(prompts[i]), int(since[i]))
         steps = np.arange(start, start + b)
         self.log.add(steps, pulls, utilities)
         self._pending.add(steps, pulls, utilities)
@@ -271,10 +219,10 @@ class IAPOOnline(OnlineAgentBase):
         self.t = start + b
         np.add.at(self.completions, pulls.prompts, ns)
         np.add.at(self._scaled, pulls.prompts, 1.0 / fade_now)
+        np.add.at(self.entries, pulls.prompts, 1)
         self.served[pulls.prompts] = True
-        self._n_served = int(self.served.sum())
         self._drawn += float(ns.sum())
-        self._after(detected)
+        self._after(detected, np.unique(pulls.prompts))
 
     def update(self, observation: dict[str, Any], action: tuple[int, int], info: dict[str, Any]) -> None:
         """One served request (``OnlineEnv.step``'s ``info``): what ``update_batch`` does with a batch of one, on
@@ -288,25 +236,28 @@ class IAPOOnline(OnlineAgentBase):
         fade_now = self._fade()
         utilities = np.asarray(info["utilities"], dtype=np.float64)
         if self.read[p]:
-            since = self._cusum(p, utilities - self.q[:, p, n - 1], c, t, fade_now)
-            if since >= 0:
-                detected[p] = since
+            self._one[0], self._one_p[0], self._one_n[0] = p, c, t
+            self._feed(self._one, self._one_p, self._one_n, (utilities - self.q[:, p, n - 1])[None, :], fade_now,
+                       self._since)
+            if self._since[0] >= 0:
+                detected[p] = int(self._since[0])
         q = int(info["query"])
         self.log.add_one(t, p, n, q, atoms, utilities)
         self._pending.add_one(t, p, n, q, atoms, utilities)
         self.t = t + 1
         self.completions[p] += n
         self._scaled[p] += 1.0 / fade_now
-        if not self.served[p]:
-            self.served[p] = True
-            self._n_served += 1
+        self.entries[p] += 1
+        self.served[p] = True
         self._drawn += n
-        self._after(detected)
+        self._after(detected, p)
 
-    def _after(self, detected: dict[int, int]) -> None:
-        """After a request or batch is counted: forget on a detection, else refit when due."""
-        if self._fade() < 1.0 / _RESCALE:  # keep the lazily faded counts in range
-            fade = self._fade()
+    def _after(self, detected: dict[int, int], touched: np.ndarray | int) -> None:
+        """After a request or batch is counted (``touched``: the prompts it served): forget on a detection; else
+        the first read once every available prompt is through its entry, a refit when due, or an early read of the
+        touched prompts whose completions doubled since their last read (or that just finished their entry)."""
+        fade = self._fade()
+        if fade < 1.0 / _RESCALE:  # keep the lazily faded counts in range
             self._scaled *= fade
             self._res_sum *= fade
             self._ref_ss *= fade
@@ -315,46 +266,32 @@ class IAPOOnline(OnlineAgentBase):
             self._t0 = self.t
         if detected:
             self._forget(list(detected.items()))
-            return
-        if self._drawn - self._fitted_total >= self.refit * self._fitted_total:
-            if (self.served | self._blocked).all():  # after the entry round
+        elif not self._first_read:
+            if ((self.entries >= ENTRY_REQUESTS) | self._blocked).all():  # the entry round is over
+                self._first_read = True
                 self._refit()
-        elif self._n_served > self._n_read and (self.served | self._blocked).all():  # the entry round is over: read its prompts
+        elif self._drawn - self._fitted_total >= self.refit * self._fitted_total:
             self._refit()
+        elif isinstance(touched, int):  # one request: scalars
+            if self._due(touched):
+                self._one[0] = touched
+                self._read_early(self._one)
+        else:
+            due = touched[self._due(touched)]
+            if due.size:
+                self._read_early(due)
 
-    def _cusum(self, p: int, residuals: np.ndarray, c: int, t: int, fade: float) -> int:
-        """Feed one pull's residuals (C,) (prompt ``p``, request ``t`` of context ``c``) to the shifts s_cp, and its
-        residual under ``c`` less s_cp before it to the prompt's two CUSUMs: the change estimate (the crossing side's
-        last zero) when one crosses ``threshold``, else -1."""
-        s_n = self._res_n[p]
-        centred = float(residuals[c]) - float(self._res_sum[c, p]) * fade / (s_n * fade + self._shift_prior)
-        self._res_n[p] = s_n + 1.0 / fade
-        self._res_sum[:, p] += residuals / fade
-        self._pool_n += 1
-        self._res_ss += centred * centred
-        if self._pool_n < ARM_RESIDUALS or self._res_ss <= 0.0:
-            return -1
-        var = self._res_ss / self._pool_n
-        self._shift_prior = var / self.bias_sd ** 2 if self.bias_sd > 0.0 else _NO_SHIFT
-        self._scale = math.sqrt(var)
-        # in the prompt's own residual sd under c as of the last refit (the residuals before a change, not those
-        # after), with the pooled variance counted as ARM_RESIDUALS residuals: a prompt whose utilities spread wider
-        # than the pool's (a high N of best-of-N) walked its CUSUM past the threshold on a stationary table
-        own = (float(self._ref_ss[c, p]) * fade + ARM_RESIDUALS * var) / (self._ref_n[p] * fade + ARM_RESIDUALS)
-        x = centred / math.sqrt(own)
-        k = self.slack
-        u = self._up[p] + x - k
-        if u <= 0.0:
-            u, self._up_zero[p] = 0.0, t + 1
-        d = self._down[p] - x - k
-        if d <= 0.0:
-            d, self._down_zero[p] = 0.0, t + 1
-        self._up[p], self._down[p] = u, d
-        if u > self.threshold:
-            return self._up_zero[p]
-        if d > self.threshold:
-            return self._down_zero[p]
-        return -1
+    def _due(self, prompts: Any) -> Any:
+        """Whether each of ``prompts`` (an array, or one int) is due for an early read: through its entry and its
+        completions doubled since its last read."""
+        return (self.entries[prompts] >= ENTRY_REQUESTS) & (self.completions[prompts] >= 2.0 * self._read_at[prompts])
+
+    def _feed(self, prompts: np.ndarray, contexts: np.ndarray, steps: np.ndarray, residuals: np.ndarray,
+              fade: float, since: np.ndarray) -> None:
+        """Feed pulls' residuals (b, C) to the shifts s_cp and to their prompts' CUSUMs (``feed_cusums``)."""
+        feed_cusums(prompts, contexts, steps, np.ascontiguousarray(residuals, dtype=np.float64), fade, self._res_n,
+                    self._res_sum, self._ref_ss, self._ref_n, self._up, self._down, self._up_zero, self._down_zero,
+                    self._pool, self.slack, self.threshold, self.bias_sd, since)
 
     def _forget(self, detected: list[tuple[int, int]]) -> None:
         """Drop each detected prompt's completions before its change estimate; rebuild the estimate from the rest."""
@@ -376,9 +313,9 @@ class IAPOOnline(OnlineAgentBase):
                                    minlength=self.completions.size).astype(np.float64)
         self._t0 = self.t
         self.served = self.completions > 0
-        self._n_served = int(self.served.sum())
+        self.entries = np.bincount(pulls.prompts, minlength=self.completions.size).astype(np.int64)
         self.read[:] = False
-        self._n_read = 0
+        self._read_at[:] = 0.0
         self._drawn = float(ns.sum())
         self._pending.clear()
         self._pending.add(steps, pulls, self.log.utilities())
@@ -388,15 +325,33 @@ class IAPOOnline(OnlineAgentBase):
         """Move every pending pull into the estimator and read the estimates of the prompts they touched; every
         CUSUM starts over (the residuals' reference moved)."""
         self._fitted_total = self._drawn
-        n_p = len(self._up)
-        self._up, self._down = [0.0] * n_p, [0.0] * n_p
-        self._up_zero, self._down_zero = [self.t] * n_p, [self.t] * n_p
+        self._up[:] = self._down[:] = 0.0
+        self._up_zero[:] = self._down_zero[:] = self.t
         if not self._pending:
             return
         _, pulls = self._pending.read()
         self._pending.clear()
         if len(pulls) == 0:
             return
+        self._read_pulls(pulls)
+        self._residual_stats()
+
+    def _read_early(self, prompts: np.ndarray) -> None:
+        """Move the pending pulls of ``prompts`` alone into the estimator and read their estimates, shifts and
+        residual sds; their CUSUMs start over. The rest waits for the next refit of the whole estimate: between
+        refits (a doubling of every completion) a prompt's first reads would otherwise stay on its first few."""
+        _, pulls = self._pending.read()
+        mask = np.isin(pulls.prompts, prompts)
+        if not mask.any():
+            return
+        self._pending.keep(~mask)
+        self._read_pulls(select_pulls(pulls, mask))
+        self._residual_stats(prompts)
+        self._up[prompts] = self._down[prompts] = 0.0
+        self._up_zero[prompts] = self._down_zero[prompts] = self.t
+
+    def _read_pulls(self, pulls: Pulls) -> None:
+        """Add ``pulls`` to the estimator and read the estimates of the prompts they touch."""
         self.est.update(pulls)
         prompts = np.unique(pulls.prompts)
         q = self.est.table.sums[:, prompts, :]  # the estimator's estimates of the pulled prompts (counts are 1)
@@ -405,26 +360,33 @@ class IAPOOnline(OnlineAgentBase):
         self.best_n[:, prompts] = best + 1
         self.value[:, prompts] = np.take_along_axis(q, best[..., None], axis=2)[..., 0]
         self.read[prompts] = True
-        self._n_read = int(self.read.sum())
-        self._residual_stats()
+        self._read_at[prompts] = self.completions[prompts]
 
-    def _residual_stats(self) -> None:
-        """Each prompt's residuals (utility served minus the new estimate Q^(c, p, N)) over every logged request,
-        faded as the counts: the shift s_cp measures the estimate's bias on what the prompt served
-        (the prior's pull on a prompt with few completions), so it does not start over at a refit."""
+    def _residual_stats(self, prompts: np.ndarray | None = None) -> None:
+        """The residuals (utility served minus the estimate Q^(c, p, N)) of ``prompts`` (None: every prompt) over
+        every logged request, faded as the counts: the shift s_cp measures the estimate's bias on what the prompt
+        served (the prior's pull on a prompt with few completions), so it does not start over at a read."""
         steps, pulls = self.log.read()
+        utilities = self.log.utilities()
         n_c, n_p = self._res_sum.shape
-        self._res_sum, self._res_n = np.zeros((n_c, n_p)), np.zeros(n_p)
-        self._ref_ss, self._ref_n = np.zeros((n_c, n_p)), np.zeros(n_p)
-        if steps.size == 0:
-            return
-        weights = self._weights(steps, self._t0)  # scaled as ``_scaled``
-        residuals = self.log.utilities() - self.q[:, pulls.prompts, pulls.ns - 1].T  # (B, C)
-        for c in range(n_c):
-            self._res_sum[c] = np.bincount(pulls.prompts, weights=weights * residuals[:, c], minlength=n_p)
-            self._ref_ss[c] = np.bincount(pulls.prompts, weights=weights * residuals[:, c] ** 2, minlength=n_p)
-        self._res_n = np.bincount(pulls.prompts, weights=weights, minlength=n_p).astype(np.float64)
-        self._ref_n = self._res_n.copy()
-        seen = self._res_n > 0.0  # the sums of squares about each (context, prompt)'s mean
-        self._ref_ss[:, seen] -= self._res_sum[:, seen] ** 2 / self._res_n[seen]
-        np.maximum(self._ref_ss, 0.0, out=self._ref_ss)
+        served, ns = pulls.prompts, pulls.ns
+        if prompts is not None:
+            rows = np.isin(served, prompts)
+            steps, utilities, served, ns = steps[rows], utilities[rows], served[rows], ns[rows]
+        res_sum, ref_ss = np.zeros((n_c, n_p)), np.zeros((n_c, n_p))
+        if steps.size:
+            weights = self._weights(steps, self._t0)  # scaled as ``_scaled``
+            residuals = utilities - self.q[:, served, ns - 1].T  # (B, C)
+            for c in range(n_c):
+                res_sum[c] = np.bincount(served, weights=weights * residuals[:, c], minlength=n_p)
+                ref_ss[c] = np.bincount(served, weights=weights * residuals[:, c] ** 2, minlength=n_p)
+            res_n = np.bincount(served, weights=weights, minlength=n_p).astype(np.float64)
+        else:
+            res_n = np.zeros(n_p)
+        seen = res_n > 0.0  # the sums of squares about each (context, prompt)'s mean
+        ref_ss[:, seen] -= res_sum[:, seen] ** 2 / res_n[seen]
+        np.maximum(ref_ss, 0.0, out=ref_ss)
+        cols = slice(None) if prompts is None else prompts
+        self._res_sum[:, cols], self._ref_ss[:, cols] = res_sum[:, cols], ref_ss[:, cols]
+        self._res_n[cols] = res_n[cols]
+        self._ref_n[cols] = res_n[cols]
