@@ -146,7 +146,9 @@ class IAPOOnline(OnlineAgentBase):
         self.changes: list[tuple[int, int, int]] = []  # (step detected, prompt, change estimate)
         self._avail_key = b""
         self._blocked = np.zeros(n_p, dtype=bool)
+        # one request's buffers: its context, prompt and N in ``choose``; its prompt, context and step in ``update``
         self._one, self._one_p, self._one_n = (np.zeros(1, dtype=np.int64) for _ in range(3))
+        self._fed_p, self._fed_c, self._fed_t = (np.zeros(1, dtype=np.int64) for _ in range(3))
 
     def _phi(self, t: int) -> float:
         """phi(t): phi at the last detection plus 2 sqrt(t - that step) / ``memory`` (t at or after it)."""
@@ -236,8 +238,8 @@ class IAPOOnline(OnlineAgentBase):
         fade_now = self._fade()
         utilities = np.asarray(info["utilities"], dtype=np.float64)
         if self.read[p]:
-            self._one[0], self._one_p[0], self._one_n[0] = p, c, t
-            self._feed(self._one, self._one_p, self._one_n, (utilities - self.q[:, p, n - 1])[None, :], fade_now,
+            self._fed_p[0], self._fed_c[0], self._fed_t[0] = p, c, t
+            self._feed(self._fed_p, self._fed_c, self._fed_t, (utilities - self.q[:, p, n - 1])[None, :], fade_now,
                        self._since)
             if self._since[0] >= 0:
                 detected[p] = int(self._since[0])
