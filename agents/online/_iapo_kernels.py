@@ -1,7 +1,8 @@
-"""``IAPOOnline``'s choice for a batch of requests, compiled: one pass over the batch, each request's prompt by the
-agent's index with every earlier choice of the batch counted as a request served (its count one higher, so the
+"""``IAPOOnline``'s compiled passes. ``best_prompts``: its choice for a batch of requests, each request's prompt by
+the agent's index with every earlier choice of the batch counted as a request served (its count one higher, so the
 requests of one batch spread over the prompts as one-at-a-time choices would, without their outcomes), and entry
-before competition (a prompt served fewer than ``ENTRY_REQUESTS`` requests comes first)."""
+before competition (a prompt served fewer than ``ENTRY_REQUESTS`` requests comes first). ``feed_cusums``: a batch's
+residuals into the shifts' sums and the change detector's CUSUMs, request by request."""
 
 from __future__ import annotations
 
