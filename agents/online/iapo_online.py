@@ -116,7 +116,6 @@ class IAPOOnline(OnlineAgentBase):
         self.value = np.zeros((n_c, n_p))  # max_N of the estimate (0 until a prompt is read)
         self.best_n = np.full((n_c, n_p), self._entry, dtype=np.int64)
         self.q = np.zeros((n_c, n_p, n_max))
-        self.served = np.zeros(n_p, dtype=bool)  # prompts served at least once (since a forget)
         self.entries = np.zeros(n_p, dtype=np.int64)  # requests each prompt served (kept ones)
         self.read = np.zeros(n_p, dtype=bool)  # prompts with an estimate
         self.completions = np.zeros(n_p)  # completions of each prompt (kept ones)
@@ -149,6 +148,11 @@ class IAPOOnline(OnlineAgentBase):
         # one request's buffers: its context, prompt and N in ``choose``; its prompt, context and step in ``update``
         self._one, self._one_p, self._one_n = (np.zeros(1, dtype=np.int64) for _ in range(3))
         self._fed_p, self._fed_c, self._fed_t = (np.zeros(1, dtype=np.int64) for _ in range(3))
+
+    @property
+    def served(self) -> np.ndarray:
+        """(P,) whether each prompt has served a request (one kept since its completions were last forgotten)."""
+        return self.entries > 0
 
     def _phi(self, t: int) -> float:
         """phi(t): phi at the last detection plus 2 sqrt(t - that step) / ``memory`` (t at or after it)."""
@@ -222,7 +226,6 @@ class IAPOOnline(OnlineAgentBase):
         np.add.at(self.completions, pulls.prompts, ns)
         np.add.at(self._scaled, pulls.prompts, 1.0 / fade_now)
         np.add.at(self.entries, pulls.prompts, 1)
-        self.served[pulls.prompts] = True
         self._drawn += float(ns.sum())
         self._after(detected, np.unique(pulls.prompts))
 
@@ -250,7 +253,6 @@ class IAPOOnline(OnlineAgentBase):
         self.completions[p] += n
         self._scaled[p] += 1.0 / fade_now
         self.entries[p] += 1
-        self.served[p] = True
         self._drawn += n
         self._after(detected, p)
 
@@ -314,7 +316,6 @@ class IAPOOnline(OnlineAgentBase):
         self._scaled = np.bincount(pulls.prompts, weights=self._weights(steps, self.t),
                                    minlength=self.completions.size).astype(np.float64)
         self._t0 = self.t
-        self.served = self.completions > 0
         self.entries = np.bincount(pulls.prompts, minlength=self.completions.size).astype(np.int64)
         self.read[:] = False
         self._read_at[:] = 0.0
