@@ -19,6 +19,20 @@ ENTRY_REQUESTS = 2
 
 
 @njit
+def _fewest_requests(held: np.ndarray, tie: np.ndarray, blocked: np.ndarray,
+                     limit: int) -> int:  # pragma: no cover - compiled
+    """The available prompt with the fewest requests ``held``, among those below ``limit``, the lowest ``tie`` among
+    equals; -1 if there is none."""
+    best = -1
+    for p in range(held.size):
+        if blocked[p] or held[p] >= limit:
+            continue
+        if best < 0 or held[p] < held[best] or (held[p] == held[best] and tie[p] < tie[best]):
+            best = p
+    return best
+
+
+@njit
 def best_prompts(contexts: np.ndarray, scaled: np.ndarray, fade: float, width: float, t: int, tie: np.ndarray,
                  res_sum: np.ndarray, res_n: np.ndarray, shift_prior: float, entries: np.ndarray, read: np.ndarray,
                  blocked: np.ndarray, value: np.ndarray, best_n: np.ndarray, entry_n: int, prompts: np.ndarray,
@@ -39,12 +53,7 @@ def best_prompts(contexts: np.ndarray, scaled: np.ndarray, fade: float, width: f
     held = entries.copy()
     for i in range(contexts.size):
         c = contexts[i]
-        best = -1
-        for p in range(n_p):  # entry first
-            if blocked[p] or held[p] >= ENTRY_REQUESTS:
-                continue
-            if best < 0 or held[p] < held[best] or (held[p] == held[best] and tie[p] < tie[best]):
-                best = p
+        best = _fewest_requests(held, tie, blocked, ENTRY_REQUESTS)  # entry first
         if best >= 0:
             prompts[i], ns[i] = best, entry_n
         else:
@@ -66,11 +75,7 @@ def best_prompts(contexts: np.ndarray, scaled: np.ndarray, fade: float, width: f
             if best >= 0:
                 prompts[i], ns[i] = best, best_n[c, best]
             else:
-                for p in range(n_p):
-                    if blocked[p]:
-                        continue
-                    if best < 0 or held[p] < held[best] or (held[p] == held[best] and tie[p] < tie[best]):
-                        best = p
+                best = _fewest_requests(held, tie, blocked, np.iinfo(np.int64).max)
                 prompts[i], ns[i] = best, entry_n
         if best < 0:
             raise ValueError("no prompt is available for a request")
