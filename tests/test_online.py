@@ -317,3 +317,58 @@ def test_one_request_outcomes_and_utilities_are_the_batch_paths_bit_for_bit(fami
             assert info["utilities"].tobytes() == served.utilities[:, i].tobytes()
             assert reward == served.rewards[i] and info["cost"] == served.costs[i]
             assert info["regret"] == served.regret[i]
+
+
+def _reference_serve(env: OnlineEnv, prompts: np.ndarray, ns: np.ndarray, rng_queries: np.random.Generator,
+                     rng_atoms: np.random.Generator, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(queries, atoms, utilities (C, B)) of a batch in plain numpy: the alias draw of ``AliasSampler.sample``, each
+    Best-of-N score summed objective by objective left to right and its maximum over the pull's completions by
+    ``np.maximum.reduceat``, each vote's credit by ``mv_credit``."""
+    from iapo_gym.sampling import AliasSampler
+    from iapo_gym.utility import mv_credit
+
+    table = env.schedule.table_at(env.table, env.schedule.segment_at(t))
+    pool = env.table.split_indices(env.split)
+    queries = pool[(rng_queries.random(prompts.size) * pool.size).astype(np.int64)]
+    sampler = AliasSampler(table.probs.reshape(-1, table.n_atoms))
+    atoms = sampler.sample(np.repeat(prompts * table.n_queries + queries, ns), rng_atoms)
+    offsets = np.concatenate([[0], np.cumsum(ns)])
+    weights = table.context_weights
+    cost_term = weights[:, -1:] * (ns * table.cost_matrix()[prompts, queries])[None, :]
+    if table.aggregator == "bon":
+        vectors = table.atoms[np.repeat(prompts, ns), np.repeat(queries, ns), atoms]
+        scores = weights[:, :1] * vectors[None, :, 0]
+        for d in range(1, vectors.shape[1]):
+            scores += weights[:, d:d + 1] * vectors[None, :, d]
+        return queries, atoms, np.maximum.reduceat(scores, offsets[:-1], axis=1) + cost_term
+    counts = np.zeros((prompts.size, table.n_atoms), dtype=np.int64)
+    np.add.at(counts, (np.repeat(np.arange(prompts.size), ns), atoms), 1)
+    return queries, atoms, weights[:, :1] * mv_credit(counts, table.gold[queries])[None, :] + cost_term
+
+
+@pytest.mark.parametrize("family,level,kind", [("bon_multi", 3, "drift"), ("bon_large_n", 4, "stationary"),
+                                               ("mv_categorical", 2, "drift"), ("mv_binary", 6, "arrival")])
+def test_a_served_batch_equals_the_plain_numpy_draws_and_scores_bit_for_bit(family: str, level: int,
+                                                                            kind: str) -> None:
+    """``serve``'s compiled pass against a plain numpy reference on copies of the env's generators: the same
+    queries and atoms, and utilities equal bit for bit under every context (a score summed in another order, a
+    maximum or a vote tie taken otherwise, or a completion drawn from another row would show)."""
+    import copy
+
+    env = OnlineEnv(family=family, level=level, schedule=kind, horizon=3_000)
+    env.reset(seed=5)
+    rng = np.random.default_rng(2)
+    checked = 0
+    while env.t < env.horizon:
+        requests = env.arrivals(int(rng.integers(2, 300)))
+        live = np.flatnonzero(requests.available)
+        prompts = live[rng.integers(live.size, size=len(requests))]
+        ns = rng.integers(1, env.table.n_max + 1, size=len(requests))
+        rng_queries, rng_atoms = copy.deepcopy(env._rng_queries), copy.deepcopy(env._rng_atoms)
+        queries, atoms, utilities = _reference_serve(env, prompts, ns, rng_queries, rng_atoms, env.t)
+        served = env.serve(requests, prompts, ns)
+        assert np.array_equal(served.pulls.queries, queries) and np.array_equal(served.pulls.atoms, atoms)
+        assert served.utilities.shape == utilities.shape
+        assert served.utilities.tobytes() == utilities.tobytes()
+        checked += int(ns.sum())
+    assert checked > 2 * env.horizon  # every request served, most of them with several completions

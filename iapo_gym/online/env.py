@@ -20,13 +20,12 @@ import numpy as np
 from gymnasium import spaces
 
 from iapo_gym.env import IAPOEnv, Pulls
-from iapo_gym.online._kernels import bon_one, mv_one
+from iapo_gym.online._kernels import bon_batch, bon_one, mv_batch, mv_one
 from iapo_gym.online.schedule import Schedule, build_schedule
 from iapo_gym.oracle import q_table
 from iapo_gym.sampling import AliasSampler
 from iapo_gym.seeding import derive_rng
 from iapo_gym.tables import OutcomeTable, TableSchema
-from iapo_gym.utility import block_utilities
 
 SPLITS = ("train", "test")
 
@@ -118,6 +117,7 @@ class OnlineEnv(gym.Env[dict[str, Any], tuple[int, int]]):
         self._weights = np.ascontiguousarray(table.context_weights, dtype=np.float64)
         self._vectors = np.ascontiguousarray(table.atoms, dtype=np.float64) if table.aggregator == "bon" else None
         self._gold = None if table.gold is None else table.gold.tolist()
+        self._gold_array = None if table.gold is None else np.ascontiguousarray(table.gold, dtype=np.int64)
         self._n_prompts, self._n_max, self._n_queries = table.n_prompts, table.n_max, table.n_queries
         # the current segment (requests _seg_start .. _seg_stop - 1), entered when a request falls outside it
         self._seg_k, self._seg_start, self._seg_stop = 0, 0, 0
@@ -301,7 +301,6 @@ class OnlineEnv(gym.Env[dict[str, Any], tuple[int, int]]):
             raise ValueError(f"{b} requests need {b} prompts and Ns, got {prompts.size} and {ns.size}")
         self._check(requests, prompts, ns)
         q, q_star_c, sampler = self._segment(self._current(self._t))
-        table = self.table
         pool = self._queries
         if b == 1:  # one request: the same draws as a batch, without the batch bookkeeping
             n = int(ns[0])
@@ -309,18 +308,18 @@ class OnlineEnv(gym.Env[dict[str, Any], tuple[int, int]]):
             queries, offsets, utilities = np.array([query]), np.array([0, n]), one[:, None]
         else:
             queries = pool[(self._rng_queries.random(b) * pool.size).astype(np.int64)]
-            rows = np.repeat(prompts * table.n_queries + queries, ns)
-            atoms = sampler.sample(rows, self._rng_atoms)
             offsets = np.zeros(b + 1, dtype=np.int64)
             np.cumsum(ns, out=offsets[1:])
-            if table.aggregator == "bon":  # every completion scored at once, then each pull's maximum
-                utilities = self._bon_utilities(prompts, queries, ns, atoms, offsets)
+            uniforms = self._rng_atoms.random(int(offsets[-1]))
+            cost_n = ns * self._cost[prompts, queries]  # N times the cost per completion, as ``step``'s
+            if self._vectors is not None:  # one compiled pass: every pull's atoms and its utility per context
+                atoms, utilities = bon_batch(uniforms, sampler.accept, sampler.alias, sampler.n_atoms, prompts,
+                                             queries, offsets, self._n_queries, self._vectors, self._weights, cost_n)
             else:
-                utilities = np.empty((table.n_contexts, b))
-                for n in np.unique(ns):
-                    idx = np.flatnonzero(ns == n)
-                    blocks = atoms[offsets[idx][:, None] + np.arange(n)[None, :]]
-                    utilities[:, idx] = block_utilities(table, prompts[idx], queries[idx], blocks)
+                assert self._gold_array is not None
+                atoms, utilities = mv_batch(uniforms, sampler.accept, sampler.alias, sampler.n_atoms, prompts,
+                                            queries, offsets, self._n_queries, self._gold_array, self._weights,
+                                            cost_n)
         pulls = Pulls(prompts, ns, queries, atoms, offsets)
         contexts = requests.contexts
         q_chosen = q[contexts, prompts, ns - 1]
@@ -328,20 +327,6 @@ class OnlineEnv(gym.Env[dict[str, Any], tuple[int, int]]):
         self._t += b
         return Served(pulls, utilities, utilities[contexts, np.arange(b)], self._cost[prompts, queries],
                       q_star, q_chosen, q_star - q_chosen)
-
-    def _bon_utilities(self, prompts: np.ndarray, queries: np.ndarray, ns: np.ndarray, atoms: np.ndarray,
-                       offsets: np.ndarray) -> np.ndarray:
-        """(C, B) Best-of-N utilities of a batch's pulls: every completion's score under every context (one
-        objective at a time, a fixed order), each pull's maximum over its completions, plus its cost term."""
-        table = self.table
-        assert table.atoms is not None
-        vectors = table.atoms[np.repeat(prompts, ns), np.repeat(queries, ns), atoms]  # (completions, K)
-        weights = table.context_weights
-        scores = weights[:, :1] * vectors[None, :, 0]
-        for d in range(1, vectors.shape[1]):
-            scores += weights[:, d:d + 1] * vectors[None, :, d]
-        best: np.ndarray = np.maximum.reduceat(scores, offsets[:-1], axis=1)
-        return best + weights[:, -1:] * (ns * self._cost[prompts, queries])[None, :]
 
     def _check(self, requests: Requests, prompts: np.ndarray, ns: np.ndarray) -> None:
         n_p, n_max = self.table.n_prompts, self.table.n_max
