@@ -1,0 +1,88 @@
+"""The T = 100,000 results of docs/online.md are the committed bundle's (benchmarks/bundles): the docs' merge
+command, then the benchmark's command as the docs give it, runs nothing and prints every row of the docs' table and
+its goal counts; the docs' analysis block prints the figures the prose quotes; and the docs' verify command re-runs
+a sample of the bundle's runs bit for bit."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from iapo_gym.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+DOC = REPO / "docs" / "online.md"
+BUNDLE = "benchmarks/bundles/online_100k_iapo_etc.iapo.zip"
+
+
+def _section(title: str) -> str:
+    """The text of docs/online.md from the heading ``title`` to the next heading of its level or above."""
+    text = DOC.read_text(encoding="utf-8")
+    start = text.index(title + "\n")
+    level = len(title.split(" ")[0])
+    after = re.search(rf"^#{{1,{level}}} ", text[start + len(title):], re.M)
+    return text[start:start + len(title) + after.start()] if after else text[start:]
+
+
+def _commands(section: str) -> list[str]:
+    """Every command of the section's ```bash blocks, continuations joined."""
+    out = []
+    for block in section.split("```bash\n")[1:]:
+        body = block.split("```", 1)[0]
+        out += [line.strip() for line in body.replace("\\\n", " ").splitlines() if line.strip()]
+    return out
+
+
+@pytest.mark.heavy
+def test_the_100k_table_is_what_the_benchmark_command_prints_from_the_bundle(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    section = _section("### The benchmark at T = 100,000")
+    bench, merge = _commands(section)
+    assert bench.startswith(".venv/bin/python benchmarks/bench_online.py --out results/online_100k_full")
+    assert merge == f"iapo-gym leaderboard merge {BUNDLE} --out results/online_100k_full"
+    (tmp_path / "benchmarks" / "bundles").mkdir(parents=True)
+    (tmp_path / BUNDLE).symlink_to(REPO / BUNDLE)
+    monkeypatch.chdir(tmp_path)
+    assert main(shlex.split(merge)[1:]) == 0
+    argv = shlex.split(bench)
+    done = subprocess.run([sys.executable, str(REPO / argv[1]), *argv[2:]], capture_output=True, text=True,
+                          check=True, timeout=600)
+    assert "0 runs added, 6720 already in results/online_100k_full, 0 failed" in done.stdout
+    rows = [line for line in section.splitlines() if re.match(r"^\| \w+ \| \w+ \| 100000 \|", line)]
+    counts = [line for line in section.splitlines() if line.startswith("- ") and ", against `etc_auto` (" in line]
+    assert len(rows) == 84 and len(counts) == 6
+    printed = set(done.stdout.splitlines())
+    assert [r for r in rows if r not in printed] == [] and [c for c in counts if c not in printed] == []
+    assert (tmp_path / "results" / "online_100k_full" / "regret_grid.png").stat().st_size > 0
+
+    # the analysis block of "What is not there yet" prints the figures its prose quotes
+    lacking = _section("## What is not there yet")
+    block = lacking.split("\n```\n", 1)[1].split("\n```", 1)[0]
+    shown = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, check=True, timeout=120)
+    etc_zeros, etc_median, at_10k, at_t = re.fullmatch(
+        r"etc_auto: (\d+) of 40 runs at 0, median ([\d.]+); iapo_online: median ([\d.]+) at 10K, ([\d.]+) at T\n",
+        shown.stdout).groups()
+    prose = " ".join(lacking.split())
+    assert f"find the exact optimum on {etc_zeros} of the 40 runs" in prose
+    assert f"leave a median of {etc_median} at T" in prose
+    assert f"the first 10,000 requests alone is {at_10k}, and its median at T {at_t}" in prose
+
+
+@pytest.mark.heavy
+def test_the_bundles_docs_verify_command_re_runs_its_runs_bit_for_bit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    readme = (REPO / "benchmarks" / "bundles" / "README.md").read_text(encoding="utf-8")
+    verify = next(c for c in _commands(readme) if c.startswith("iapo-gym verify"))
+    assert verify.startswith(f"iapo-gym verify {BUNDLE} --sample ")
+    (tmp_path / "benchmarks" / "bundles").mkdir(parents=True)
+    (tmp_path / BUNDLE).symlink_to(REPO / BUNDLE)
+    monkeypatch.chdir(tmp_path)
+    assert verify.endswith("--no-record")  # the README's command writes nothing beside the committed bundle
+    assert main([*shlex.split(verify)[1:], "--sample", "2"]) == 0
+    assert "verified: 2 of 2 runs match exactly" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "benchmarks" / "bundles").iterdir()) == [Path(BUNDLE).name]
