@@ -347,7 +347,8 @@ def _reference_serve(env: OnlineEnv, prompts: np.ndarray, ns: np.ndarray, rng_qu
 
 
 @pytest.mark.parametrize("family,level,kind", [("bon_multi", 3, "drift"), ("bon_large_n", 4, "stationary"),
-                                               ("mv_categorical", 2, "drift"), ("mv_binary", 6, "arrival")])
+                                               ("bon_shift", 5, "model_arrival"), ("mv_categorical", 2, "drift"),
+                                               ("mv_binary", 6, "arrival")])
 def test_a_served_batch_equals_the_plain_numpy_draws_and_scores_bit_for_bit(family: str, level: int,
                                                                             kind: str) -> None:
     """``serve``'s compiled pass against a plain numpy reference on copies of the env's generators: the same
