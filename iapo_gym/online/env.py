@@ -306,12 +306,14 @@ class OnlineEnv(gym.Env[dict[str, Any], tuple[int, int]]):
             n = int(ns[0])
             query, atoms, one = self._draw_one(int(prompts[0]), n, sampler)
             queries, offsets, utilities = np.array([query]), np.array([0, n]), one[:, None]
+            costs = self._cost[prompts, queries]
         else:
             queries = pool[(self._rng_queries.random(b) * pool.size).astype(np.int64)]
+            costs = self._cost[prompts, queries]
             offsets = np.zeros(b + 1, dtype=np.int64)
             np.cumsum(ns, out=offsets[1:])
             uniforms = self._rng_atoms.random(int(offsets[-1]))
-            cost_n = ns * self._cost[prompts, queries]  # N times the cost per completion, as ``step``'s
+            cost_n = ns * costs  # N times the cost per completion, as ``step``'s
             if self._vectors is not None:  # one compiled pass: every pull's atoms and its utility per context
                 atoms, utilities = bon_batch(uniforms, sampler.accept, sampler.alias, sampler.n_atoms, prompts,
                                              queries, offsets, self._n_queries, self._vectors, self._weights, cost_n)
@@ -325,8 +327,7 @@ class OnlineEnv(gym.Env[dict[str, Any], tuple[int, int]]):
         q_chosen = q[contexts, prompts, ns - 1]
         q_star = q_star_c[contexts]
         self._t += b
-        return Served(pulls, utilities, utilities[contexts, np.arange(b)], self._cost[prompts, queries],
-                      q_star, q_chosen, q_star - q_chosen)
+        return Served(pulls, utilities, utilities[contexts, np.arange(b)], costs, q_star, q_chosen, q_star - q_chosen)
 
     def _check(self, requests: Requests, prompts: np.ndarray, ns: np.ndarray) -> None:
         n_p, n_max = self.table.n_prompts, self.table.n_max
