@@ -288,9 +288,9 @@ def test_gymnasium_env_checker_passes() -> None:
                                                ("mv_binary", 6, "model_arrival")])
 def test_one_request_outcomes_and_utilities_are_the_batch_paths_bit_for_bit(family: str, level: int,
                                                                            kind: str) -> None:
-    """``step`` serves a request with compiled scalar kernels, ``serve`` a batch with numpy: for the same seed and arms
-    the queries, atoms, utilities under every context, rewards, costs and regret agree bit for bit (a score summed
-    in another order, a maximum or a vote tie taken otherwise would show)."""
+    """``step`` serves a request with the one-request kernels, ``serve`` a batch with the batch kernels: for the same
+    seed and arms the queries, atoms, utilities under every context, rewards, costs and regret agree bit for bit (a
+    score summed in another order, a maximum or a vote tie taken otherwise would show)."""
     horizon = 500
     env = OnlineEnv(family=family, level=level, schedule=kind, horizon=horizon)
     rng = np.random.default_rng(1)

@@ -6,7 +6,7 @@ arithmetic as ``block_utilities``: each Best-of-N score is ``w[c, 0] * v[0] + w[
 right, never fused (no fastmath), each maximum keeps a NaN as ``np.maximum`` does, and a majority vote's credit is
 ``mv_credit``'s. One pull's drawing and scoring are one function each here, called by the batch kernels for every
 pull and by the one-request kernels for theirs, so both paths give the same atoms and utilities bit for bit; a
-batch costs one compiled call instead of numpy passes over (contexts x completions) arrays.
+batch costs one compiled call and builds no (contexts x completions) array.
 """
 
 from __future__ import annotations
