@@ -120,7 +120,7 @@ def analyse(rows: Sequence[RunResult], agents: Sequence[AgentSpec], fams: Sequen
                 return {run: regret(r) for run, r in runs.items()}
 
             for spec in agents:
-                per_level: list[tuple[int, float, float, float, float, int]] = []
+                per_level: list[tuple[int, float, float, float, float, int, int]] = []
                 seconds: list[float] = []
                 for level in levels:
                     mine, ref = series(spec, level), series(psst, level)
@@ -132,16 +132,16 @@ def analyse(rows: Sequence[RunResult], agents: Sequence[AgentSpec], fams: Sequen
                     common = sorted(set(mine) & set(ref))
                     test = paired_test([mine[r] for r in common], [ref[r] for r in common], "wilcoxon")
                     per_level.append((level, float(np.mean(list(mine.values()))), baseline, test.p_value,
-                                      test.median_diff, len(mine)))
+                                      test.median_diff, len(mine), test.direction))
                     seconds += [r.train_seconds for r in by_key[(task_name(family, level), spec.key, budget)].values()]
                 if not per_level:
                     continue
-                adjusted = adjust_pvalues([p for _, _, _, p, _, _ in per_level], "holm")
+                adjusted = adjust_pvalues([p for _, _, _, p, _, _, _ in per_level], "holm")
                 shares = []
                 worse = 0
-                for (level, mean, baseline, p, diff, n), p_adj in zip(per_level, adjusted, strict=True):
+                for (level, mean, baseline, p, diff, n, direction), p_adj in zip(per_level, adjusted, strict=True):
                     share = (baseline - mean) / baseline if math.isfinite(baseline) and baseline > 0 else math.nan
-                    is_worse = bool(np.isfinite(p_adj) and p_adj < alpha and np.isfinite(diff) and diff > 0)
+                    is_worse = bool(np.isfinite(p_adj) and p_adj < alpha and direction > 0)
                     worse += is_worse
                     if math.isfinite(share):
                         shares.append(share)
@@ -152,8 +152,8 @@ def analyse(rows: Sequence[RunResult], agents: Sequence[AgentSpec], fams: Sequen
                 cells.append(Cell(
                     family, budget, spec.label, len(per_level), int(values.size),
                     float(np.median(values)) if values.size else math.nan, low, high, worse, worse / len(per_level),
-                    float(np.mean([m for _, m, _, _, _, _ in per_level])),
-                    float(np.mean([b for _, _, b, _, _, _ in per_level if math.isfinite(b)] or [math.nan])),
+                    float(np.mean([m for _, m, _, _, _, _, _ in per_level])),
+                    float(np.mean([b for _, _, b, _, _, _, _ in per_level if math.isfinite(b)] or [math.nan])),
                     float(np.mean(seconds)) if seconds else math.nan,
                 ))
     return cells, level_rows

@@ -151,6 +151,8 @@ def test_the_report_has_every_checkpoint_the_paired_tests_and_the_curves(swept: 
     for label, p_adj in zip(("thompson", "ucb"), adjusted, strict=True):
         assert pairs[label].median_diff == tests[label].median_diff
         assert pairs[label].p_adjusted == pytest.approx(p_adj, nan_ok=True)
+        # less regret (+1) is a test leaning negative (label - baseline), when significant
+        assert pairs[label].winner == (-tests[label].direction if p_adj < 0.05 else 0)
     markdown = written["markdown"].read_text()
     assert f"regret at {HORIZON}" in markdown and f"vs etc_auto at {HORIZON}" in markdown
     for task in {r.task for r in rows}:

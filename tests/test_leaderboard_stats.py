@@ -72,6 +72,22 @@ def test_paired_test_matches_scipy_and_skips_tiny_samples() -> None:
     assert skipped.n_effective == 1 and math.isnan(skipped.p_value)
 
 
+def test_a_significant_result_points_the_way_the_test_measured_not_the_median() -> None:
+    # 25 small positive differences and 23 large negative ones: the median is positive, but the negative
+    # differences hold the larger rank sum, and they are what makes the signed-rank test reject
+    d = np.concatenate([np.linspace(1.0, 3.0, 25), -np.linspace(10.0, 40.0, 23)])
+    x, y = 100.0 + d, np.full(d.size, 100.0)
+    w = paired_test(x, y, "wilcoxon")
+    ranks = sps.rankdata(np.abs(d))
+    assert w.median_diff > 0 and ranks[d < 0].sum() > ranks[d > 0].sum() and w.p_value < 0.01
+    assert w.direction == -1
+    assert paired_test(x, y, "sign").direction == 1  # the sign test counts signs: 25 positive against 23
+    rows = [_row("a", 10, r, float(x[r])) for r in range(d.size)] + [_row("b", 10, r, 100.0) for r in range(d.size)]
+    (pair,) = pairwise(rows)
+    assert pair.median_diff > 0 and pair.winner == -1  # a's ACR is significantly lower: b wins
+    assert paired_test([1.0, 1.0], [1.0, 1.0]).direction == 0  # no effective pair
+
+
 def test_pairwise_winner_direction_and_matrix() -> None:
     rng = np.random.default_rng(0)
     base = rng.uniform(0.4, 0.6, 12)

@@ -5,7 +5,8 @@ For each (task, schedule, horizon) the runs of two agents pair by (level, run): 
 against the baseline (default ``etc_auto``, explore-then-commit with ``auto``) with the paper protocol's paired
 test (``stats.paired_test``: Wilcoxon signed-rank or the sign test) and its multiplicity correction
 (``stats.adjust_pvalues``) within each (task, schedule, horizon, checkpoint). An agent *beats* the baseline there
-when the adjusted p < alpha and the median paired difference of cumulative regret is negative (lower is better).
+when the adjusted p < alpha and the test leans to fewer regret (``PairedTest.direction``: the paired differences
+of cumulative regret hold the larger rank sum on the negative side; lower is better).
 
 Files (beside the paper protocol's, which stay as they are): ``online.md``, ``online_summary.csv`` (mean ± SEM at
 every checkpoint), ``online_pairwise.csv``, ``online.json`` and ``regret_curves_<task>.png`` (the mean curve with
@@ -56,7 +57,8 @@ class OnlinePairRow:
 
     ``median_diff`` is the median of the non-tied paired differences label - baseline (negative: fewer regret);
     ``mean_ratio`` the label's mean cumulative regret over the baseline's on the paired runs; ``winner`` +1 when
-    the label has significantly less regret, -1 significantly more, 0 otherwise.
+    the label has significantly less regret, -1 significantly more (the direction the test measured,
+    ``PairedTest.direction``), 0 otherwise.
     """
 
     task: str
@@ -160,9 +162,7 @@ def pair_online(results: Sequence[OnlineRunResult], baseline: str, test: str = "
                 rows.append((label, ratio))
             adjusted = adjust_pvalues([t.p_value for t in tests], correction)
             for (label, ratio), t, p_adj in zip(rows, tests, adjusted, strict=True):
-                winner = 0
-                if np.isfinite(p_adj) and p_adj < alpha and np.isfinite(t.median_diff) and t.median_diff != 0:
-                    winner = 1 if t.median_diff < 0 else -1
+                winner = -t.direction if np.isfinite(p_adj) and p_adj < alpha else 0
                 out.append(OnlinePairRow(cell[0], cell[1], cell[2], int(points[cell][k]), label, baseline, t.n_pairs,
                                          t.n_effective, t.median_diff, ratio, t.p_value, float(p_adj), winner))
     return out

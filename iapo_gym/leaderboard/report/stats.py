@@ -3,8 +3,10 @@
 - mean +- SEM of the test ACR per (task, agent, budget);
 - pairwise two-sided Wilcoxon signed-rank tests (or the sign test) on runs paired by run
   index, with Holm-Bonferroni (default), Benjamini-Hochberg or no correction within each
-  (task, budget); a winner is declared when the adjusted p < alpha, by the sign of the
-  median of the non-tied paired differences.
+  (task, budget); a winner is declared when the adjusted p < alpha, in the direction the test
+  measured: the larger of the signed-rank sums (the sign test: the more frequent sign). The paper's
+  appendix D takes the sign of the median difference, which can point the other way when many small
+  differences go one way and fewer large ones the other (the test rejects because of the large ones).
 """
 
 from __future__ import annotations
@@ -70,20 +72,25 @@ def summarize(results: Iterable[RunResult]) -> list[SummaryRow]:
 
 @dataclass(frozen=True)
 class PairedTest:
-    """A paired two-sided test of x against y: effective sample size, p-value, median difference."""
+    """A paired two-sided test of x against y: effective sample size, p-value, median difference, and the
+    direction the test measured."""
 
     n_pairs: int  # finite pairs after truncation
     n_effective: int  # pairs with a non-zero difference
     statistic: float
     p_value: float  # NaN when skipped (< 2 effective samples)
     median_diff: float  # median of the non-zero differences x - y (NaN if none)
+    # +1 when x - y leans positive by the test's own statistic (Wilcoxon: the positive differences' rank sum is the
+    # larger; sign test: positive differences are the more), -1 negative, 0 balanced or no effective pair
+    direction: int
 
 
 def paired_test(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray, test: str = "wilcoxon") -> PairedTest:
     """Two-sided paired test: truncate to the shorter length, drop non-finite pairs and exact ties.
 
     ``test="wilcoxon"``: ``scipy.stats.wilcoxon(zero_method="wilcox")``; ``"sign"``: binomial
-    test of the number of positive differences. Fewer than 2 effective pairs: p is NaN.
+    test of the number of positive differences. Fewer than 2 effective pairs: p is NaN. ``direction`` is the
+    side the test's statistic leans to (a significant result is significant in that direction).
     """
     if test not in TESTS:
         raise ValueError(f"test must be one of {TESTS}, got {test!r}")
@@ -97,16 +104,21 @@ def paired_test(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray
     d = d[d != 0.0]
     n_eff = int(d.size)
     median = float(np.median(d)) if n_eff else math.nan
+    if test == "wilcoxon":
+        ranks = sps.rankdata(np.abs(d))  # tied magnitudes share their mean rank, as in the test
+        direction = int(np.sign(ranks[d > 0].sum() - ranks[d < 0].sum()))
+    else:
+        direction = int(np.sign(int((d > 0).sum()) - int((d < 0).sum())))
     if n_eff < 2:
-        return PairedTest(n_pairs, n_eff, math.nan, math.nan, median)
+        return PairedTest(n_pairs, n_eff, math.nan, math.nan, median, direction)
     if test == "wilcoxon":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             res = sps.wilcoxon(d, zero_method="wilcox", alternative="two-sided")
-        return PairedTest(n_pairs, n_eff, float(res.statistic), float(res.pvalue), median)
+        return PairedTest(n_pairs, n_eff, float(res.statistic), float(res.pvalue), median, direction)
     positives = int((d > 0).sum())
     res_b = sps.binomtest(positives, n_eff, 0.5, alternative="two-sided")
-    return PairedTest(n_pairs, n_eff, float(positives), float(res_b.pvalue), median)
+    return PairedTest(n_pairs, n_eff, float(positives), float(res_b.pvalue), median, direction)
 
 
 def adjust_pvalues(p_values: Sequence[float] | np.ndarray, method: str = "holm") -> np.ndarray:
@@ -173,9 +185,7 @@ def pairwise(results: Iterable[RunResult], test: str = "wilcoxon", correction: s
                 tests.append(paired_test(x, y, test))
         adjusted = adjust_pvalues([t.p_value for t in tests], correction)
         for (a, b), t, p_adj in zip(pairs, tests, adjusted, strict=True):
-            winner = 0
-            if np.isfinite(p_adj) and p_adj < alpha and np.isfinite(t.median_diff) and t.median_diff != 0:
-                winner = 1 if t.median_diff > 0 else -1
+            winner = t.direction if np.isfinite(p_adj) and p_adj < alpha else 0
             out.append(PairwiseRow(task, budget, a, b, t.n_pairs, t.n_effective, t.median_diff, t.p_value,
                                    float(p_adj), winner))
     return out
