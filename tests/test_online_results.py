@@ -1,7 +1,7 @@
-"""The T = 100,000 results of docs/online.md are the committed bundle's (benchmarks/bundles): the docs' merge
-command, then the benchmark's command as the docs give it, runs nothing and prints every row of the docs' table and
-its goal counts; the docs' analysis block prints the figures the prose quotes; and the docs' verify command re-runs
-a sample of the bundle's runs bit for bit."""
+"""The T = 100,000 and T = 10,000 results of docs/online.md are the committed bundles' (benchmarks/bundles): the
+docs' merge command, then the benchmark's command as the docs give it, runs nothing and prints every row of the
+docs' table and its goal counts; the docs' analysis block prints the figures the prose quotes; and the docs' verify
+command re-runs a sample of the bundle's runs bit for bit."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from iapo_gym.cli import main
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "online.md"
 BUNDLE = "benchmarks/bundles/online_100k_iapo_etc.iapo.zip"
+BUNDLE_10K = "benchmarks/bundles/online_10k_iapo_etc.iapo.zip"
 
 
 def _section(title: str) -> str:
@@ -38,25 +39,51 @@ def _commands(section: str) -> list[str]:
     return out
 
 
+def _report_from_bundle(section: str, bundle: str, folder: str, tmp_path: Path) -> str:
+    """Run the section's merge command (the bundle linked into ``tmp_path``) and then its benchmark command there;
+    the command's output."""
+    bench, merge = _commands(section)
+    assert bench.startswith(f".venv/bin/python benchmarks/bench_online.py --out {folder}")
+    assert merge == f"iapo-gym leaderboard merge {bundle} --out {folder}"
+    (tmp_path / "benchmarks" / "bundles").mkdir(parents=True)
+    (tmp_path / bundle).symlink_to(REPO / bundle)
+    assert main(shlex.split(merge)[1:]) == 0
+    argv = shlex.split(bench)
+    return subprocess.run([sys.executable, str(REPO / argv[1]), *argv[2:]], capture_output=True, text=True,
+                          check=True, timeout=600).stdout
+
+
+def _table_and_counts(section: str, horizon: int) -> tuple[list[str], list[str]]:
+    """The section's goal-table rows at ``horizon`` and its goal-count lines."""
+    rows = [line for line in section.splitlines() if re.match(rf"^\| \w+ \| \w+ \| {horizon} \|", line)]
+    counts = [line for line in section.splitlines() if line.startswith("- ") and ", against `etc_auto` (" in line]
+    return rows, counts
+
+
+@pytest.mark.heavy
+def test_the_10k_table_is_what_the_benchmark_command_prints_from_the_bundle(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    section = _section("### The benchmark at T = 10,000")
+    monkeypatch.chdir(tmp_path)
+    out = _report_from_bundle(section, BUNDLE_10K, "results/online_10k_full", tmp_path)
+    assert "0 runs added, 13440 already in results/online_10k_full, 0 failed" in out
+    rows, counts = _table_and_counts(section, 10000)
+    assert len(rows) == 84 and len(counts) == 6
+    printed = set(out.splitlines())
+    assert [r for r in rows if r not in printed] == [] and [c for c in counts if c not in printed] == []
+    assert (tmp_path / "results" / "online_10k_full" / "regret_grid.png").stat().st_size > 0
+
+
 @pytest.mark.heavy
 def test_the_100k_table_is_what_the_benchmark_command_prints_from_the_bundle(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     section = _section("### The benchmark at T = 100,000")
-    bench, merge = _commands(section)
-    assert bench.startswith(".venv/bin/python benchmarks/bench_online.py --out results/online_100k_full")
-    assert merge == f"iapo-gym leaderboard merge {BUNDLE} --out results/online_100k_full"
-    (tmp_path / "benchmarks" / "bundles").mkdir(parents=True)
-    (tmp_path / BUNDLE).symlink_to(REPO / BUNDLE)
     monkeypatch.chdir(tmp_path)
-    assert main(shlex.split(merge)[1:]) == 0
-    argv = shlex.split(bench)
-    done = subprocess.run([sys.executable, str(REPO / argv[1]), *argv[2:]], capture_output=True, text=True,
-                          check=True, timeout=600)
-    assert "0 runs added, 6720 already in results/online_100k_full, 0 failed" in done.stdout
-    rows = [line for line in section.splitlines() if re.match(r"^\| \w+ \| \w+ \| 100000 \|", line)]
-    counts = [line for line in section.splitlines() if line.startswith("- ") and ", against `etc_auto` (" in line]
+    out = _report_from_bundle(section, BUNDLE, "results/online_100k_full", tmp_path)
+    assert "0 runs added, 6720 already in results/online_100k_full, 0 failed" in out
+    rows, counts = _table_and_counts(section, 100000)
     assert len(rows) == 84 and len(counts) == 6
-    printed = set(done.stdout.splitlines())
+    printed = set(out.splitlines())
     assert [r for r in rows if r not in printed] == [] and [c for c in counts if c not in printed] == []
     assert (tmp_path / "results" / "online_100k_full" / "regret_grid.png").stat().st_size > 0
 
