@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "online.md"
 BUNDLE = "benchmarks/bundles/online_100k_iapo_etc.iapo.zip"
 BUNDLE_10K = "benchmarks/bundles/online_10k_iapo_etc.iapo.zip"
+VW_BUNDLES = ["benchmarks/bundles/online_100k_vw_1.iapo.zip", "benchmarks/bundles/online_100k_vw_2.iapo.zip"]
 
 
 def _section(title: str) -> str:
@@ -61,32 +62,44 @@ def _table_and_counts(section: str, horizon: int) -> tuple[list[str], list[str]]
     return rows, counts
 
 
+def _table_is_printed(title: str, bundles: list[str], folder: str, horizon: int, done: int, n_rows: int,
+                      n_counts: int, tmp_path: Path) -> None:
+    """The section's merge and benchmark commands, run in ``tmp_path``, find its ``done`` runs in the bundles and
+    print every one of its ``n_rows`` goal-table rows and ``n_counts`` goal counts (and the figure, if it asks)."""
+    section = _section(title)
+    out = _report_from_bundle(section, bundles, folder, tmp_path)
+    assert f"0 runs added, {done} already in {folder}, 0 failed" in out
+    rows, counts = _table_and_counts(section, horizon)
+    assert len(rows) == n_rows and len(counts) == n_counts
+    printed = set(out.splitlines())
+    assert [r for r in rows if r not in printed] == [] and [c for c in counts if c not in printed] == []
+    if "--figure" in section:
+        assert (tmp_path / folder / "regret_grid.png").stat().st_size > 0
+
+
 @pytest.mark.heavy
 def test_the_10k_table_is_what_the_benchmark_command_prints_from_the_bundle(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    section = _section("### The benchmark at T = 10,000")
     monkeypatch.chdir(tmp_path)
-    out = _report_from_bundle(section, [BUNDLE_10K], "results/online_10k_full", tmp_path)
-    assert "0 runs added, 13440 already in results/online_10k_full, 0 failed" in out
-    rows, counts = _table_and_counts(section, 10000)
-    assert len(rows) == 84 and len(counts) == 6
-    printed = set(out.splitlines())
-    assert [r for r in rows if r not in printed] == [] and [c for c in counts if c not in printed] == []
-    assert (tmp_path / "results" / "online_10k_full" / "regret_grid.png").stat().st_size > 0
+    _table_is_printed("### The benchmark at T = 10,000", [BUNDLE_10K], "results/online_10k_full", 10000, 13440, 84,
+                      6, tmp_path)
+
+
+@pytest.mark.heavy
+def test_the_vw_table_is_what_the_benchmark_command_prints_from_the_bundles(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # the merge command's PYTHONPATH=benchmarks: VW's adapter
+    _table_is_printed("### Against Vowpal Wabbit at T = 100,000", [BUNDLE, *VW_BUNDLES], "results/online_100k_vw",
+                      100000, 2880, 24, 4, tmp_path)
 
 
 @pytest.mark.heavy
 def test_the_100k_table_is_what_the_benchmark_command_prints_from_the_bundle(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    section = _section("### The benchmark at T = 100,000")
     monkeypatch.chdir(tmp_path)
-    out = _report_from_bundle(section, [BUNDLE], "results/online_100k_full", tmp_path)
-    assert "0 runs added, 6720 already in results/online_100k_full, 0 failed" in out
-    rows, counts = _table_and_counts(section, 100000)
-    assert len(rows) == 84 and len(counts) == 6
-    printed = set(out.splitlines())
-    assert [r for r in rows if r not in printed] == [] and [c for c in counts if c not in printed] == []
-    assert (tmp_path / "results" / "online_100k_full" / "regret_grid.png").stat().st_size > 0
+    _table_is_printed("### The benchmark at T = 100,000", [BUNDLE], "results/online_100k_full", 100000, 6720, 84, 6,
+                      tmp_path)
 
     # the analysis block of "What is not there yet" prints the figures its prose quotes
     lacking = _section("## What is not there yet")
