@@ -44,12 +44,13 @@ def _report_from_bundle(section: str, bundles: list[str], folder: str, tmp_path:
     """Run the section's merge command (its bundles linked into ``tmp_path``) and then its benchmark command there;
     the command's output."""
     bench, merge = _commands(section)
+    merge = merge.removeprefix("PYTHONPATH=benchmarks ")  # set by the caller (VW's adapter lives in benchmarks/)
     assert bench.startswith(f".venv/bin/python benchmarks/bench_online.py --out {folder}")
-    assert merge.removeprefix("PYTHONPATH=benchmarks ") == f"iapo-gym leaderboard merge {' '.join(bundles)} --out {folder}"
+    assert merge == f"iapo-gym leaderboard merge {' '.join(bundles)} --out {folder}"
     (tmp_path / "benchmarks" / "bundles").mkdir(parents=True)
     for bundle in bundles:
         (tmp_path / bundle).symlink_to(REPO / bundle)
-    assert main(shlex.split(merge.removeprefix("PYTHONPATH=benchmarks "))[1:]) == 0
+    assert main(shlex.split(merge)[1:]) == 0
     argv = shlex.split(bench)
     return subprocess.run([sys.executable, str(REPO / argv[1]), *argv[2:]], capture_output=True, text=True,
                           check=True, timeout=600).stdout

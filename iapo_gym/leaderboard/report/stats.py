@@ -104,11 +104,12 @@ def paired_test(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray
     d = d[d != 0.0]
     n_eff = int(d.size)
     median = float(np.median(d)) if n_eff else math.nan
+    positives = int((d > 0).sum())
     if test == "wilcoxon":
         ranks = sps.rankdata(np.abs(d))  # tied magnitudes share their mean rank, as in the test
         direction = int(np.sign(ranks[d > 0].sum() - ranks[d < 0].sum()))
     else:
-        direction = int(np.sign(int((d > 0).sum()) - int((d < 0).sum())))
+        direction = int(np.sign(2 * positives - n_eff))
     if n_eff < 2:
         return PairedTest(n_pairs, n_eff, math.nan, math.nan, median, direction)
     if test == "wilcoxon":
@@ -116,7 +117,6 @@ def paired_test(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray
             warnings.simplefilter("ignore", UserWarning)
             res = sps.wilcoxon(d, zero_method="wilcox", alternative="two-sided")
         return PairedTest(n_pairs, n_eff, float(res.statistic), float(res.pvalue), median, direction)
-    positives = int((d > 0).sum())
     res_b = sps.binomtest(positives, n_eff, 0.5, alternative="two-sided")
     return PairedTest(n_pairs, n_eff, float(positives), float(res_b.pvalue), median, direction)
 
