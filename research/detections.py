@@ -1,0 +1,72 @@
+"""The change detections of an online agent and the regret they cost: per (family, schedule, tuning level, seed), its
+cumulative exact regret at T, over the late half (requests T/2 on) and the requests at which it detected a change,
+then per schedule the means over the runs and the detections in all. Run through the public ``make_online`` and
+``OnlineEnv`` as ``run_online`` runs an agent (``arrivals`` / ``choose_batch`` / ``serve`` / ``update_batch``),
+tuning levels only.
+
+    .venv/bin/python research/detections.py --schedules stationary,drift --levels 0 1 2 3
+
+Used for research/online_tuning.md, "False detections from rare failed votes" (every family, both schedules, levels
+0-3: about 6 minutes on one core).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from agents.online import make_online
+from iapo_gym.online import OnlineEnv
+from iapo_gym.seeding import derive_seed
+from iapo_gym.tasks.generated import TUNING_LEVELS, families
+
+
+def detections(family: str, level: int, schedule: str, horizon: int, seed: int, agent: str = "iapo_online",
+               batch_size: int = 16) -> tuple[np.ndarray, list[int]]:
+    """Serve ``horizon`` requests of a tuning level with ``agent`` (its defaults) as ``run_online(..., seed,
+    batch_size)`` does: each request's exact regret (T,) and the requests at which the agent detected a change (empty
+    for an agent without a detector)."""
+    if level not in TUNING_LEVELS:
+        raise SystemExit(f"tuning levels only (ids < {TUNING_LEVELS.stop:,}), got {level}")
+    env = OnlineEnv(family=family, level=level, schedule=schedule, horizon=horizon)
+    online = make_online(agent)
+    env.reset(seed=seed)
+    online.start(env, derive_seed(seed, "agent"))
+    regret = np.empty(horizon)
+    while env.t < horizon:
+        requests = env.arrivals(min(batch_size, horizon - env.t))
+        prompts, ns = online.choose_batch(requests)
+        out = env.serve(requests, prompts, ns)
+        regret[requests.start:requests.start + len(requests)] = out.regret
+        online.update_batch(requests, out)
+    return regret, [int(step) for step, _, _ in getattr(online, "changes", [])]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", default=",".join(families()))
+    parser.add_argument("--schedules", default="stationary,drift")
+    parser.add_argument("--levels", type=int, nargs="+", default=[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--horizon", type=int, default=100_000)
+    parser.add_argument("--agent", default="iapo_online")
+    args = parser.parse_args()
+    half = args.horizon // 2
+    for schedule in args.schedules.split(","):
+        totals, lates, found = [], [], 0
+        for family in args.families.split(","):
+            for level in args.levels:
+                for seed in args.seeds:
+                    regret, changes = detections(family, level, schedule, args.horizon, seed, args.agent)
+                    totals.append(regret.sum())
+                    lates.append(regret[half:].sum())
+                    found += len(changes)
+                    print(f"{family} {schedule} level {level} seed {seed}: regret {regret.sum():.1f}, "
+                          f"late half {regret[half:].sum():.1f}, detections at {changes}", flush=True)
+        print(f"{schedule}: {len(totals)} runs, mean regret {np.mean(totals):.1f}, over the late half "
+              f"{np.mean(lates):.1f}; {found} detections", flush=True)
+
+
+if __name__ == "__main__":
+    main()
