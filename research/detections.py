@@ -1,8 +1,7 @@
 """The change detections of an online agent and the regret they cost: per (family, schedule, tuning level, seed), its
 cumulative exact regret at T, over the late half (requests T/2 on) and the requests at which it detected a change,
-then per schedule the means over the runs and the detections in all. Run through the public ``make_online`` and
-``OnlineEnv`` as ``run_online`` runs an agent (``arrivals`` / ``choose_batch`` / ``serve`` / ``update_batch``),
-tuning levels only.
+then per schedule the means over the runs and the detections in all. Run through the public ``make_online``,
+``OnlineEnv`` and ``run_online``, tuning levels only.
 
     .venv/bin/python research/detections.py --schedules stationary,drift --levels 0 1 2 3
 
@@ -17,30 +16,20 @@ import argparse
 import numpy as np
 
 from agents.online import make_online
-from iapo_gym.online import OnlineEnv
-from iapo_gym.seeding import derive_seed
+from iapo_gym.online import OnlineEnv, run_online
 from iapo_gym.tasks.generated import TUNING_LEVELS, families
 
 
 def detections(family: str, level: int, schedule: str, horizon: int, seed: int, agent: str = "iapo_online",
                batch_size: int = 16) -> tuple[np.ndarray, list[int]]:
-    """Serve ``horizon`` requests of a tuning level with ``agent`` (its defaults) as ``run_online(..., seed,
-    batch_size)`` does: each request's exact regret (T,) and the requests at which the agent detected a change (empty
-    for an agent without a detector)."""
+    """``run_online`` on a tuning level with ``agent`` (its defaults): each request's exact regret (T,) and the
+    requests at which the agent detected a change (empty for an agent without a detector)."""
     if level not in TUNING_LEVELS:
         raise SystemExit(f"tuning levels only (ids < {TUNING_LEVELS.stop:,}), got {level}")
-    env = OnlineEnv(family=family, level=level, schedule=schedule, horizon=horizon)
     online = make_online(agent)
-    env.reset(seed=seed)
-    online.start(env, derive_seed(seed, "agent"))
-    regret = np.empty(horizon)
-    while env.t < horizon:
-        requests = env.arrivals(min(batch_size, horizon - env.t))
-        prompts, ns = online.choose_batch(requests)
-        out = env.serve(requests, prompts, ns)
-        regret[requests.start:requests.start + len(requests)] = out.regret
-        online.update_batch(requests, out)
-    return regret, [int(step) for step, _, _ in getattr(online, "changes", [])]
+    result = run_online(OnlineEnv(family=family, level=level, schedule=schedule, horizon=horizon), online, seed=seed,
+                        batch_size=batch_size)
+    return result.regret, [int(step) for step, _, _ in getattr(online, "changes", [])]
 
 
 def main() -> None:

@@ -1,26 +1,20 @@
-"""research/detections.py: the run is ``run_online``'s, and the detections are the agent's."""
+"""research/detections.py: a drift's detection is reported near its change point; held-out levels are refused."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from detections import detections
 
-from agents.online import make_online
-from iapo_gym.online import OnlineEnv, run_online
+from iapo_gym.online import OnlineEnv
 
 
-def test_the_regret_and_detections_are_those_of_the_run_online_run() -> None:
-    """Drift on tuning level 5 of ``bon_shift``, 20,000 requests: each request's regret is bit for bit that of
-    ``run_online`` with the same agent, seed and batch size, and the detections are its agent's (one at least,
-    after the change point)."""
+def test_a_drift_is_detected_soon_after_its_change_point() -> None:
+    """Drift on tuning level 5 of ``bon_shift``, 20,000 requests: a detection within 500 requests of the change
+    point, and the regret is each request's (T values, none negative)."""
     regret, changes = detections("bon_shift", 5, "drift", 20_000, seed=0)
-    env = OnlineEnv(family="bon_shift", level=5, schedule="drift", horizon=20_000)
-    agent = make_online("iapo_online")
-    reference = run_online(env, agent, seed=0, batch_size=16)
-    assert np.array_equal(regret, reference.regret)
-    assert changes == [step for step, _, _ in agent.changes]
-    assert any(step >= env.schedule.segments[1].start for step in changes)
+    change = OnlineEnv(family="bon_shift", level=5, schedule="drift", horizon=20_000).schedule.segments[1].start
+    assert regret.shape == (20_000,) and (regret >= -1e-12).all()
+    assert any(change <= step < change + 500 for step in changes)
 
 
 def test_held_out_levels_are_refused() -> None:
