@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from agents.online import make_online
-from agents.online._iapo_kernels import ENTRY_REQUESTS, MIN_COUNT
+from agents.online._iapo_kernels import ENTRY_REQUESTS, MIN_COUNT, NO_SHIFT, feed_cusums
 from agents.online.explore_commit import ExploreThenCommit
 from agents.online.iapo_online import IAPOOnline
 from iapo_gym.online import OnlineEnv, Requests, ScheduleError, Served, build_schedule, run_online
@@ -302,6 +302,46 @@ def test_a_prompt_with_wide_utilities_trips_no_detector_on_a_stationary_table() 
     assert not agent.changes
     tenth = horizon // 10
     assert regret[-tenth:].mean() < 0.1 * regret[:tenth].mean()
+
+
+def _cusum_crossings(residuals: np.ndarray, slack: float = 0.25, threshold: float = 50.0) -> np.ndarray:
+    """``feed_cusums`` on one prompt's standardized residuals (own and pooled sd 1, no shift): each pull's change
+    estimate, -1 where no CUSUM is past ``threshold``."""
+    n = residuals.size
+    since = np.empty(n, dtype=np.int64)
+    feed_cusums(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.arange(n, dtype=np.int64),
+                residuals[:, None].astype(np.float64), 1.0, np.zeros(1), np.zeros((1, 1)), np.full((1, 1), 1e9),
+                np.full(1, 1e9), np.zeros(1), np.zeros(1), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64),
+                np.array([1e9, 1e9, NO_SHIFT, 1.0]), slack, threshold, 0.0, since)
+    return since
+
+
+def test_rare_failed_votes_trip_no_detector_and_a_shift_of_one_sd_is_seen_at_once() -> None:
+    """A majority vote's residuals are skewed: a little above the estimate on most queries and far below it on the
+    rare query whose vote fails. Two-point residuals of mean 0 and sd 1 (22.3 sds below w.p. 0.002): unclipped, a
+    few failures close together walked the CUSUM past its threshold about every 10^5 pulls (a stationary table's
+    best prompt lost, ``mv_few_queries`` tuning level 0 at request 73K); clipped to +-``CUSUM_CLIP`` nothing
+    crosses in 2 million pulls. A shift of the mean by one sd is still detected within 100 pulls and dated to it."""
+    rare = 0.002
+    low, high = -np.sqrt((1 - rare) / rare), np.sqrt(rare / (1 - rare))  # mean 0, variance 1
+    rng = np.random.default_rng(0)
+    residuals = np.where(rng.random(2_000_000) < rare, low, high)
+    assert abs(residuals.mean()) < 0.01 and abs(residuals.std() - 1.0) < 0.01
+    assert (_cusum_crossings(residuals) < 0).all()
+    shifted = np.concatenate([residuals[:10_000], residuals[10_000:20_000] - 1.0])
+    since = _cusum_crossings(shifted)
+    first = int(np.flatnonzero(since >= 0)[0])
+    assert 10_000 <= first < 10_100 and abs(int(since[first]) - 10_000) < 30
+
+
+def test_rare_failed_votes_of_a_stationary_table_trip_no_detector_in_a_run() -> None:
+    """The same on a whole run: on stationary ``mv_few_queries`` level 0 (tuning), seed 0, the unclipped CUSUM of
+    the best prompt of context 0 (a majority vote of 13 completions) crossed at request 73,152 and its completions
+    were forgotten; clipped, nothing is detected."""
+    env = OnlineEnv(family="mv_few_queries", level=0, schedule="stationary", horizon=75_000)
+    agent = IAPOOnline()
+    run_online(env, agent, seed=0, batch_size=16)
+    assert agent.changes == []
 
 
 def test_new_models_enter_optimistically() -> None:

@@ -87,6 +87,12 @@ def best_prompts(contexts: np.ndarray, scaled: np.ndarray, fade: float, width: f
 ARM_RESIDUALS = 50
 #: The shift prior before the pooled residual sd is read (shifts stay 0), and at ``bias_sd`` = 0.
 NO_SHIFT = 1e300
+#: A standardized residual enters the CUSUMs clipped to +-this. A majority vote's residuals are skewed: mostly a
+#: little above the estimate, and on the rare query whose vote fails 10-15 sds below it, so a few such queries close
+#: together walked an unclipped CUSUM past its threshold on a stationary table. Clipped at c, a residual of mean 0
+#: and variance 1 has a mean within 1 / (4 c) of 0 (c (|x| - c) <= x^2 / 4; 0.083, below the default ``slack``), whatever
+#: its shape; a shift of the mean by up to about c sds is still seen at its size.
+CUSUM_CLIP = 3.0
 
 
 @njit
@@ -102,7 +108,8 @@ def feed_cusums(prompts: np.ndarray, contexts: np.ndarray, steps: np.ndarray, re
     pooled, their sum of squares, the shift prior sigma^2 / ``bias_sd``^2, the width's unit sigma] and is updated:
     before ``ARM_RESIDUALS`` residuals the detector, the shifts and the unit stay unarmed. A residual is centred on
     the prompt's shift s_cp before it and divided by the prompt's own residual sd under its context as of the last
-    read (``ref_ss`` / ``ref_n``, with the pooled variance counted as ``ARM_RESIDUALS`` residuals)."""
+    read (``ref_ss`` / ``ref_n``, with the pooled variance counted as ``ARM_RESIDUALS`` residuals), and clipped to
+    +-``CUSUM_CLIP``."""
     for i in range(prompts.size):
         p, c, t = prompts[i], contexts[i], steps[i]
         s_n = res_n[p]
@@ -119,7 +126,7 @@ def feed_cusums(prompts: np.ndarray, contexts: np.ndarray, steps: np.ndarray, re
         pool[2] = var / bias_sd ** 2 if bias_sd > 0.0 else NO_SHIFT
         pool[3] = np.sqrt(var)
         own = (ref_ss[c, p] * fade + ARM_RESIDUALS * var) / (ref_n[p] * fade + ARM_RESIDUALS)
-        x = centred / np.sqrt(own)
+        x = min(max(centred / np.sqrt(own), -CUSUM_CLIP), CUSUM_CLIP)
         u = up[p] + x - slack
         if u <= 0.0:
             u = 0.0
