@@ -20,7 +20,7 @@ DOC = REPO / "docs" / "online.md"
 BUNDLE = "benchmarks/bundles/online_100k_iapo_etc.iapo.zip"
 BUNDLE_10K = "benchmarks/bundles/online_10k_iapo_etc.iapo.zip"
 VW_BUNDLE_10K = "benchmarks/bundles/online_10k_vw_1.iapo.zip"
-VW_BUNDLES = [f"benchmarks/bundles/online_100k_vw_{k}.iapo.zip" for k in (1, 2, 3, 4, 5)]
+VW_BUNDLES = [f"benchmarks/bundles/online_100k_vw_{k}.iapo.zip" for k in range(1, 7)]
 
 
 def _section(title: str) -> str:
