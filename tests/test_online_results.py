@@ -95,6 +95,10 @@ def test_the_100k_table_is_what_the_benchmark_command_prints_from_the_bundles(tm
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # the merge command's PYTHONPATH=benchmarks: VW's adapter
     _table_is_printed("### The benchmark at T = 100,000", [BUNDLE, VW_BUNDLE], "results/online_100k_full", 100000,
                       10080, 84, 12, tmp_path)
+    # benchmarks/bundles/README.md reports the same grid with the same merge command (run above)
+    readme = (REPO / "benchmarks" / "bundles" / "README.md").read_text(encoding="utf-8")
+    merges = [c for c in _commands(readme) if "iapo-gym leaderboard merge" in c]
+    assert merges == [_commands(_section("### The benchmark at T = 100,000"))[1]]
 
     # the analysis block of "What is not there yet" prints the figures its prose quotes
     lacking = _section("## What is not there yet")
