@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from agents.online import make_online
-from agents.online._iapo_kernels import ENTRY_REQUESTS, MIN_COUNT, NO_SHIFT, feed_cusums
+from agents.online._iapo_kernels import ARM_RESIDUALS, ENTRY_REQUESTS, MIN_COUNT, NO_SHIFT, feed_cusums
 from agents.online.explore_commit import ExploreThenCommit
 from agents.online.iapo_online import IAPOOnline
 from iapo_gym.online import OnlineEnv, Requests, ScheduleError, Served, build_schedule, run_online
@@ -72,7 +72,7 @@ class Recording(IAPOOnline):
 
     def update_batch(self, requests: Requests, served: Served) -> None:
         super().update_batch(requests, served)
-        through = self.read & (self.entries >= ENTRY_REQUESTS)
+        through = self.read & (self.entries >= ENTRY_REQUESTS) & (self.completions > 0)  # served, not only warm
         assert (self.completions[through] < 2.0 * self._read_at[through]).all()
 
 
@@ -122,8 +122,9 @@ def test_a_batch_is_chosen_as_one_request_at_a_time_with_virtual_counts(family: 
 
 
 def test_every_prompt_enters_with_several_requests_before_it_competes() -> None:
+    """Without a warm start (``budget`` 0) every prompt serves its entry requests before any estimate is read."""
     env = OnlineEnv(family="mv_categorical", level=2, schedule="stationary", horizon=1_000)
-    agent = Recording()
+    agent = Recording(budget=0)
     run_online(env, agent, seed=0, batch_size=1)
     n_p = env.table.n_prompts
     entry = agent.first_choices[:ENTRY_REQUESTS * n_p]
@@ -248,10 +249,11 @@ def test_its_regret_keeps_falling_on_a_stationary_level(family: str, level: int)
     far below its value (the shared prior's pull), a width of 0.025 never served it again, and the per-request regret
     of the second half stayed at 0.87 and 0.64 times the first quarter's (0.044 and 0.046 per request). The width in
     residual sds and the per-context shift s_cp find it: the second half's regret is a small part of the first
-    quarter's, and no change is detected where none is."""
+    quarter's, and no change is detected where none is. Without a warm start (``budget`` 0), whose prior would
+    otherwise serve the best prompt from the first request on."""
     horizon = 10_000
     env = OnlineEnv(family=family, level=level, schedule="stationary", horizon=horizon)
-    agent = IAPOOnline()
+    agent = IAPOOnline(budget=0)
     result = run_online(env, agent, seed=0, batch_size=16)
     first, second_half = result.regret[:horizon // 4].mean(), result.regret[horizon // 2:].mean()
     assert second_half < 0.3 * first
@@ -294,10 +296,11 @@ def test_a_prompt_with_wide_utilities_trips_no_detector_on_a_stationary_table() 
     ``bon_flat`` level 0 (tuning) the best prompt of one context, served at N = 16, has residuals of sd 0.12 against
     a pooled sd of 0.045; in pooled sds its CUSUM walked past the threshold 3 times between requests 59K and 62K,
     its completions were forgotten and it was lost again (0.0097 per request over the last tenth). In its own sd
-    nothing fires and, once it is found, the regret per request falls to almost 0."""
+    nothing fires and, once it is found, the regret per request falls to almost 0 (without a warm start, ``budget``
+    0, so that the best prompt is found by exploring)."""
     horizon = 66_000
     env = OnlineEnv(family="bon_flat", level=0, schedule="stationary", horizon=horizon)
-    agent = IAPOOnline()
+    agent = IAPOOnline(budget=0)
     regret = run_online(env, agent, seed=0, batch_size=16).regret
     assert not agent.changes
     tenth = horizon // 10
@@ -392,17 +395,64 @@ def test_the_change_detector_forgets_a_drifted_prompts_old_completions() -> None
     assert ((pulls.prompts != p) & (steps < change)).any()  # the other prompts' completions are kept
 
 
+def test_the_warm_start_reads_the_completions_explore_then_commit_chose_its_policy_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both agents train ``auto`` on the run's train split with the same seeds: their offline estimators hold the
+    same completions (counts and sums equal), and explore-then-commit's policy is the warm learner's."""
+    import agents.online.explore_commit as etc_module
+    import agents.online.iapo_online as iapo_module
+
+    learners: dict[str, list] = {"etc": [], "iapo": []}
+    for key, module in (("etc", etc_module), ("iapo", iapo_module)):
+        def keep(name: str, _key: str = key, _make=module.make, **kwargs):  # type: ignore[no-untyped-def]
+            learner = _make(name, **kwargs)
+            learners[_key].append(learner)
+            return learner
+        monkeypatch.setattr(module, "make", keep)
+    env = OnlineEnv(family="bon_shift", level=3, schedule="stationary", horizon=100)
+    env.reset(seed=7)
+    etc, warm = ExploreThenCommit(), IAPOOnline()
+    etc.start(env, derive_seed(7, "agent"))
+    warm.start(env, derive_seed(7, "agent"))
+    assert warm.budget == etc.budget and warm._prior.any()
+    (a,), (b,) = learners["etc"], learners["iapo"]
+    ta, tb = a.last_tail.estimator.table, b.last_tail.estimator.table
+    assert ta.counts.sum() > 0
+    np.testing.assert_array_equal(ta.counts, tb.counts)
+    np.testing.assert_array_equal(ta.sums, tb.sums)
+
+
+def test_the_warm_starts_offset_is_what_the_run_queries_add_to_the_train_splits_values() -> None:
+    """``mv_few_queries`` tuning level 2 (13 train and 5 test queries): ``auto``'s offline estimates of the train
+    split sit far below the prompts' values on the run's queries. The offset d_c the agent reads from what it served
+    is, within sampling error, the exact mean over those pulls of Q (on the run's queries) less Q_off at each pull's
+    (p, N), shrunk by ``ARM_RESIDUALS`` as the agent shrinks it: its residuals against the exact Q have mean 0."""
+    env = OnlineEnv(family="mv_few_queries", level=2, schedule="stationary", horizon=5_000)
+    agent = IAPOOnline()
+    run_online(env, agent, seed=0, batch_size=16)
+    assert not agent.changes and agent._prior.all()
+    agent._read_offset()  # on every pull logged
+    q, _ = env.segment_tensors(0)
+    _, pulls = agent.log.read()
+    at = (slice(None), pulls.prompts, pulls.ns - 1)
+    exact = (q[at] - agent._q_off[at]).sum(axis=1) / (len(pulls) + ARM_RESIDUALS)  # (C,)
+    noise = agent.log.utilities().T - q[at]  # (C, B): each utility less its exact expectation
+    se = noise.std(axis=1) * np.sqrt(len(pulls)) / (len(pulls) + ARM_RESIDUALS)
+    assert (exact > 0.1).all()  # the train split's estimates sit far below the run's values
+    assert (np.abs(agent._offset - exact) < 5.0 * se).all()
+
+
 def test_bad_hyper_parameters_name_the_value() -> None:
     with pytest.raises(ValueError, match="width must be a number >= 0"):
         IAPOOnline(width=-1.0)
     with pytest.raises(ValueError, match=r"memory must be a number > 0 \(inf: no fading\), got 0.0"):
         IAPOOnline(memory=0.0)
-    with pytest.raises(ValueError, match="refit must be a number > 0"):
-        IAPOOnline(refit=0)
+    with pytest.raises(ValueError, match=r"budget must be an integer >= 0 \(completions before request 0\), got -1"):
+        IAPOOnline(budget=-1)
     with pytest.raises(ValueError, match="entry_n must be an integer >= 1"):
         IAPOOnline(entry_n=0)
     with pytest.raises(ValueError, match="bias_sd must be a number >= 0"):
         IAPOOnline(bias_sd=-0.1)
     agent = make_online("iapo_online")
     assert isinstance(agent, IAPOOnline) and set(agent.params()) == {
-        "width", "memory", "refit", "threshold", "slack", "entry_n", "prior", "bias_sd"}
+        "width", "memory", "threshold", "slack", "entry_n", "prior", "bias_sd", "budget"}

@@ -4,9 +4,21 @@ prompts, refitted on a doubling schedule, with a change detector for drift and o
 * **Estimate.** Every completion served goes into ``agents.plugin.PlugInEstimator``, the estimator of ``auto``: per
   (prompt, query) outcome distributions read through the oracle's exact formulas with a prior shared across queries and
   prompts, so one pull informs every context (cross-context reuse) and every N (nested reuse). The estimate is
-  refitted when the completions served since the last refit reach ``refit`` times those before (1: a doubling
-  schedule, about log2 of the completions refits in a run), never per request: a refit costs as much as thousands
-  of requests.
+  refitted when the completions served since the last refit reach those before (a doubling schedule, about log2 of
+  the completions refits in a run), never per request: a refit costs as much as thousands of requests.
+* **Warm start.** Before request 0 ``auto`` spends ``budget`` completions on the train split
+  (as ``ExploreThenCommit`` trains, with the same seeds: the same completions). Its estimate Q_off of
+  each prompt it read enters as k_p = 1 / (1 / q_p + 1 / Q_train + 1 / Q_test) requests served at step 0, faded as
+  every request, q_p the train queries it read the prompt on and Q_train, Q_test the splits' sizes: a prompt's value
+  on the train split differs from its value on the run's queries by the sampling of both splits' queries, so a
+  prompt read on a few queries counts as about that many requests and one read on many as at most the splits allow.
+  A read prompt's estimate is (k_p (Q_off + d_c) + n_p Q^) / (k_p + n_p) with n_p its faded requests (Q_off + d_c
+  before the prompt is served), and d_c, per context, the mean over every served pull of a warm prompt of its
+  utility less Q_off at its N, shrunk to 0 by ``ARM_RESIDUALS`` pulls: the run's queries as a whole are easier or
+  harder than the train split's (by 0.1-0.25 on tuning levels of the families with few queries), and without it a
+  prompt known only from the train split is compared with served ones on another scale. A warm prompt needs no
+  entry requests; a prompt that arrives, or every prompt after a detected change (the prior is dropped), enters
+  as without the warm start.
 * **Choice.** For a request of context c, each available prompt p scores ``max_N Q^(c, p, N) + s_cp + width *
   sigma * sqrt(log(t + 2) / n_p)`` with n_p the requests the prompt served, faded, and sigma the pooled sd of the
   residuals; the request gets the best prompt at its best N. Within a batch each earlier choice counts as a request
@@ -52,17 +64,25 @@ whose completion source refuses to draw: the online env serves every completion.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
 import numpy as np
 
-from agents.online._iapo_kernels import ENTRY_REQUESTS, NO_SHIFT, best_prompts, feed_cusums
+from agents.base import make
+from agents.online._iapo_kernels import ARM_RESIDUALS, ENTRY_REQUESTS, MIN_COUNT, NO_SHIFT, best_prompts, feed_cusums
+from agents.online.explore_commit import ExploreThenCommit
 from agents.online.served_log import ServedElsewhere, ServedLog, select_pulls
+from agents.plugin.anytime import AnytimePlugIn
 from agents.plugin.estimator import PlugInEstimator, check_nonnegative, warm_up
 from iapo_gym.env import IAPOEnv, Pulls
 from iapo_gym.online import OnlineAgentBase, OnlineEnv, Requests, Served
+from iapo_gym.seeding import derive_seed
 
+#: ``budget``'s default: explore-then-commit's offline budget (what ``iapo-gym optimize`` spends before ``serve``),
+#: read from its signature so that both agents start from one number.
+OFFLINE_BUDGET: int = inspect.signature(ExploreThenCommit.__init__).parameters["budget"].default
 #: The lazily faded counts are renormalized when their scale passes this.
 _RESCALE = 1e150
 
@@ -72,39 +92,39 @@ class IAPOOnline(OnlineAgentBase):
 
     :param width: exploration weight of a prompt's confidence width sigma * sqrt(log(t + 2) / n_p) (residual sds).
     :param memory: n_p fades over a window of ``memory`` * sqrt(t - o) requests, o the last detection (inf: none).
-    :param refit: the estimate is refitted when the completions since the last refit reach this times those before.
     :param threshold: CUSUM threshold (in the prompt's residual sds) at which its older completions are forgotten.
     :param slack: CUSUM slack (in the prompt's residual sds): smaller shifts of its mean utility go undetected.
     :param entry_n: N of an entering prompt's ``ENTRY_REQUESTS`` pulls (optimistic entry; capped at N_max).
     :param prior: weight of the estimator's shared prior, times ``auto``'s (``alpha`` 32 pseudo-votes, ``bon_prior`` 1).
     :param bias_sd: prior sd of the estimate's bias per (context, prompt) (utility units; 0: no shift s_cp).
+    :param budget: completions ``auto`` spends on the train split before request 0 (the warm start; 0: none).
     """
 
-    def __init__(self, seed: int | None = None, width: float = 0.5, memory: float = 200.0, refit: float = 1.0,
-                 threshold: float = 50.0, slack: float = 0.25, entry_n: int = 8, prior: float = 0.1,
-                 bias_sd: float = 0.05) -> None:
+    def __init__(self, seed: int | None = None, width: float = 0.5, memory: float = 200.0, threshold: float = 50.0,
+                 slack: float = 0.25, entry_n: int = 8, prior: float = 0.1, bias_sd: float = 0.05,
+                 budget: int = OFFLINE_BUDGET) -> None:
         """Hyper-parameters as documented on the class; ``seed`` for ties."""
         super().__init__(seed)
         self.width, self.threshold, self.slack, self.prior, self.bias_sd = check_nonnegative(
             width=width, threshold=threshold, slack=slack, prior=prior, bias_sd=bias_sd)
         if isinstance(memory, bool) or not float(memory) > 0.0:
             raise ValueError(f"memory must be a number > 0 (inf: no fading), got {memory!r}")
-        if isinstance(refit, bool) or not float(refit) > 0.0:
-            raise ValueError(f"refit must be a number > 0, got {refit!r}")
         if isinstance(entry_n, bool) or not isinstance(entry_n, (int, np.integer)) or entry_n < 1:
             raise ValueError(f"entry_n must be an integer >= 1, got {entry_n!r}")
-        self.memory, self.refit, self.entry_n = float(memory), float(refit), int(entry_n)
+        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
+            raise ValueError(f"budget must be an integer >= 0 (completions before request 0), got {budget!r}")
+        self.memory, self.entry_n, self.budget = float(memory), int(entry_n), int(budget)
         self._rate = 2.0 / self.memory  # phi(t) = _rate * sqrt(t) (0 at memory = inf)
         warm_up()
 
     def params(self) -> dict[str, Any]:
         """The hyper-parameters."""
-        return {"width": self.width, "memory": self.memory, "refit": self.refit, "threshold": self.threshold,
-                "slack": self.slack, "entry_n": self.entry_n, "prior": self.prior, "bias_sd": self.bias_sd}
+        return {"width": self.width, "memory": self.memory, "threshold": self.threshold, "slack": self.slack,
+                "entry_n": self.entry_n, "prior": self.prior, "bias_sd": self.bias_sd, "budget": self.budget}
 
     # ---- state ----------------------------------------------------------------------------------
     def start(self, env: OnlineEnv, seed: int) -> None:
-        """Empty estimate over the env's schema."""
+        """Empty estimate over the env's schema, then the warm start (``budget`` > 0)."""
         super().start(env, seed)
         self.schema = env.schema
         self._base = IAPOEnv(table=self.schema, source=ServedElsewhere(), split=env.split)
@@ -116,7 +136,7 @@ class IAPOOnline(OnlineAgentBase):
         self.value = np.zeros((n_c, n_p))  # max_N of the estimate (0 until a prompt is read)
         self.best_n = np.full((n_c, n_p), self._entry, dtype=np.int64)
         self.q = np.zeros((n_c, n_p, n_max))
-        self.entries = np.zeros(n_p, dtype=np.int64)  # requests each prompt served (kept ones)
+        self.entries = np.zeros(n_p, dtype=np.int64)  # requests each prompt served (kept ones; warm: through entry)
         self.read = np.zeros(n_p, dtype=bool)  # prompts with an estimate
         self.completions = np.zeros(n_p)  # completions of each prompt (kept ones)
         self._read_at = np.zeros(n_p)  # each prompt's completions when its estimate was last read
@@ -148,11 +168,35 @@ class IAPOOnline(OnlineAgentBase):
         # one request's buffers: its context, prompt and N in ``choose``; its prompt, context and step in ``update``
         self._one, self._one_p, self._one_n = (np.zeros(1, dtype=np.int64) for _ in range(3))
         self._fed_p, self._fed_c, self._fed_t = (np.zeros(1, dtype=np.int64) for _ in range(3))
+        # the warm start: each prompt's k_p (scaled as ``_scaled``; 0 without one), Q_off and the offset d_c
+        self._prior, self._q_off, self._offset = np.zeros(n_p), np.zeros((n_c, n_p, n_max)), np.zeros(n_c)
+        if self.budget > 0:
+            self._warm_start(env, seed)
+
+    def _warm_start(self, env: OnlineEnv, seed: int) -> None:
+        """``auto``'s estimate after ``budget`` offline completions, each prompt it read as k_p requests at step 0."""
+        # explore-then-commit's training (``ExploreThenCommit.start``): its env and generator seeded alike, so the
+        # warm start reads the completions explore-then-commit's policy was chosen on
+        offline, keep = env.offline_env("train", seed=derive_seed(seed, "offline env"))
+        learner = make("auto", seed=derive_seed(seed, "offline agent"))
+        learner.train(offline, self.budget)
+        assert isinstance(learner, AnytimePlugIn) and learner.last_tail is not None
+        est = learner.last_tail.estimator
+        reads = est.seen(np.arange(keep.size)).sum(axis=1).astype(np.float64)  # q_p
+        ok = reads > 0
+        warm = keep[ok]
+        self._q_off[:, warm] = est.mean()[:, ok]
+        self._prior[warm] = 1.0 / (1.0 / reads[ok] + 1.0 / offline.queries("train").size
+                                   + 1.0 / offline.queries("test").size)
+        self._scaled[warm] += self._prior[warm]
+        self.entries[warm] = ENTRY_REQUESTS
+        self.read[warm] = True
+        self._store(warm)
 
     @property
     def served(self) -> np.ndarray:
         """(P,) whether each prompt has served a request (one kept since its completions were last forgotten)."""
-        return self.entries > 0
+        return self.completions > 0
 
     def _phi(self, t: int) -> float:
         """phi(t): phi at the last detection plus 2 sqrt(t - that step) / ``memory`` (t at or after it)."""
@@ -263,6 +307,7 @@ class IAPOOnline(OnlineAgentBase):
         fade = self._fade()
         if fade < 1.0 / _RESCALE:  # keep the lazily faded counts in range
             self._scaled *= fade
+            self._prior *= fade
             self._res_sum *= fade
             self._ref_ss *= fade
             self._ref_n *= fade
@@ -274,7 +319,7 @@ class IAPOOnline(OnlineAgentBase):
             if ((self.entries >= ENTRY_REQUESTS) | self._blocked).all():  # the entry round is over
                 self._first_read = True
                 self._refit()
-        elif self._drawn - self._fitted_total >= self.refit * self._fitted_total:
+        elif self._drawn >= 2.0 * self._fitted_total:
             self._refit()
         elif isinstance(touched, int):  # one request: scalars
             if self._due(touched):
@@ -317,6 +362,7 @@ class IAPOOnline(OnlineAgentBase):
                                    minlength=self.completions.size).astype(np.float64)
         self._t0 = self.t
         self.entries = np.bincount(pulls.prompts, minlength=self.completions.size).astype(np.int64)
+        self._prior[:] = 0.0  # the warm start's prior is dropped with the completions before a change
         self.read[:] = False
         self._read_at[:] = 0.0
         self._drawn = float(ns.sum())
@@ -337,6 +383,8 @@ class IAPOOnline(OnlineAgentBase):
         if len(pulls) == 0:
             return
         self._read_pulls(pulls)
+        if self._prior.any():  # the offset moved: every warm prompt's estimate
+            self._store(np.flatnonzero(self._prior > 0))
         self._residual_stats()
 
     def _read_early(self, prompts: np.ndarray) -> None:
@@ -357,13 +405,34 @@ class IAPOOnline(OnlineAgentBase):
         """Add ``pulls`` to the estimator and read the estimates of the prompts they touch."""
         self.est.update(pulls)
         prompts = np.unique(pulls.prompts)
-        q = self.est.table.sums[:, prompts, :]  # the estimator's estimates of the pulled prompts (counts are 1)
+        if self._prior[prompts].any():
+            self._read_offset()
+        self.read[prompts] = True
+        self._read_at[prompts] = self.completions[prompts]
+        self._store(prompts)
+
+    def _store(self, prompts: np.ndarray) -> None:
+        """Q^ of ``prompts`` into ``q``, ``best_n`` and ``value``: the estimator's (its counts are 1 once a prompt is
+        pulled), blended with a warm prompt's Q_off + d_c by k_p : n_p (the fading cancels in the ratio)."""
+        q = self.est.table.sums[:, prompts, :].copy()
+        prior = self._prior[prompts]
+        if prior.any():
+            pulled = self.est.table.counts[0, prompts, 0] > 0
+            share = np.where(pulled, prior / np.maximum(self._scaled[prompts], MIN_COUNT), 1.0)[None, :, None]
+            q = share * (self._q_off[:, prompts, :] + self._offset[:, None, None]) + (1.0 - share) * q
         self.q[:, prompts, :] = q
         best = q.argmax(axis=2)
         self.best_n[:, prompts] = best + 1
         self.value[:, prompts] = np.take_along_axis(q, best[..., None], axis=2)[..., 0]
-        self.read[prompts] = True
-        self._read_at[prompts] = self.completions[prompts]
+
+    def _read_offset(self) -> None:
+        """d_c: the mean over every logged pull of a warm prompt of its utility under c less Q_off(c, p, N), shrunk
+        to 0 by ``ARM_RESIDUALS`` pulls."""
+        _, pulls = self.log.read()
+        rows = self._prior[pulls.prompts] > 0
+        if rows.any():
+            residuals = self.log.utilities()[rows] - self._q_off[:, pulls.prompts[rows], pulls.ns[rows] - 1].T
+            self._offset = residuals.sum(axis=0) / (rows.sum() + ARM_RESIDUALS)
 
     def _residual_stats(self, prompts: np.ndarray | None = None) -> None:
         """The residuals (utility served minus the estimate Q^(c, p, N)) of ``prompts`` (None: every prompt) over
