@@ -12,6 +12,7 @@ Used for research/online_tuning.md, "False detections from rare failed votes" (e
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import numpy as np
 
@@ -21,12 +22,12 @@ from iapo_gym.tasks.generated import TUNING_LEVELS, families
 
 
 def detections(family: str, level: int, schedule: str, horizon: int, seed: int, agent: str = "iapo_online",
-               batch_size: int = 16) -> tuple[np.ndarray, list[int]]:
-    """``run_online`` on a tuning level with ``agent`` (its defaults): each request's exact regret (T,) and the
-    requests at which the agent detected a change (empty for an agent without a detector)."""
+               batch_size: int = 16, params: dict[str, Any] | None = None) -> tuple[np.ndarray, list[int]]:
+    """``run_online`` on a tuning level with ``agent`` (its defaults, overridden by ``params``): each request's exact
+    regret (T,) and the requests at which the agent detected a change (empty for an agent without a detector)."""
     if level not in TUNING_LEVELS:
         raise SystemExit(f"tuning levels only (ids < {TUNING_LEVELS.stop:,}), got {level}")
-    online = make_online(agent)
+    online = make_online(agent, **(params or {}))
     result = run_online(OnlineEnv(family=family, level=level, schedule=schedule, horizon=horizon), online, seed=seed,
                         batch_size=batch_size)
     return result.regret, [int(step) for step, _, _ in getattr(online, "changes", [])]
@@ -40,14 +41,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--horizon", type=int, default=100_000)
     parser.add_argument("--agent", default="iapo_online")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="iapo_online's warm-start completions (default: its own; 0: no warm start)")
     args = parser.parse_args()
+    params = {} if args.budget is None else {"budget": args.budget}
     half = args.horizon // 2
     for schedule in args.schedules.split(","):
         totals, lates, found = [], [], 0
         for family in args.families.split(","):
             for level in args.levels:
                 for seed in args.seeds:
-                    regret, changes = detections(family, level, schedule, args.horizon, seed, args.agent)
+                    regret, changes = detections(family, level, schedule, args.horizon, seed, args.agent, params=params)
                     totals.append(regret.sum())
                     lates.append(regret[half:].sum())
                     found += len(changes)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -38,16 +39,17 @@ class LateRegret:
 
 
 def late_regret(family: str, level: int, agent: str = "iapo_online", schedule: str = "stationary",
-                horizon: int = HORIZON, batch_size: int = 16, seed: int = 0) -> LateRegret:
-    """Serve ``horizon`` requests of a tuning level with ``agent`` (its defaults) as ``run_online(..., seed,
-    batch_size)`` does, keeping what the late half (requests T/2 on) was served. Stationary schedules only: the gaps
-    are read from the one segment's exact tensor."""
+                horizon: int = HORIZON, batch_size: int = 16, seed: int = 0,
+                params: dict[str, Any] | None = None) -> LateRegret:
+    """Serve ``horizon`` requests of a tuning level with ``agent`` (its defaults, overridden by ``params``) as
+    ``run_online(..., seed, batch_size)`` does, keeping what the late half (requests T/2 on) was served. Stationary
+    schedules only: the gaps are read from the one segment's exact tensor."""
     if level not in TUNING_LEVELS:
         raise SystemExit(f"tuning levels only (ids < {TUNING_LEVELS.stop:,}), got {level}")
     if schedule != "stationary":
         raise SystemExit(f"late_regret reads one segment's gaps: --schedule must be 'stationary', got {schedule!r}")
     env = OnlineEnv(family=family, level=level, schedule=schedule, horizon=horizon)
-    online = make_online(agent)
+    online = make_online(agent, **(params or {}))
     env.reset(seed=seed)
     online.start(env, derive_seed(seed, "agent"))
     q, q_star = env.segment_tensors(0)
@@ -80,9 +82,12 @@ def main() -> None:
     parser.add_argument("--agent", default="iapo_online")
     parser.add_argument("--horizon", type=int, default=HORIZON)
     parser.add_argument("--top", type=int, default=10, help="late arms shown per level, by regret taken")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="iapo_online's warm-start completions (default: its own; 0: no warm start)")
     args = parser.parse_args()
+    params = {} if args.budget is None else {"budget": args.budget}
     for level in args.levels:
-        run = late_regret(args.family, level, args.agent, horizon=args.horizon)
+        run = late_regret(args.family, level, args.agent, horizon=args.horizon, params=params)
         t = args.horizon
         windows = [(t // 4, t // 2), (t // 2, t)]
         per_request = [run.regret[a:b].mean() * 1e4 for a, b in windows]

@@ -51,8 +51,9 @@ class Run:
 
 
 def lockouts(family: str, level: int, seed: int = 0, horizon: int = 25_000, window: int = 2_000,
-             rate: float = 0.02, batch_size: int = 16) -> Run:
-    """The windows of one stationary run of ``iapo_online`` (defaults) whose regret per request exceeds ``rate``."""
+             rate: float = 0.02, batch_size: int = 16, budget: int | None = None) -> Run:
+    """The windows of one stationary run of ``iapo_online`` (defaults; ``budget``: its warm start's completions, 0
+    for none) whose regret per request exceeds ``rate``."""
     if not TUNING_LEVELS.start <= level < TUNING_LEVELS.stop:
         raise ValueError(f"tuning levels only: {TUNING_LEVELS.start}..{TUNING_LEVELS.stop - 1}, got {level}")
     if window % batch_size:
@@ -61,7 +62,7 @@ def lockouts(family: str, level: int, seed: int = 0, horizon: int = 25_000, wind
     q, _ = env.segment_tensors(0)
     exact = q.max(axis=2)
     best = int(np.argmax(exact[0]))
-    agent = IAPOOnline()
+    agent = IAPOOnline() if budget is None else IAPOOnline(budget=budget)
     env.reset(seed=seed)
     agent.start(env, derive_seed(seed, "agent"))
     regret = np.empty(horizon)
@@ -100,10 +101,12 @@ def main() -> None:
     parser.add_argument("--horizon", type=int, default=25_000)
     parser.add_argument("--window", type=int, default=2_000)
     parser.add_argument("--rate", type=float, default=0.02, help="regret per request that marks a lock-out window")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="the agent's warm-start completions (default: its own; 0: no warm start)")
     args = parser.parse_args()
     for level in args.levels:
         for seed in range(args.runs):
-            run = lockouts(args.family, level, seed, args.horizon, args.window, args.rate)
+            run = lockouts(args.family, level, seed, args.horizon, args.window, args.rate, budget=args.budget)
             print(f"{args.family} level {level} run {seed}: regret {run.regret.sum():.1f} at {args.horizon}; context "
                   f"0's best prompt {run.best} (exact {run.exact[0, run.best]:.3f})")
             for w in run.windows:

@@ -22,6 +22,10 @@ def test_the_late_arms_add_up_to_the_late_regret_of_the_run_online_run() -> None
     assert np.isclose(sum(total for _, total in run.arms.values()), run.regret[200:].sum())
     for arm, (count, total) in run.arms.items():
         assert run.gaps[arm] >= -1e-12 and np.isclose(total, count * run.gaps[arm])
+    cold = late_regret("mv_few_queries", 1, horizon=400, batch_size=16, seed=3, params={"budget": 0})
+    reference = run_online(OnlineEnv(family="mv_few_queries", level=1, schedule="stationary", horizon=400),
+                           make_online("iapo_online", budget=0), seed=3, batch_size=16)
+    assert np.array_equal(cold.regret, reference.regret) and not np.array_equal(cold.regret, run.regret)
 
 
 def test_held_out_levels_and_moving_schedules_are_refused() -> None:
