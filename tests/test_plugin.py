@@ -831,3 +831,132 @@ def test_eight_fit_sweeps_sit_at_the_fixed_point(monkeypatch: pytest.MonkeyPatch
                     worst[name] = max(worst[name], float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300)))
     assert worst["offsets"] <= 0.004, worst
     assert worst["scale"] <= 0.0005 and worst["spread"] <= 0.0005, worst
+
+
+def _threshold_model_table(seed: int, n_prompts: int = 6, n_queries: int = 60, n_max: int = 16) -> OutcomeTable:
+    """Best-of-N drawn from the threshold-logit model: six score levels 0, 0.2, .., 1 and P(score > t_k | p, q) =
+    sigmoid(a_pk + b_q), a prompt's failure rate and a query's combining on the logit scale. Prompts differ in
+    risk: a safe one climbs the levels evenly, a risky one mostly fails or reaches the top."""
+    rng = np.random.default_rng(seed)
+    grid = np.linspace(0.0, 1.0, 6)
+    risk = rng.uniform(0.0, 1.0, n_prompts)[:, None]
+    even = np.linspace(2.0, -2.0, 5)
+    a = (1.0 - risk) * even + risk * np.r_[-1.0, -1.2, -1.4, -1.6, -1.8] + rng.normal(0.0, 0.3, (n_prompts, 1))
+    b = rng.normal(0.0, 1.5, n_queries)
+    above = 1.0 / (1.0 + np.exp(-(a[:, None, :] + b[None, :, None])))
+    above = np.minimum.accumulate(above, axis=-1)
+    probs = -np.diff(np.concatenate([np.ones(above.shape[:2] + (1,)), above, np.zeros(above.shape[:2] + (1,))], -1))
+    split = np.zeros(n_queries, dtype=np.uint8)
+    split[: n_queries // 5] = 1
+    return OutcomeTable(
+        task="threshold_bon", aggregator="bon", probs=probs,
+        atoms=np.broadcast_to(grid[None, None, :, None], (n_prompts, n_queries, grid.size, 1)).copy(),
+        cost=np.full((n_prompts, n_queries), 0.01), n_max=n_max, context_weights=np.array([[1.0, -0.1]]),
+        context_names=("cheap",), context_probs=np.array([1.0]), objective_names=("score",), split=split)
+
+
+def _location_scale_table(seed: int, n_prompts: int = 6, n_queries: int = 60, n_max: int = 16) -> OutcomeTable:
+    """Best-of-N drawn from the location-scale model: score = level_p + o_q + scale_p e, e on a skewed seven-point
+    grid shared by every (prompt, query), the query offsets o_q large against the spreads."""
+    rng = np.random.default_rng(seed)
+    e = np.array([-1.0, -0.6, -0.3, 0.0, 0.4, 1.0, 2.0])
+    pe = np.array([0.1, 0.2, 0.25, 0.2, 0.12, 0.08, 0.05])
+    level, scale = rng.normal(0.0, 0.3, n_prompts), rng.uniform(0.3, 1.0, n_prompts)
+    offsets = rng.normal(0.0, 1.5, n_queries)
+    atoms = level[:, None, None] + offsets[None, :, None] + scale[:, None, None] * e
+    split = np.zeros(n_queries, dtype=np.uint8)
+    split[: n_queries // 5] = 1
+    return OutcomeTable(
+        task="location_scale_bon", aggregator="bon", probs=np.broadcast_to(pe, atoms.shape).copy(),
+        atoms=atoms[..., None], cost=np.full((n_prompts, n_queries), 0.01), n_max=n_max,
+        context_weights=np.array([[1.0, -0.1]]), context_names=("cheap",), context_probs=np.array([1.0]),
+        objective_names=("score",), split=split)
+
+
+def _blend_after_equal_draws(table: OutcomeTable, draws: int, seed: int = 0) -> PlugInEstimator:
+    """A blending estimator after every prompt drew ``draws`` completions on every train query."""
+    env = IAPOEnv(table=table)
+    env.reset(seed=seed)
+    est = PlugInEstimator(env, bon_reading="blend")
+    train = env.queries("train")
+    n_prompts = table.probs.shape[0]
+    est.update(env.pull(np.repeat(np.arange(n_prompts), train.size), np.full(n_prompts * train.size, draws),
+                        queries=np.tile(train, n_prompts)))
+    return est
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_blend_weight_picks_the_model_the_table_was_drawn_from(seed: int) -> None:
+    """The blend weight is the least-squares weight of the threshold-logit reading in predicting how the unbiased
+    readings rise with N: near 1 on a table drawn from the threshold-logit model, near 0 on one drawn from the
+    location-scale model (12 prompts, each drawn 16 times on each of 48 train queries; with fewer draws the
+    threshold-logit fit's own noise keeps its weight lower, 0.25-0.8 at 6 prompts and 6 draws)."""
+    logit = _blend_after_equal_draws(_threshold_model_table(seed, n_prompts=12), 16).blend_weight
+    location_scale = _blend_after_equal_draws(_location_scale_table(seed, n_prompts=12), 16).blend_weight
+    assert logit.min() > 0.7 and location_scale.max() < 0.1, (logit, location_scale)
+
+
+def test_blended_reading_is_closer_on_a_threshold_model_table() -> None:
+    """On tables drawn from the threshold-logit model, with 3 draws per (prompt, query), the blended estimate at
+    N_max is closer to the exact train Q than the location-scale one (mean absolute error over prompts and 6 tables)."""
+    errors = {"location_scale": [], "blend": []}
+    for seed in range(6):
+        table = _threshold_model_table(seed)
+        for reading in errors:
+            env = IAPOEnv(table=table)
+            env.reset(seed=seed)
+            est = PlugInEstimator(env, bon_reading=reading)
+            train = env.queries("train")
+            est.update(env.pull(np.repeat(np.arange(6), train.size), np.full(6 * train.size, 3),
+                                queries=np.tile(train, 6)))
+            errors[reading].append(np.abs(est.mean()[0, :, -1] - env.q_table("train")[0, :, -1]).mean())
+    assert np.mean(errors["blend"]) < 0.7 * np.mean(errors["location_scale"]), errors
+
+
+def test_blended_value_is_the_location_scale_one_moved_by_the_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The blend enters every place the location-scale reading R does (the shrunk readings, the correction and the
+    move onto the reference's queries), so the value is affine in the weight alpha: at alpha = 0 it is the
+    location-scale estimator's bit for bit, at 0.5 the mean of the values at 0 and 1. With no own reading, no
+    correction and every prompt on the same queries, the value at alpha = 1 is the mean over the prompt's queries of
+    the threshold-logit reading less the query offset."""
+    from agents.plugin import best_of_n, threshold_logit
+    from agents.plugin._logit_kernels import threshold_readings
+
+    table = shape_bon_table(seed=6, n_prompts=4, n_queries=15, n_max=8, n_objectives=2)
+    rng = np.random.default_rng(2)
+    env = IAPOEnv(table=table)
+    env.reset(seed=1)
+    train = env.queries("train")
+    pairs = np.repeat(np.arange(4), train.size), np.tile(train, 4)
+    kept = (pairs[0] != 2) | (pairs[1] < train[-4])  # prompt 2 misses four train queries: it is moved
+    batches = [env.pull(pairs[0][kept], rng.integers(1, 9, int(kept.sum())), queries=pairs[1][kept]) for _ in range(2)]
+
+    def value(alpha: float | None, reading: str = "blend", same_queries: bool = False
+              ) -> tuple[np.ndarray, PlugInEstimator]:
+        if alpha is not None:
+            monkeypatch.setattr(threshold_logit.ThresholdLogitFit, "_blend_weight",
+                                lambda self, *args: np.full(self._objectives.shape[0], alpha))
+        est = PlugInEstimator(env, bon_reading=reading, bon_prior=1e12 if same_queries else 1.0)
+        for pulls in batches:
+            if same_queries:  # prompts 0, 1 and 3 only, which saw every train query
+                keep = pulls.prompts != 2
+                pulls = Pulls.of(pulls.prompts[keep], pulls.ns[keep], pulls.queries[keep],
+                                 pulls.atoms[np.repeat(keep, pulls.ns)])
+            est.update(pulls)
+        return est._bon_value(np.array([0, 1, 3]) if same_queries else np.arange(4)), est
+
+    plain, _ = value(None, "location_scale")
+    none, _ = value(0.0)
+    half, _ = value(0.5)
+    full, _ = value(1.0)
+    assert np.array_equal(plain, none)
+    assert np.abs(full - none).max() > 1e-3
+    np.testing.assert_allclose(half, (none + full) / 2, rtol=0, atol=1e-12)
+
+    monkeypatch.setattr(best_of_n, "CORRECTION_QUERIES", 1e300)
+    logit_only, est = value(1.0, same_queries=True)
+    prompts, cols = np.array([0, 1, 3]), np.flatnonzero(est._seen[0])
+    readings = threshold_readings(est._threshold_fit(), prompts, cols, est._seen[prompts][:, cols], 8)
+    offsets = est._additive_fit()[1][:, cols]
+    expected = (readings - offsets[:, None, :, None]).mean(axis=2)[est._objective_row]
+    np.testing.assert_allclose(logit_only, expected, rtol=0, atol=1e-9)

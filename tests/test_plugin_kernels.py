@@ -326,3 +326,96 @@ def test_curve_fit_takes_the_reference_newton_steps() -> None:
             for p in range(n_prompts):
                 want = ref_curve_fit(list(g[p]), list(n[p]), list(z), ridge[0], ridge[1], slope, tuple(start[p]), 25, 30)
                 np.testing.assert_allclose([*theta[p], *variance[p]], want, rtol=1e-9, atol=1e-12)
+
+
+def ref_threshold_fit(scores: list[float], counts: list[float], entry_pair: list[int], pair_prompt: list[int],
+                      pair_query: list[int], n_prompts: int, n_queries: int, max_thresholds: int, sweeps: int,
+                      ridges: tuple[float, float], step_max: float
+                      ) -> tuple[list[float], list[float], list[list[float]], list[list[float]]]:
+    """One weighting's threshold-logit fit written out: the thresholds (every distinct score but the largest, or
+    the weighted quantiles j / (max_thresholds + 1) without repeats and without the largest score), the bins'
+    mean scores, and ``sweeps`` sweeps of one clipped Newton step per prompt, then per query, at each threshold."""
+    distinct = sorted(set(scores))
+    if len(distinct) - 1 <= max_thresholds:
+        thresholds = distinct[:-1]
+    else:
+        ordered = sorted(zip(scores, counts, strict=True))
+        total, thresholds = sum(counts), []
+        running = list(itertools.accumulate(count for _, count in ordered))
+        for j in range(1, max_thresholds + 1):  # the first score whose running count reaches the quantile
+            value = next(v for (v, _), below in zip(ordered, running, strict=True)
+                         if below >= j * total / (max_thresholds + 1))
+            if value < distinct[-1] and (not thresholds or value > thresholds[-1]):
+                thresholds.append(value)
+    k = len(thresholds)
+    bins = [sum(1 for t in thresholds if s > t) for s in scores]
+    values = [sum(c * s for s, c, b in zip(scores, counts, bins, strict=True) if b == j)
+              / sum(c for c, b in zip(counts, bins, strict=True) if b == j) for j in range(k + 1)]
+    n_pairs = len(pair_prompt)
+    above = [[sum(c for c, b, e in zip(counts, bins, entry_pair, strict=True) if e == i and b > j) for j in range(k)]
+             for i in range(n_pairs)]
+    drawn = [sum(c for c, e in zip(counts, entry_pair, strict=True) if e == i) for i in range(n_pairs)]
+    share = [sum(row[j] for row in above) / sum(drawn) for j in range(k)]
+    pooled = [math.log(s / (1 - s)) for s in share]
+    a = [list(pooled) for _ in range(n_prompts)]
+    b = [[0.0] * k for _ in range(n_queries)]
+    for _ in range(sweeps):
+        for theta, index, ridge, prior in ((a, pair_prompt, ridges[0], pooled), (b, pair_query, ridges[1], [0.0] * k)):
+            for r in range(len(theta)):
+                for j in range(k):
+                    grad = hess = 0.0
+                    for i in range(n_pairs):
+                        if index[i] == r:
+                            mu = 1 / (1 + math.exp(-(a[pair_prompt[i]][j] + b[pair_query[i]][j])))
+                            grad += above[i][j] - drawn[i] * mu
+                            hess += drawn[i] * mu * (1 - mu)
+                    step = (grad - ridge * (theta[r][j] - prior[j])) / (hess + ridge)
+                    theta[r][j] += min(max(step, -step_max), step_max)
+    return thresholds, values, a, b
+
+
+@pytest.mark.parametrize("n_levels", [5, 60])  # every distinct score a threshold, and weighted quantiles
+def test_threshold_fit_takes_the_reference_steps(n_levels: int) -> None:
+    """``threshold_fit`` finds the reference's thresholds and bins, and takes its Newton steps (to 1e-12: the
+    kernel sums a threshold's gradient over the pairs in the same order, but interleaves the thresholds)."""
+    from agents.plugin._logit_kernels import threshold_fit
+
+    rng = np.random.default_rng(11)
+    n_prompts, n_queries, n_w = 4, 5, 2
+    pair_prompt, pair_query = np.nonzero(rng.random((n_prompts, n_queries)) < 0.8)
+    entry_pair = np.repeat(np.arange(pair_prompt.size), 3)
+    scores = rng.integers(0, n_levels, (n_w, entry_pair.size)) / n_levels
+    counts = rng.integers(1, 4, entry_pair.size).astype(float)
+    a, b, values, k = threshold_fit(scores, counts, entry_pair, pair_prompt, pair_query, n_prompts, n_queries, 8, 6,
+                                    0.01, 1.0, 2.0)
+    for w in range(n_w):
+        thresholds, ref_values, ref_a, ref_b = ref_threshold_fit(
+            scores[w].tolist(), counts.tolist(), entry_pair.tolist(), pair_prompt.tolist(), pair_query.tolist(),
+            n_prompts, n_queries, 8, 6, (0.01, 1.0), 2.0)
+        assert k[w] == len(thresholds) and (k[w] == 8) == (n_levels == 60)
+        np.testing.assert_allclose(values[w, :k[w] + 1], ref_values, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(a[w, :, :k[w]], ref_a, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(b[w, :, :k[w]], ref_b, rtol=0, atol=1e-12)
+
+
+def test_threshold_readings_are_the_exact_expected_max_of_the_bins() -> None:
+    """``threshold_readings`` of a (prompt, query) is the oracle's E[max of N] of the K + 1 bins whose masses are the
+    fitted P(score > t_k) = sigmoid(a_pk + b_qk), made non-increasing in k, differenced; 0 where not asked."""
+    from agents.plugin._logit_kernels import threshold_readings
+
+    rng = np.random.default_rng(12)
+    n_w, n_p, n_q, k_max, n_max = 2, 3, 4, 6, 9
+    a, b = rng.normal(0, 2, (n_w, n_p, k_max)), rng.normal(0, 1, (n_w, n_q, k_max))
+    values = np.sort(rng.normal(size=(n_w, k_max + 1)), axis=1)
+    k = np.array([6, 3])
+    prompts, queries = np.array([2, 0]), np.array([3, 1, 2])
+    seen = np.array([[True, False, True], [True, True, False]])
+    out = threshold_readings((a, b, values, k), prompts, queries, seen, n_max)
+    for w, (i, p), (c, q) in itertools.product(range(n_w), enumerate(prompts), enumerate(queries)):
+        if not seen[i, c]:
+            assert not out[w, i, c].any()
+            continue
+        above = np.minimum.accumulate(1 / (1 + np.exp(-(a[w, p, :k[w]] + b[w, q, :k[w]]))))
+        mass = -np.diff(np.r_[1.0, above, 0.0])
+        exact = bon_expected_max(values[w, :k[w] + 1][None], mass[None], n_max)[0]
+        np.testing.assert_allclose(out[w, i, c], exact, rtol=0, atol=1e-12)

@@ -121,9 +121,9 @@ def location_scale_readings(expected: np.ndarray, spread: np.ndarray, shape: np.
 @_njit
 def _clipped_block(level: np.ndarray, offsets: np.ndarray, scale: np.ndarray, expected: np.ndarray,
                    spread: np.ndarray, shape: np.ndarray, weight: np.ndarray, weight_at_draws: np.ndarray,
-                   draws: np.ndarray, seen: np.ndarray, low: np.ndarray,
-                   high: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
-    """``clipped_readings`` in one pass (no (W, P, Q, N) work array)."""
+                   draws: np.ndarray, seen: np.ndarray, low: np.ndarray, high: np.ndarray, other: np.ndarray,
+                   alpha: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """``clipped_readings`` in one pass (no (W, P, Q, N) work array but ``other``'s)."""
     n_weightings, n_prompts = level.shape
     n_queries, n_max = expected.shape[1], expected.shape[2]
     out = np.zeros((n_weightings, n_prompts, n_max))
@@ -136,6 +136,8 @@ def _clipped_block(level: np.ndarray, offsets: np.ndarray, scale: np.ndarray, ex
                 at_draws = 0.0  # R at N = the pair's draws, once reached
                 for n in range(n_max):
                     r = _reading(base, scale[w, p], expected[w, q, n], spread[w, q], shape[w, p, n], low[w], high[w])
+                    if alpha[w] > 0.0:
+                        r = (1.0 - alpha[w]) * r + alpha[w] * other[w, p, q, n]
                     value = weight[p, q, n] * r
                     if n == last:
                         at_draws = r
@@ -147,13 +149,17 @@ def _clipped_block(level: np.ndarray, offsets: np.ndarray, scale: np.ndarray, ex
 
 def clipped_readings(level: np.ndarray, offsets: np.ndarray, scale: np.ndarray, expected: np.ndarray,
                      spread: np.ndarray, shape: np.ndarray, weight: np.ndarray, weight_at_draws: np.ndarray,
-                     draws: np.ndarray, seen: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:
+                     draws: np.ndarray, seen: np.ndarray, low: np.ndarray, high: np.ndarray,
+                     other: np.ndarray | None = None, alpha: np.ndarray | None = None) -> np.ndarray:
     """(W, P, N) sum over the queries ``seen`` (P, Q) marks of weight[p, q, n] R(p, q, n) + [n > d]
     weight_at_draws[p, q] R(p, q, d), d = draws[p, q] (>= 1), R the location-scale reading (``_reading``) of
     ``location_scale_readings``' arguments at N = n: the pooled readings' sum of ``BestOfNReadings._bon_value``, each
-    prompt's terms added query by query in query order."""
+    prompt's terms added query by query in query order. With ``other`` (W, P, Q, N) and ``alpha`` (W,), R is the blend
+    (1 - alpha) R + alpha other in each row where alpha > 0."""
     def f64(a: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(a, dtype=np.float64)
     return _clipped_block(f64(level), f64(offsets), f64(scale), f64(expected), f64(spread), f64(shape), f64(weight),
                           f64(weight_at_draws), np.ascontiguousarray(draws, dtype=np.int64),
-                          np.ascontiguousarray(seen, dtype=np.bool_), f64(low), f64(high))
+                          np.ascontiguousarray(seen, dtype=np.bool_), f64(low), f64(high),
+                          np.zeros((1, 1, 1, 1)) if other is None else f64(other),
+                          np.zeros(level.shape[0]) if alpha is None else f64(alpha))

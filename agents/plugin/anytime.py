@@ -89,6 +89,8 @@ class AnytimePlugIn(Agent):
     """
 
     anytime = True
+    #: The Best-of-N pooled reading of its estimator (``PlugInEstimator``'s ``bon_reading``).
+    bon_reading = "location_scale"
 
     def __init__(self, seed: int | None = None, q0: int = 8, rate: float = 0.5, kappa: float = 12.0,
                  alpha: float = 32.0, curve: float = 3.0, pretest: float = 2.0, bon_prior: float = 1.0,
@@ -141,7 +143,7 @@ class AnytimePlugIn(Agent):
 
     def _new_run(self, base: Any) -> _Run:
         """A fresh trajectory on ``base``: an empty estimator with the agent's prior, the agent's generator."""
-        return _Run(base, PlugInEstimator(base, **self.prior), self.rng)
+        return _Run(base, PlugInEstimator(base, **self.prior, bon_reading=self.bon_reading), self.rng)
 
     def _s0(self, run: _Run) -> int:
         return run.alive.shape[1] * self.q0 * MIN_DRAWS
@@ -196,6 +198,16 @@ class AnytimePlugIn(Agent):
             keep_top(run.alive, run.est, np.maximum(1, run.alive.sum(axis=1) // 2), run.stream.rng)
         self.last_tail = Tail(live, run.est)
         return read_policy(run.base, run.est, run.alive, run.stream.rng)
+
+
+class AnytimeBlend(AnytimePlugIn):
+    __doc__ = """``AnytimePlugIn`` whose Best-of-N estimate blends the location-scale reading with the threshold-logit one
+    (``plugin_anytime_blend``; docs/agents.md, "auto", item 2): the same steps, tail and hyper-parameters; on
+    majority-vote tables it is ``plugin_anytime``.
+
+""" + (AnytimePlugIn.__doc__ or "")[(AnytimePlugIn.__doc__ or "").index("    :param seed:"):]
+
+    bon_reading = "blend"
 
 
 def read_policy(base: Any, est: PlugInEstimator, alive: np.ndarray, rng: np.random.Generator) -> Policy:

@@ -8,9 +8,22 @@ from __future__ import annotations
 
 import numpy as np
 
+from agents.plugin._logit_kernels import threshold_readings
 from agents.plugin._max_kernels import segment_readings as _segment_sums
 from agents.plugin._scale_kernels import clipped_readings, location_scale_readings
-from agents.plugin.location_scale import LocationScaleFit, blocks, padded_rows
+from agents.plugin.location_scale import LocationScaleFit, blocks
+from agents.plugin.threshold_logit import Fit, ThresholdLogitFit
+
+#: The Best-of-N pooled readings ``PlugInEstimator`` takes (``bon_reading``): the location-scale one alone, or its
+#: blend with the threshold-logit one (docs/agents.md, "auto", item 2).
+BON_READINGS = ("location_scale", "blend")
+
+
+def check_bon_reading(bon_reading: str) -> str:
+    """``bon_reading`` if it is one of ``BON_READINGS``; else a ValueError naming it."""
+    if bon_reading not in BON_READINGS:
+        raise ValueError(f"bon_reading must be one of {', '.join(map(repr, BON_READINGS))}, got {bon_reading!r}")
+    return bon_reading
 
 #: A prompt's own shape D_p (its standardized residuals pooled over its queries, against the pool over every query)
 #: weighs n / (n + SHAPE_DRAWS N) at N for the prompt's n completions. Tuned on the generated tuning levels
@@ -48,10 +61,12 @@ def held_index(draws: np.ndarray, n_max: int) -> np.ndarray:
     return np.minimum(np.arange(n_max), np.asarray(draws, dtype=np.int64)[..., None] - 1)
 
 
-class BestOfNReadings(LocationScaleFit):
+class BestOfNReadings(LocationScaleFit, ThresholdLogitFit):
     """The Best-of-N value of the read prompts (a part of ``PlugInEstimator``)."""
 
     bon_prior: float
+    bon_reading: str
+    blend_weight: np.ndarray
     _own: np.ndarray
     _own_held: np.ndarray
     _objective_row: np.ndarray
@@ -86,23 +101,18 @@ class BestOfNReadings(LocationScaleFit):
         n_weightings = self._objectives.shape[0]
         for lo, hi in blocks(np.full(pp.size, n_weightings * width)):
             first = lo + np.flatnonzero(np.r_[True, pp[lo + 1:hi] != pp[lo:hi - 1]])
-            plug_in_sum, held_sum = self._own_readings(pp[lo:hi], qq[lo:hi], counts[lo:hi], self._objectives,
-                                                       weight[lo:hi], np.r_[first - lo, hi - lo])
+            plug_in_sum, held_sum = self._own_readings(pp[lo:hi], qq[lo:hi], self._objectives, weight[lo:hi],
+                                                       np.r_[first - lo, hi - lo])
             self._own[:, pp[first]] += sign * plug_in_sum
             self._own_held[:, pp[first]] += sign * held_sum
 
-    def _own_readings(self, pp: np.ndarray, qq: np.ndarray, counts: np.ndarray, objectives: np.ndarray,
-                      weight: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``segment_readings`` of the (prompt, query) pairs ``pp``, ``qq`` with atom ``counts`` (pairs, atoms),
-        scored by ``objectives`` (W, K): per segment ``bounds[s]:bounds[s + 1]`` of the pairs, the sum of ``weight``
-        (pairs, N_max) x their plug-in E[max of N] V and the sum of their held gaps U(m) - weight(m) V(m), m = min(N,
-        the pair's draws), U the unbiased mean max over m-subsets."""
-        atoms = self.env.table.atoms
-        assert atoms is not None
-        row, a = np.nonzero(counts)
-        projected = (atoms[pp[row], qq[row], a] @ objectives.T).T  # (W, entries)
-        scores, mass = padded_rows(projected, counts[row, a], row, pp.size)
-        return segment_readings(scores, mass, self.n_max, weight, bounds)
+    def _own_readings(self, pp: np.ndarray, qq: np.ndarray, objectives: np.ndarray, weight: np.ndarray,
+                      bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``segment_readings`` of the drawn (prompt, query) pairs ``pp``, ``qq``, scored by ``objectives`` (W, K):
+        per segment ``bounds[s]:bounds[s + 1]`` of the pairs, the sum of ``weight`` (pairs, N_max) x their plug-in
+        E[max of N] V and the sum of their held gaps U(m) - weight(m) V(m), m = min(N, the pair's draws), U the
+        unbiased mean max over m-subsets."""
+        return segment_readings(*self._pair_scores(pp, qq, objectives), self.n_max, weight, bounds)
 
     def _bon_value(self, prompts: np.ndarray) -> np.ndarray:
         """(C, len(prompts), N_max) the prompts' Best-of-N task value: per query, the shrunk own reading.
@@ -139,6 +149,11 @@ class BestOfNReadings(LocationScaleFit):
         expected_cols = expected[:, cols]
         low, high = self._score_range  # (W,) each
         offsets_cols, spread_cols = offsets[:, cols], spread[:, cols]
+        blend = None
+        if self.bon_reading == "blend":
+            logit_fit = self._threshold_fit()
+            self.blend_weight = self._blend_weight(logit_fit, prompts, cols, (level, offsets, scale, expected, spread, d_p))
+            blend = (logit_fit, self.blend_weight)
         for lo, hi in blocks(np.full(prompts.size, max(n_weightings, 1) * cols.size * self.n_max)):
             block = prompts[lo:hi]
             seen = seen_all[lo:hi, cols]
@@ -152,16 +167,18 @@ class BestOfNReadings(LocationScaleFit):
             w_at_draws = np.take_along_axis(w_pqn, np.minimum(n_pq, self.n_max)[..., None] - 1, axis=-1)[..., 0]
             # - lam (1 - w(n_pq)) / s on R(m = n_pq) at every N > n_pq
             weight_at_draws = np.where(seen & (n_pq < self.n_max), -lam * (1.0 - w_at_draws) / n_queries, 0.0)
+            other = None if blend is None else threshold_readings(blend[0], block, cols, seen, self.n_max)
             shrunk = clipped_readings(level[:, block], offsets_cols, scale[:, block], expected_cols, spread_cols,
-                                      d_p[:, lo:hi], weight, weight_at_draws, n_pq, seen, low, high)
+                                      d_p[:, lo:hi], weight, weight_at_draws, n_pq, seen, low, high, other,
+                                      None if blend is None else blend[1])
             own = (self._own[:, block] + lam[None] * self._own_held[:, block]) / n_queries
             out[:, lo:hi] = shrunk + own - (seen @ offsets_cols.T).T[:, :, None] / n_queries
-        self._move_to_reference(out, prompts, seen_all, drawn, (level, offsets, scale, expected, spread, d_p))
+        self._move_to_reference(out, prompts, seen_all, drawn, (level, offsets, scale, expected, spread, d_p), blend)
         result: np.ndarray = out[self._objective_row]
         return result
 
     def _move_to_reference(self, out: np.ndarray, prompts: np.ndarray, seen: np.ndarray, drawn: np.ndarray,
-                           fit: tuple[np.ndarray, ...]) -> None:
+                           fit: tuple[np.ndarray, ...], blend: tuple[Fit, np.ndarray] | None) -> None:
         """Move, in place, each value in ``out`` (W, len(prompts), N_max) from its prompt's queries to the reference's:
         add the reference's value on every query it saw less its value on the queries the prompt saw too. A prompt
         that saw exactly the reference's queries is left as it is (every prompt, while all read prompts saw the same
@@ -175,7 +192,8 @@ class BestOfNReadings(LocationScaleFit):
         The reference's value on a query subset is ``_bon_value``'s formula on that subset (its own
         readings recomputed query by query), one set of sums per distinct subset, in blocks of objective rows.
         ``seen`` (len(prompts), Q) and ``drawn`` (len(prompts),) are the prompts' seen queries and completions;
-        ``fit`` is ``_bon_value``'s (level, offsets, scale, expected, spread, shape) of the read prompts.
+        ``fit`` is ``_bon_value``'s (level, offsets, scale, expected, spread, shape) of the read prompts, ``blend``
+        its threshold-logit fit and blend weights (None: the location-scale reading alone).
         """
         ref = int(np.lexsort((np.arange(prompts.size), -drawn, -seen.sum(axis=1)))[0])
         differs = np.flatnonzero((seen != seen[ref]).any(axis=1))
@@ -201,8 +219,12 @@ class BestOfNReadings(LocationScaleFit):
             reading = location_scale_readings(expected[ws, cols], spread[ws, cols], d_p[ws, one],
                                               scale[ws, ref_prompt, None], level[ws, ref_prompt, None],
                                               offsets[ws, cols], low[ws], high[ws])[:, 0]  # (w, q, N)
-            plug_in, held = self._own_readings(pp, cols, counts, self._objectives[ws], w_pqn,
-                                               np.arange(cols.size + 1))
+            if blend is not None:
+                other = threshold_readings(tuple(part[ws] for part in blend[0]), pp[:1], cols,  # type: ignore[arg-type]
+                                           np.ones((1, cols.size), dtype=bool), self.n_max)[:, 0]
+                alpha = blend[1][ws, None, None]
+                reading = np.where(alpha > 0.0, (1.0 - alpha) * reading + alpha * other, reading)
+            plug_in, held = self._own_readings(pp, cols, self._objectives[ws], w_pqn, np.arange(cols.size + 1))
             at_m = np.take_along_axis(reading, np.broadcast_to(m_index, reading.shape), axis=-1)  # R(m)
             shrunk = subsets @ ((1.0 - w_pqn) * reading) - lam * (subsets @ (beyond * at_m))
             with np.errstate(invalid="ignore", divide="ignore"):  # a subset of no query: 0 / 0, not used

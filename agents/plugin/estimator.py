@@ -30,10 +30,11 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from agents.estimator import Estimator
+from agents.plugin._logit_kernels import threshold_fit, threshold_readings
 from agents.plugin._max_kernels import binned_expected_max, expected_max_rows, segment_readings
 from agents.plugin._scale_kernels import clipped_readings, location_scale_readings, over_spread, residual_sums, standardize
 from agents.plugin._vote_kernels import credit_rows, fit_curves
-from agents.plugin.best_of_n import BestOfNReadings, score_range
+from agents.plugin.best_of_n import BestOfNReadings, check_bon_reading, score_range
 from agents.plugin.majority_vote import MajorityVoteReadings
 from iapo_gym import Policy, Pulls
 
@@ -81,8 +82,10 @@ def warm_up() -> None:
     over_spread(one, one, index, index)
     cube = np.ones((1, 1, 1))
     clipped_readings(one, one, one, cube, one, cube, cube, one, np.ones((1, 1), np.int64), np.ones((1, 1), dtype=bool),
-                     np.zeros(1), np.ones(1))
+                     np.zeros(1), np.ones(1), np.ones((1, 1, 1, 1)), np.ones(1))
     location_scale_readings(cube, one, cube, one, one, one, np.zeros(1), np.ones(1))
+    fit = threshold_fit(np.array([[0.0, 1.0]]), np.ones(2), np.zeros(2, np.int64), index, index, 1, 1, 1, 1, 1.0, 1.0, 1.0)
+    threshold_readings(fit, index, index, np.ones((1, 1), dtype=bool), 2)
     fit_curves(np.ones((1, 2)), np.full((1, 2), 2.0), np.array([-1.0, 1.0]), (1.0, 1.0), np.array([[0.0, 1.0]]), 1.0,
                2, 2)
     _warm = True
@@ -96,13 +99,15 @@ class PlugInEstimator(MajorityVoteReadings, BestOfNReadings):
     """
 
     def __init__(self, env: Any, alpha: float = 32.0, curve: float = 3.0, slope: float = 1.0,
-                 pretest: float = 2.0, bon_prior: float = 1.0, empirical_bayes: bool = True) -> None:
+                 pretest: float = 2.0, bon_prior: float = 1.0, empirical_bayes: bool = True,
+                 bon_reading: str = "location_scale") -> None:
         """Bind to ``env``; the prior's strength (see the module docstring): ``alpha`` the majority-vote
         prior's pseudo-votes (at most, with ``empirical_bayes``; else exactly), ``curve`` and ``slope`` the
         response curves' ridges, ``pretest`` the sparse-slope test, ``bon_prior`` the pooled Best-of-N
-        reading's weight in completions per N."""
+        reading's weight in completions per N, ``bon_reading`` which pooled Best-of-N reading (``BON_READINGS``)."""
         self.alpha, self.curve, self.slope, self.pretest, self.bon_prior = check_nonnegative(
             alpha=alpha, curve=curve, slope=slope, pretest=pretest, bon_prior=bon_prior)
+        self.bon_reading = check_bon_reading(bon_reading)
         self.empirical_bayes = bool(empirical_bayes)
         self.table = Estimator(env)
         self.env = self.table.env
@@ -134,6 +139,9 @@ class PlugInEstimator(MajorityVoteReadings, BestOfNReadings):
             self._own = np.zeros((n_rows, self.n_prompts, self.n_max))  # sum_q w_pqN V_own(p, q, N)
             self._own_held = np.zeros((n_rows, self.n_prompts, self.n_max))  # sum_q U(p, q, m) - w_pqm V_own(p, q, m)
             self._score_range = score_range(table.atoms, self._objectives)  # (2, W): no outcome scores beyond
+            #: (W,) per objective row the threshold-logit reading's weight in the last Best-of-N reading (0 with the
+            #: location-scale reading alone)
+            self.blend_weight = np.zeros(n_rows)
 
     # ---- reading ----------------------------------------------------------------------
     def mean(self, unseen: float = np.nan) -> np.ndarray:
