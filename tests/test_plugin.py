@@ -56,7 +56,7 @@ def test_budget_on_math_and_seeded_reruns(name: str, math_release: Path) -> None
     assert runs[0] == runs[1]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, "plugin_anytime_blend"])
 def test_tiny_budgets_and_tables(name: str) -> None:
     for table in (tiny_mv_table(), tiny_bon_table()):
         env = IAPOEnv(table=table)
@@ -597,9 +597,26 @@ def _budgets_match_separate_runs(table: OutcomeTable, name: str, budgets: list[i
     assert env.budget_used == separate[-1][1]  # the env continues the largest budget's trajectory
 
 
-@pytest.mark.parametrize("aggregator", ["mv", "bon"])
-def test_anytime_train_budgets_is_bit_identical_to_separate_runs(aggregator: str) -> None:
-    _budgets_match_separate_runs(BIT_IDENTITY_TABLES[aggregator](), "auto", [0, 7, 900, 3_000, 5_000, 10_000])
+@pytest.mark.parametrize(("aggregator", "name"), [("mv", "auto"), ("bon", "auto"), ("bon", "plugin_anytime_blend")])
+def test_anytime_train_budgets_is_bit_identical_to_separate_runs(aggregator: str, name: str) -> None:
+    _budgets_match_separate_runs(BIT_IDENTITY_TABLES[aggregator](), name, [0, 7, 900, 3_000, 5_000, 10_000])
+
+
+def test_blend_agent_is_plugin_anytime_on_majority_vote_and_differs_on_best_of_n() -> None:
+    """``plugin_anytime_blend`` changes only the Best-of-N reading: on a majority-vote table it takes
+    ``plugin_anytime``'s pulls and policy; on a Best-of-N table its estimates differ."""
+    def run(name: str, table: OutcomeTable) -> tuple[Any, np.ndarray, np.ndarray]:
+        env = RecordingEnv(table)
+        env.reset(seed=4)
+        agent = agents.make(name, seed=1)
+        policy = agent.train(env, 3_000)
+        return policy, np.concatenate([b.atoms for b in env.batches]), agent.last_tail.estimator.mean()  # type: ignore[attr-defined]
+
+    mv = BIT_IDENTITY_TABLES["mv"]()
+    plain, blend = run("plugin_anytime", mv), run("plugin_anytime_blend", mv)
+    assert plain[0] == blend[0] and np.array_equal(plain[1], blend[1])
+    bon = BIT_IDENTITY_TABLES["bon"]()
+    assert not np.array_equal(run("plugin_anytime", bon)[2], run("plugin_anytime_blend", bon)[2])
 
 
 def test_anytime_train_budgets_is_bit_identical_to_separate_runs_on_math(math_release: Path) -> None:
