@@ -149,3 +149,11 @@ def tables(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     write_table(tiny_mv_table(n_queries=30), mv)
     write_table(tiny_bon_table(n_queries=30), bon)
     return {"mv": str(mv), "bon": str(bon)}
+
+
+def uses_avx512_kernels() -> bool:
+    """Whether numpy dispatches its float64 exp and log to its AVX-512 kernels on this CPU (its X86_V4 features,
+    found and not disabled by NPY_DISABLE_CPU_FEATURES); elsewhere it calls the C library's."""
+    from numpy._core._multiarray_umath import __cpu_features__
+
+    return bool(__cpu_features__.get("X86_V4", False))
