@@ -977,3 +977,9 @@ def test_blended_value_is_the_location_scale_one_moved_by_the_weight(monkeypatch
     offsets = est._additive_fit()[1][:, cols]
     expected = (readings - offsets[:, None, :, None]).mean(axis=2)[est._objective_row]
     np.testing.assert_allclose(logit_only, expected, rtol=0, atol=1e-9)
+
+
+def test_estimator_rejects_an_unknown_best_of_n_reading() -> None:
+    env = IAPOEnv(table=tiny_bon_table())
+    with pytest.raises(ValueError, match=r"bon_reading must be one of 'location_scale', 'blend', got 'logit'"):
+        PlugInEstimator(env, bon_reading="logit")

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from agents.base import Agent
+from agents.plugin.best_of_n import BON_READINGS
 from agents.plugin.common import QueryStream, keep_top
 from agents.plugin.estimator import PlugInEstimator, check_nonnegative, warm_up
 from agents.psst import rounds_to_one
@@ -90,7 +91,7 @@ class AnytimePlugIn(Agent):
 
     anytime = True
     #: The Best-of-N pooled reading of its estimator (``PlugInEstimator``'s ``bon_reading``).
-    bon_reading = "location_scale"
+    bon_reading = BON_READINGS[0]
 
     def __init__(self, seed: int | None = None, q0: int = 8, rate: float = 0.5, kappa: float = 12.0,
                  alpha: float = 32.0, curve: float = 3.0, pretest: float = 2.0, bon_prior: float = 1.0,
@@ -207,7 +208,7 @@ class AnytimeBlend(AnytimePlugIn):
 
 """ + (AnytimePlugIn.__doc__ or "")[(AnytimePlugIn.__doc__ or "").index("    :param seed:"):]
 
-    bon_reading = "blend"
+    bon_reading = BON_READINGS[1]
 
 
 def read_policy(base: Any, est: PlugInEstimator, alive: np.ndarray, rng: np.random.Generator) -> Policy:

@@ -14,8 +14,8 @@ from agents.plugin._scale_kernels import clipped_readings, location_scale_readin
 from agents.plugin.location_scale import LocationScaleFit, blocks
 from agents.plugin.threshold_logit import Fit, ThresholdLogitFit
 
-#: The Best-of-N pooled readings ``PlugInEstimator`` takes (``bon_reading``): the location-scale one alone, or its
-#: blend with the threshold-logit one (docs/agents.md, "auto", item 2).
+#: The Best-of-N pooled readings ``PlugInEstimator`` takes (``bon_reading``), the first the default: the
+#: location-scale one alone, or its blend with the threshold-logit one (docs/agents.md, "auto", item 2).
 BON_READINGS = ("location_scale", "blend")
 
 

@@ -34,7 +34,7 @@ from agents.plugin._logit_kernels import threshold_fit, threshold_readings
 from agents.plugin._max_kernels import binned_expected_max, expected_max_rows, segment_readings
 from agents.plugin._scale_kernels import clipped_readings, location_scale_readings, over_spread, residual_sums, standardize
 from agents.plugin._vote_kernels import credit_rows, fit_curves
-from agents.plugin.best_of_n import BestOfNReadings, check_bon_reading, score_range
+from agents.plugin.best_of_n import BON_READINGS, BestOfNReadings, check_bon_reading, score_range
 from agents.plugin.majority_vote import MajorityVoteReadings
 from iapo_gym import Policy, Pulls
 
@@ -100,7 +100,7 @@ class PlugInEstimator(MajorityVoteReadings, BestOfNReadings):
 
     def __init__(self, env: Any, alpha: float = 32.0, curve: float = 3.0, slope: float = 1.0,
                  pretest: float = 2.0, bon_prior: float = 1.0, empirical_bayes: bool = True,
-                 bon_reading: str = "location_scale") -> None:
+                 bon_reading: str = BON_READINGS[0]) -> None:
         """Bind to ``env``; the prior's strength (see the module docstring): ``alpha`` the majority-vote
         prior's pseudo-votes (at most, with ``empirical_bayes``; else exactly), ``curve`` and ``slope`` the
         response curves' ridges, ``pretest`` the sparse-slope test, ``bon_prior`` the pooled Best-of-N
