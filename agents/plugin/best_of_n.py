@@ -136,7 +136,9 @@ class BestOfNReadings(LocationScaleFit, ThresholdLogitFit):
         budgets). The fit-free parts (w V_own, and U(m) - w(m) V_own(m)) are per-prompt sums kept by ``_add_own``;
         the readings enter as one weighted sum of R per prompt and N, with weight (1 - w) - lam (1 - w) up to n_pq
         and, beyond it, 1 - w at N and - lam (1 - w(n_pq)) on R at n_pq. A prompt that saw other queries than the
-        reference (``_move_to_reference``) then moves onto the reference's queries.
+        reference (``_move_to_reference``) then moves onto the reference's queries. With ``bon_reading`` "blend", R is
+        alpha R_logit + (1 - alpha) R throughout, R_logit the threshold-logit reading and alpha its weight per
+        objective row (``ThresholdLogitFit``).
         """
         level, offsets = self._additive_fit()
         scale, expected, spread, shape = self._location_scale(level, offsets, prompts)  # (W, P), (W, Q, N), (W, Q), (W, P, N)
@@ -150,7 +152,7 @@ class BestOfNReadings(LocationScaleFit, ThresholdLogitFit):
         low, high = self._score_range  # (W,) each
         offsets_cols, spread_cols = offsets[:, cols], spread[:, cols]
         blend = None
-        if self.bon_reading == "blend":
+        if self.bon_reading == BON_READINGS[1]:
             logit_fit = self._threshold_fit()
             self.blend_weight = self._blend_weight(logit_fit, prompts, cols, (level, offsets, scale, expected, spread, d_p))
             blend = (logit_fit, self.blend_weight)
