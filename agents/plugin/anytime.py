@@ -9,6 +9,7 @@ halving of the prompts still live on what the whole steps leave (docs/agents.md,
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -202,13 +203,21 @@ class AnytimePlugIn(Agent):
 
 
 class AnytimeBlend(AnytimePlugIn):
-    __doc__ = """``AnytimePlugIn`` whose Best-of-N estimate blends the location-scale reading with the threshold-logit one
+    """``AnytimePlugIn`` whose Best-of-N estimate blends the location-scale reading with the threshold-logit one
     (``plugin_anytime_blend``; docs/agents.md, "auto", item 2): the same steps, tail and hyper-parameters; on
-    majority-vote tables it is ``plugin_anytime``.
-
-""" + (AnytimePlugIn.__doc__ or "")[(AnytimePlugIn.__doc__ or "").index("    :param seed:"):]
+    majority-vote tables it is ``plugin_anytime``."""
 
     bon_reading = BON_READINGS[1]
+
+
+def _param_lines(cls: type) -> str:
+    """The ``:param`` lines of ``cls``'s docstring, dedented (Python 3.13 dedents docstrings itself, earlier ones do
+    not)."""
+    doc = inspect.cleandoc(cls.__doc__ or "")
+    return doc[doc.index(":param "):]
+
+
+AnytimeBlend.__doc__ = inspect.cleandoc(AnytimeBlend.__doc__ or "") + "\n\n" + _param_lines(AnytimePlugIn)
 
 
 def read_policy(base: Any, est: PlugInEstimator, alive: np.ndarray, rng: np.random.Generator) -> Policy:
