@@ -46,6 +46,7 @@ class ThresholdLogitFit:
     atom_counts: np.ndarray
     _objectives: np.ndarray
     _completions: np.ndarray
+    _score_range: np.ndarray
 
     def _pair_scores(self, pp: np.ndarray, qq: np.ndarray, objectives: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(W, pairs, width) the outcomes' scores under ``objectives`` (W, K) and (pairs, width) their counts of the
@@ -85,7 +86,7 @@ class ThresholdLogitFit:
         best of m grows, on the draws that show it. 0 where the readings do not differ there.
         ``ls_fit`` is ``_bon_value``'s (level, offsets, scale, expected, spread, shape), ``shape`` over ``prompts``."""
         level, offsets, scale, expected, spread, d_p = ls_fit
-        low, high = self._score_range  # type: ignore[attr-defined]
+        low, high = self._score_range
         n_rows = offsets.shape[0]
         num, den = np.zeros(n_rows), np.zeros(n_rows)
         draws_all = self._completions[prompts][:, cols]
