@@ -1,8 +1,9 @@
 """The threshold-logit kernels of the plug-in estimator's Best-of-N reading (numba).
 
 ``threshold_fit``: per weighting, up to ``max_thresholds`` thresholds t_k of the pooled scores, the bins between
-them at their pooled mean scores, and the binomial fit logit P(score > t_k | p, q) = a_pk + b_qk over every seen
-(prompt, query) by alternating one-dimensional Newton steps. ``threshold_readings``: each asked (prompt, query)'s
+them at their pooled mean scores, and the ridge-penalized binomial fit logit P(score > t_k | p, q) = a_pk + b_qk
+over every seen (prompt, query) by alternating one-dimensional Newton steps, each sweep followed by the exact
+minimization of the ridges along the one direction the data cannot see (a_pk + c, b_qk - c). ``threshold_readings``: each asked (prompt, query)'s
 exact E[max of N] of the K + 1 bins under its fitted probabilities, made non-increasing in k.
 ``tests/test_plugin_kernels.py`` checks both against plain-loop references.
 """
@@ -69,10 +70,34 @@ def _newton(theta: np.ndarray, grad: np.ndarray, hess: np.ndarray, prior: np.nda
 
 
 @_njit
+def _gauge(a: np.ndarray, b: np.ndarray, prior: np.ndarray, seen_p: np.ndarray, seen_q: np.ndarray,
+           prompt_ridge: float, query_ridge: float, k: int) -> None:  # pragma: no cover - compiled
+    """Moves a_pk + c, b_qk - c over the seen prompts and queries (every pair's logit unchanged) by the c that
+    minimizes the ridges prompt_ridge (a_pk - prior_k)^2 + query_ridge b_qk^2 summed over them, per threshold.
+    The data do not see this direction, so the Newton sweeps alone crawl along it at the ridges' pace."""
+    n_p, n_q = seen_p.sum(), seen_q.sum()
+    for j in range(k):
+        off_p, off_q = 0.0, 0.0
+        for p in range(a.shape[0]):
+            if seen_p[p]:
+                off_p += a[p, j] - prior[j]
+        for q in range(b.shape[0]):
+            if seen_q[q]:
+                off_q += b[q, j]
+        c = (query_ridge * off_q - prompt_ridge * off_p) / (prompt_ridge * n_p + query_ridge * n_q)
+        for p in range(a.shape[0]):
+            if seen_p[p]:
+                a[p, j] += c
+        for q in range(b.shape[0]):
+            if seen_q[q]:
+                b[q, j] -= c
+
+
+@_njit
 def _fit_block(projected: np.ndarray, counts: np.ndarray, entry_pair: np.ndarray, pair_prompt: np.ndarray,
                pair_query: np.ndarray, n_prompts: int, n_queries: int, max_thresholds: int, sweeps: int,
-               prompt_ridge: float, query_ridge: float,
-               step_max: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+               prompt_ridge: float, query_ridge: float, step_max: float,
+               tol: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     """``threshold_fit``."""
     n_weightings, n_entries = projected.shape
     n_pairs = pair_prompt.size
@@ -82,11 +107,16 @@ def _fit_block(projected: np.ndarray, counts: np.ndarray, entry_pair: np.ndarray
     n_thresholds = np.zeros(n_weightings, np.int64)
     thresholds, pooled = np.empty(max_thresholds), np.empty(max_thresholds)
     above, drawn = np.empty((n_pairs, max_thresholds)), np.zeros(n_pairs)
+    last = np.zeros((n_pairs, max_thresholds))  # each pair's probabilities at the previous sweep
     bin_of = np.empty(n_entries, np.int64)
     mass = np.empty(max_thresholds + 1)
     grad_p, hess_p = np.empty((n_prompts, max_thresholds)), np.empty((n_prompts, max_thresholds))
     grad_q, hess_q = np.empty((n_queries, max_thresholds)), np.empty((n_queries, max_thresholds))
     zero = np.zeros(max_thresholds)
+    seen_p, seen_q = np.zeros(n_prompts, np.bool_), np.zeros(n_queries, np.bool_)
+    for i in range(n_pairs):
+        seen_p[pair_prompt[i]] = True
+        seen_q[pair_query[i]] = True
     for e in range(n_entries):
         drawn[entry_pair[e]] += counts[e]
     for w in range(n_weightings):
@@ -119,7 +149,8 @@ def _fit_block(projected: np.ndarray, counts: np.ndarray, entry_pair: np.ndarray
             pooled[j] = math.log(share / (total - share))  # 0 < share < total: every bin holds some score
         for p in range(n_prompts):
             a[w, p, :k_w] = pooled[:k_w]
-        for _ in range(sweeps):
+        for sweep in range(sweeps):
+            moved = 0.0  # the largest change of a pair's fitted probability since the previous sweep
             for side in range(2):
                 grad, hess = (grad_p, hess_p) if side == 0 else (grad_q, hess_q)
                 grad[:, :k_w] = 0.0
@@ -129,27 +160,36 @@ def _fit_block(projected: np.ndarray, counts: np.ndarray, entry_pair: np.ndarray
                     r = p if side == 0 else q
                     for j in range(k_w):
                         mu = _sigmoid(a[w, p, j] + b[w, q, j])
+                        if side == 0:
+                            moved = max(moved, abs(mu - last[i, j]))
+                            last[i, j] = mu
                         grad[r, j] += above[i, j] - drawn[i] * mu
                         hess[r, j] += drawn[i] * mu * (1.0 - mu)
                 if side == 0:
                     _newton(a[w], grad, hess, pooled, prompt_ridge, k_w, step_max)
                 else:
                     _newton(b[w], grad, hess, zero, query_ridge, k_w, step_max)
+            _gauge(a[w], b[w], pooled, seen_p, seen_q, prompt_ridge, query_ridge, k_w)
+            if moved < tol and sweep > 0:
+                break
     return a, b, values, n_thresholds
 
 
 def threshold_fit(projected: np.ndarray, counts: np.ndarray, entry_pair: np.ndarray, pair_prompt: np.ndarray,
                   pair_query: np.ndarray, n_prompts: int, n_queries: int, max_thresholds: int, sweeps: int,
-                  prompt_ridge: float, query_ridge: float,
-                  step_max: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                  prompt_ridge: float, query_ridge: float, step_max: float,
+                  tol: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The threshold-logit fit of W weightings' scores: ``projected`` (W, E) the scores of E entries (a seen
     (prompt, query) pair's outcome of positive count), ``counts`` (E,) their counts, ``entry_pair`` (E,) their pair,
     ``pair_prompt`` and ``pair_query`` each pair's prompt and query (every pair has an entry).
 
     Per weighting: K <= ``max_thresholds`` thresholds (``_thresholds``), the K + 1 bins' pooled mean scores, and
-    logit P(score > t_k | p, q) = a_pk + b_qk fitted to each pair's draws above t_k by ``sweeps`` alternating sweeps
-    of one Newton step per a_pk (ridge ``prompt_ridge`` towards the pooled logit of t_k) and per b_qk (ridge
-    ``query_ridge`` towards 0), each step at most ``step_max``, from a_pk at the pooled logit and b_qk at 0.
+    logit P(score > t_k | p, q) = a_pk + b_qk fitted to each pair's draws above t_k: the maximum of the binomial
+    log-likelihood less the ridges prompt_ridge / 2 (a_pk - pooled logit of t_k)^2 and query_ridge / 2 b_qk^2, from
+    a_pk at the pooled logit and b_qk at 0 by alternating sweeps of one Newton step per a_pk and per b_qk (each at
+    most ``step_max``), each sweep followed by the ridges' exact minimum along (a_pk + c, b_qk - c) over the seen
+    prompts and queries; until no pair's fitted probability moved by ``tol`` or more over the last sweep, at most
+    ``sweeps`` sweeps (the last sweep's steps are kept).
     Returns a (W, n_prompts, max_thresholds), b (W, n_queries, max_thresholds) (unseen prompts keep the pooled
     logits, unseen queries 0), the bins' scores (W, max_thresholds + 1) and K (W,); columns past K are unused."""
     def f64(x: np.ndarray) -> np.ndarray:
@@ -159,7 +199,7 @@ def threshold_fit(projected: np.ndarray, counts: np.ndarray, entry_pair: np.ndar
         return np.ascontiguousarray(x, dtype=np.int64)
     return _fit_block(f64(projected), f64(counts), i64(entry_pair), i64(pair_prompt), i64(pair_query), int(n_prompts),
                       int(n_queries), int(max_thresholds), int(sweeps), float(prompt_ridge), float(query_ridge),
-                      float(step_max))
+                      float(step_max), float(tol))
 
 
 @_njit

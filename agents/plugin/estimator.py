@@ -84,7 +84,8 @@ def warm_up() -> None:
     clipped_readings(one, one, one, cube, one, cube, cube, one, np.ones((1, 1), np.int64), np.ones((1, 1), dtype=bool),
                      np.zeros(1), np.ones(1), np.ones((1, 1, 1, 1)), np.ones(1))
     location_scale_readings(cube, one, cube, one, one, one, np.zeros(1), np.ones(1))
-    fit = threshold_fit(np.array([[0.0, 1.0]]), np.ones(2), np.zeros(2, np.int64), index, index, 1, 1, 1, 1, 1.0, 1.0, 1.0)
+    fit = threshold_fit(np.array([[0.0, 1.0]]), np.ones(2), np.zeros(2, np.int64), index, index, 1, 1, 1, 1, 1.0, 1.0, 1.0,
+                        0.0)
     threshold_readings(fit, index, index, np.ones((1, 1), dtype=bool), 2)
     fit_curves(np.ones((1, 2)), np.full((1, 2), 2.0), np.array([-1.0, 1.0]), (1.0, 1.0), np.array([[0.0, 1.0]]), 1.0,
                2, 2)

@@ -23,8 +23,13 @@ from agents.plugin.location_scale import blocks, padded_rows
 #: Thresholds of the pooled scores at most: every distinct score but the largest while there are at most this many
 #: more, else this many weighted quantiles. A bin then holds 1/25 of the pooled draws, and the fit's cost grows with it.
 MAX_THRESHOLDS = 24
-#: Alternating Newton sweeps of the fit over the prompts' and the queries' logits, each from the pooled logit.
-LOGIT_SWEEPS = 15
+#: The fit stops once a sweep moved no (prompt, query)'s fitted probability at any threshold by this much or more:
+#: the sweeps' changes shrink faster than geometrically near the maximum, so the probabilities are then about this
+#: close to it.
+LOGIT_TOL = 1e-6
+#: Alternating Newton sweeps of the fit over the prompts' and the queries' logits at most, from the pooled logits:
+#: with the exact step along the direction the data do not see, 8-22 sweeps reach ``LOGIT_TOL`` (tests/test_plugin.py).
+LOGIT_SWEEPS = 30
 #: The ridge on a prompt's logit at a threshold, towards the pooled logit there: small, so a prompt seen on a few
 #: queries keeps its own failure rate, and finite, so one never seen above (or below) a threshold stays finite.
 PROMPT_RIDGE = 0.01
@@ -73,7 +78,7 @@ class ThresholdLogitFit:
         for lo, hi in blocks(np.full(self._objectives.shape[0], per_row)):
             parts.append(threshold_fit((outcomes @ self._objectives[lo:hi].T).T, counts[pair, a], pair, pp, qq,
                                        n_prompts, n_queries, MAX_THRESHOLDS, LOGIT_SWEEPS, PROMPT_RIDGE, QUERY_RIDGE,
-                                       LOGIT_STEP_MAX))
+                                       LOGIT_STEP_MAX, LOGIT_TOL))
         fit: Fit = tuple(np.concatenate(part) for part in zip(*parts, strict=True))  # type: ignore[assignment]
         return fit
 
