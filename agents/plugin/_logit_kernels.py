@@ -3,9 +3,10 @@
 ``threshold_fit``: per weighting, up to ``max_thresholds`` thresholds t_k of the pooled scores, the bins between
 them at their pooled mean scores, and the ridge-penalized binomial fit logit P(score > t_k | p, q) = a_pk + b_qk
 over every seen (prompt, query) by alternating one-dimensional Newton steps, each sweep followed by the exact
-minimization of the ridges along the one direction the data cannot see (a_pk + c, b_qk - c). ``threshold_readings``: each asked (prompt, query)'s
-exact E[max of N] of the K + 1 bins under its fitted probabilities, made non-increasing in k.
-``tests/test_plugin_kernels.py`` checks both against plain-loop references.
+minimization of the ridges along the one direction the data cannot see (a_pk + c, b_qk - c).
+``threshold_readings``: each asked (prompt, query)'s exact E[max of N] of the K + 1 bins under its fitted
+probabilities, made non-increasing in k. ``tests/test_plugin_kernels.py`` checks the fit against scipy's minimum of
+the same loss and the readings against the oracle's expected max.
 """
 
 from __future__ import annotations
