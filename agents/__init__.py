@@ -22,7 +22,6 @@ register("sequential_halving", "agents.sequential_halving:SequentialHalving")
 register("sb3", "agents.sb3:SB3Agent")
 register("plugin_halving", "agents.plugin:PlugInHalving")
 register("plugin_anytime", "agents.plugin:AnytimePlugIn")
-register("plugin_anytime_blend", "agents.plugin:AnytimeBlend")
 #: The recommended agent: the strongest measured one (docs/agents.md, "auto").
 register("auto", "agents.plugin:AnytimePlugIn")
 register_entry_points()  # third-party agents (entry-point group ``iapo_gym.agents``)

@@ -56,7 +56,7 @@ def test_budget_on_math_and_seeded_reruns(name: str, math_release: Path) -> None
     assert runs[0] == runs[1]
 
 
-@pytest.mark.parametrize("name", [*NAMES, "plugin_anytime_blend"])
+@pytest.mark.parametrize("name", NAMES)
 def test_tiny_budgets_and_tables(name: str) -> None:
     for table in (tiny_mv_table(), tiny_bon_table()):
         env = IAPOEnv(table=table)
@@ -597,26 +597,28 @@ def _budgets_match_separate_runs(table: OutcomeTable, name: str, budgets: list[i
     assert env.budget_used == separate[-1][1]  # the env continues the largest budget's trajectory
 
 
-@pytest.mark.parametrize(("aggregator", "name"), [("mv", "auto"), ("bon", "auto"), ("bon", "plugin_anytime_blend")])
+@pytest.mark.parametrize(("aggregator", "name"), [("mv", "auto"), ("bon", "auto")])
 def test_anytime_train_budgets_is_bit_identical_to_separate_runs(aggregator: str, name: str) -> None:
     _budgets_match_separate_runs(BIT_IDENTITY_TABLES[aggregator](), name, [0, 7, 900, 3_000, 5_000, 10_000])
 
 
-def test_blend_agent_is_plugin_anytime_on_majority_vote_and_differs_on_best_of_n() -> None:
-    """``plugin_anytime_blend`` changes only the Best-of-N reading: on a majority-vote table it takes
-    ``plugin_anytime``'s pulls and policy; on a Best-of-N table its estimates differ."""
-    def run(name: str, table: OutcomeTable) -> tuple[Any, np.ndarray, np.ndarray]:
+def test_the_best_of_n_reading_changes_nothing_on_majority_vote_and_the_estimates_on_best_of_n() -> None:
+    """``auto``'s blended Best-of-N reading against the location-scale one alone: on a majority-vote table the same
+    pulls and policy; on a Best-of-N table its estimates differ."""
+    def run(reading: str, table: OutcomeTable) -> tuple[Any, np.ndarray, np.ndarray]:
         env = RecordingEnv(table)
         env.reset(seed=4)
-        agent = agents.make(name, seed=1)
+        agent = agents.make("auto", seed=1)
+        agent.bon_reading = reading  # type: ignore[attr-defined]
         policy = agent.train(env, 3_000)
         return policy, np.concatenate([b.atoms for b in env.batches]), agent.last_tail.estimator.mean()  # type: ignore[attr-defined]
 
+    assert agents.make("auto").bon_reading == "blend"  # type: ignore[attr-defined]
     mv = BIT_IDENTITY_TABLES["mv"]()
-    plain, blend = run("plugin_anytime", mv), run("plugin_anytime_blend", mv)
+    plain, blend = run("location_scale", mv), run("blend", mv)
     assert plain[0] == blend[0] and np.array_equal(plain[1], blend[1])
     bon = BIT_IDENTITY_TABLES["bon"]()
-    assert not np.array_equal(run("plugin_anytime", bon)[2], run("plugin_anytime_blend", bon)[2])
+    assert not np.array_equal(run("location_scale", bon)[2], run("blend", bon)[2])
 
 
 def test_anytime_train_budgets_is_bit_identical_to_separate_runs_on_math(math_release: Path) -> None:
@@ -810,10 +812,49 @@ def test_location_scale_of_the_read_prompts_equals_their_rows_of_the_whole(pool_
 
 
 @pytest.mark.heavy
+def test_the_threshold_logit_fit_stops_at_the_maximum_in_autos_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/agents.md's constants table: at every update of ``auto``'s training on a level of each Best-of-N family
+    the fit's stop (``LOGIT_TOL``) leaves every fitted probability within 1e-6 of where 500 sweeps take it, and it
+    is the stop that ends the fit, never the cap of ``LOGIT_SWEEPS`` (at most 22 sweeps on one objective row here)."""
+    import gymnasium as gym
+
+    from agents.plugin import threshold_logit
+    from agents.plugin._logit_kernels import threshold_fit
+
+    calls: list[tuple[Any, ...]] = []
+
+    def keep(*args: Any) -> Any:
+        calls.append(args)
+        return threshold_fit(*args)
+
+    monkeypatch.setattr(threshold_logit, "threshold_fit", keep)
+    worst, most = 0.0, 0
+    for family in ("bon_shift", "bon_shape", "bon_flat", "bon_multi", "bon_mixture", "bon_large_n"):
+        env = gym.make("IAPO-Generated-v0", family=family, level=1)
+        env.reset(seed=0)
+        calls.clear()
+        agents.make("auto", seed=0).train(env, 10_000)
+        assert calls, family
+        for args in calls:
+            pp, qq = args[3], args[4]
+            for w in range(args[0].shape[0]):
+                one = (args[0][w:w + 1], *args[1:8])
+
+                def probs(sweeps: int, tol: float, one: tuple[Any, ...] = one, args: tuple[Any, ...] = args,
+                          pp: np.ndarray = pp, qq: np.ndarray = qq) -> np.ndarray:
+                    a, b, _, k = threshold_fit(*one, sweeps, *args[9:12], tol)
+                    return 1 / (1 + np.exp(-(a[0, pp, :k[0]] + b[0, qq, :k[0]])))
+                stopped = probs(args[8], args[12])
+                worst = max(worst, float(np.abs(stopped - probs(500, 0.0)).max()))
+                most = max(most, next(s for s in range(1, args[8] + 1) if np.array_equal(probs(s, 0.0), stopped)))
+    assert worst <= 1e-6 and most < threshold_logit.LOGIT_SWEEPS, (worst, most)
+
+
+@pytest.mark.heavy
 def test_eight_fit_sweeps_sit_at_the_fixed_point(monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/agents.md's constants table: after ``auto``'s training on levels 0-2 of the three Best-of-N tuning
     families at T = 3K and 40K, ``OFFSET_SWEEPS`` = ``SCALE_SWEEPS`` = 8 leave the offsets within 0.4 % of the
-    largest offset, and the scales and spreads within 0.05 % of the largest, of where 64 sweeps take them."""
+    largest offset, and the scales and spreads within 0.15 % of the largest, of where 64 sweeps take them."""
     import gymnasium as gym
 
     from agents.plugin import location_scale
@@ -847,7 +888,7 @@ def test_eight_fit_sweeps_sit_at_the_fixed_point(monkeypatch: pytest.MonkeyPatch
                 for name, a, b in zip(("offsets", "scale", "spread"), fits[8], fits[64], strict=True):
                     worst[name] = max(worst[name], float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300)))
     assert worst["offsets"] <= 0.004, worst
-    assert worst["scale"] <= 0.0005 and worst["spread"] <= 0.0005, worst
+    assert worst["scale"] <= 0.0015 and worst["spread"] <= 0.0015, worst
 
 
 def _threshold_model_table(seed: int, n_prompts: int = 6, n_queries: int = 60, n_max: int = 16) -> OutcomeTable:

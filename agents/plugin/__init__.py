@@ -2,13 +2,12 @@
 
 * ``anytime.AnytimePlugIn`` (``plugin_anytime``, the recommended ``auto``): elimination paced by the
   completions spent, one trajectory for every budget, each budget ending in successive halving;
-  ``anytime.AnytimeBlend`` (``plugin_anytime_blend``) the same with the blended Best-of-N reading;
 * ``halving.PlugInHalving`` (``plugin_halving``): successive halving for one known budget;
 * ``estimator.PlugInEstimator``: the estimate both read (majority vote and Best-of-N).
 """
 
-from agents.plugin.anytime import AnytimeBlend, AnytimePlugIn
+from agents.plugin.anytime import AnytimePlugIn
 from agents.plugin.estimator import PlugInEstimator
 from agents.plugin.halving import PlugInHalving
 
-__all__ = ["AnytimeBlend", "AnytimePlugIn", "PlugInEstimator", "PlugInHalving"]
+__all__ = ["AnytimePlugIn", "PlugInEstimator", "PlugInHalving"]

@@ -9,7 +9,6 @@ halving of the prompts still live on what the whole steps leave (docs/agents.md,
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -91,8 +90,9 @@ class AnytimePlugIn(Agent):
     """
 
     anytime = True
-    #: The Best-of-N pooled reading of its estimator (``PlugInEstimator``'s ``bon_reading``).
-    bon_reading = BON_READINGS[0]
+    #: The Best-of-N pooled reading of its estimator (``PlugInEstimator``'s ``bon_reading``): the location-scale
+    #: reading blended with the threshold-logit one (docs/agents.md, "auto", item 2).
+    bon_reading = BON_READINGS[1]
 
     def __init__(self, seed: int | None = None, q0: int = 8, rate: float = 0.5, kappa: float = 12.0,
                  alpha: float = 32.0, curve: float = 3.0, pretest: float = 2.0, bon_prior: float = 1.0,
@@ -200,24 +200,6 @@ class AnytimePlugIn(Agent):
             keep_top(run.alive, run.est, np.maximum(1, run.alive.sum(axis=1) // 2), run.stream.rng)
         self.last_tail = Tail(live, run.est)
         return read_policy(run.base, run.est, run.alive, run.stream.rng)
-
-
-class AnytimeBlend(AnytimePlugIn):
-    """``AnytimePlugIn`` whose Best-of-N estimate blends the location-scale reading with the threshold-logit one
-    (``plugin_anytime_blend``; docs/agents.md, "auto", item 2): the same steps, tail and hyper-parameters; on
-    majority-vote tables it is ``plugin_anytime``."""
-
-    bon_reading = BON_READINGS[1]
-
-
-def _param_lines(cls: type) -> str:
-    """The ``:param`` lines of ``cls``'s docstring, dedented (Python 3.13 dedents docstrings itself, earlier ones do
-    not)."""
-    doc = inspect.cleandoc(cls.__doc__ or "")
-    return doc[doc.index(":param "):]
-
-
-AnytimeBlend.__doc__ = inspect.cleandoc(AnytimeBlend.__doc__ or "") + "\n\n" + _param_lines(AnytimePlugIn)
 
 
 def read_policy(base: Any, est: PlugInEstimator, alive: np.ndarray, rng: np.random.Generator) -> Policy:
