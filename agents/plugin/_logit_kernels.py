@@ -189,8 +189,8 @@ def threshold_fit(projected: np.ndarray, counts: np.ndarray, entry_pair: np.ndar
     log-likelihood less the ridges prompt_ridge / 2 (a_pk - pooled logit of t_k)^2 and query_ridge / 2 b_qk^2, from
     a_pk at the pooled logit and b_qk at 0 by alternating sweeps of one Newton step per a_pk and per b_qk (each at
     most ``step_max``), each sweep followed by the ridges' exact minimum along (a_pk + c, b_qk - c) over the seen
-    prompts and queries; until no pair's fitted probability moved by ``tol`` or more over the last sweep, at most
-    ``sweeps`` sweeps (the last sweep's steps are kept).
+    prompts and queries; a sweep that finds no pair's fitted probability moved by ``tol`` or more since the previous
+    sweep began is the last (its steps are kept), and there are at most ``sweeps`` sweeps.
     Returns a (W, n_prompts, max_thresholds), b (W, n_queries, max_thresholds) (unseen prompts keep the pooled
     logits, unseen queries 0), the bins' scores (W, max_thresholds + 1) and K (W,); columns past K are unused."""
     def f64(x: np.ndarray) -> np.ndarray:
