@@ -400,7 +400,7 @@ class Estimator:
         used = np.unique(pull_idx)
         counts = pulls.counts(self.n_atoms)[used]
         k_max = int(ks.max())
-        credit = mv_subset_credit(counts, gold[pulls.queries[used]], k_max, self._binom)  # (used, k_max)
+        credit = mv_subset_credit(counts, gold[pulls.queries[used]], k_max)  # (used, k_max)
         row = np.searchsorted(used, pull_idx)
         return self._weights[:, :1] * (credit[row, ks - 1] * n_blocks)[None, :]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from iapo_gym.exact import vote_credit_series
+from agents._vote_credit import mv_credit_rows
 
 
 def binomial_table(n_max: int) -> np.ndarray:
@@ -28,27 +28,16 @@ def bon_subset_weights(n: int, binom: np.ndarray | None = None) -> np.ndarray:
     return binom[i[:, None] - 1, k[None, :] - 1] / binom[n, k][None, :]
 
 
-def mv_subset_credit(counts: np.ndarray, gold: np.ndarray, k_max: int,
-                     binom: np.ndarray | None = None) -> np.ndarray:
+def mv_subset_credit(counts: np.ndarray, gold: np.ndarray, k_max: int) -> np.ndarray:
     """Mean majority-vote credit (R, k_max) over all k-subsets (k = 1..k_max) of R pulls.
 
-    ``counts`` (R, B) are each pull's votes per bucket, ``gold`` (R,) the gold buckets.
-    Column k-1 is valid for k <= the pull's size (the series of the exact oracle's kernel
-    with C(n_j, s) in place of p_j^s / s!, divided by C(n, k)).
+    ``counts`` (R, B) are each pull's votes per bucket, ``gold`` (R,) the gold buckets. Column k-1 is valid for
+    k <= the pull's size n (0 beyond it): the compiled urn credit of ``agents._vote_credit`` (the series of the
+    exact oracle's kernel with each bucket's term (c_j)_s / (n^s s!) in place of p_j^s / s!, times n^k / (n)_k,
+    which is sum over vote vectors of prod_j C(c_j, s_j) / C(n, k) times their credit, and stays in float64's
+    range however many votes a pull holds).
     """
-    counts = np.asarray(counts, dtype=np.int64)
-    n_rows, n_buckets = counts.shape
-    binom = binomial_table(max(k_max, int(counts.sum(axis=1).max(initial=0)))) if binom is None else binom
-    gold_counts = counts[np.arange(n_rows), gold]
-    others = np.ones((n_rows, n_buckets), dtype=bool)
-    others[np.arange(n_rows), gold] = False
-    other_counts = counts[others].reshape(n_rows, n_buckets - 1)
-    s = np.arange(k_max + 1)
-    series = vote_credit_series(binom[gold_counts][:, s], binom[other_counts][:, :, s], k_max)
-    totals = counts.sum(axis=1)
-    denom = binom[totals][:, 1:k_max + 1]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(denom > 0, series[:, 1:] / np.where(denom > 0, denom, 1.0), 0.0)
+    return mv_credit_rows(np.asarray(counts, dtype=np.int64), np.asarray(gold), k_max, urn=True)
 
 
 def objective_scores(weights: np.ndarray, vectors: np.ndarray, transposed: bool = False) -> np.ndarray:

@@ -8,9 +8,9 @@ N_max 32, the three MV contexts; every answer of positive probability, the costl
 the credit) and times, per budget, PSST and each agent on the same env seeds, interleaved, as
 the median over ``--runs`` runs and its ratio to PSST's median.
 
-With ``--kernel``, it times instead the compiled majority-vote credit (``agents.plugin._vote_kernels.credit_rows``)
-on the rows one ``auto`` run at 10K recomputes on that table, for several rows per block, as
-the median over ``--runs`` calls and its ratio to one row per block in the same run.
+With ``--kernel``, it times instead the compiled majority-vote credit (``agents._vote_credit.credit_rows``)
+on the rows one ``auto`` run at 10K reads through it on that table (its prior-read and its unbiased rows), for
+several rows per block, as the median over ``--runs`` calls and its ratio to one row per block in the same run.
 
 Usage: ``nice -n 10 .venv/bin/python research/bench_plugin_shapes.py --runs 5`` (add ``--kernel``).
 """
@@ -72,22 +72,23 @@ def main() -> None:
 
 def time_kernel(env: IAPOEnv, runs: int) -> None:
     """Median time per row of ``credit_rows`` on one ``auto`` run's rows, per rows per block, against one per block."""
-    from agents.plugin import majority_vote
+    from agents import _vote_credit
 
-    recorded: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]] = []
-    kernel = majority_vote.credit_rows
+    recorded: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray | None]] = []
+    kernel = _vote_credit.credit_rows
 
-    def record(p_gold: np.ndarray, others: np.ndarray, width: np.ndarray, n_max: int) -> np.ndarray:
-        recorded.append((p_gold.copy(), others.copy(), width.copy(), n_max))
-        return kernel(p_gold, others, width, n_max)
+    def record(p_gold: np.ndarray, others: np.ndarray, width: np.ndarray, n_max: int,
+               draws: np.ndarray | None = None) -> np.ndarray:
+        recorded.append((p_gold.copy(), others.copy(), width.copy(), n_max, None if draws is None else draws.copy()))
+        return kernel(p_gold, others, width, n_max, draws=draws)
 
-    majority_vote.credit_rows = record  # type: ignore[assignment]
+    _vote_credit.credit_rows = record  # type: ignore[assignment]
     try:
         env.reset(seed=1)
         agents.make("auto", seed=1).train(env, 10_000)
     finally:
-        majority_vote.credit_rows = kernel  # type: ignore[assignment]
-    n_rows = sum(p.size for p, _, _, _ in recorded)
+        _vote_credit.credit_rows = kernel  # type: ignore[assignment]
+    n_rows = sum(p.size for p, _, _, _, _ in recorded)
     print(f"{n_rows} rows in {len(recorded)} calls (one auto run, T = 10,000)")
     print("| rows per block | per row | against 1 per block |")
     print("|---:|---:|---:|")
@@ -96,8 +97,8 @@ def time_kernel(env: IAPOEnv, runs: int) -> None:
         times = []
         for _ in range(runs + 1):  # the first call compiles or warms the caches: not counted
             start = time.perf_counter()
-            for p_gold, others, width, n_max in recorded:
-                kernel(p_gold, others, width, n_max, block_rows)
+            for p_gold, others, width, n_max, draws in recorded:
+                kernel(p_gold, others, width, n_max, block_rows, draws)
             times.append(time.perf_counter() - start)
         per_row = float(np.median(times[1:])) / n_rows
         base = base or per_row

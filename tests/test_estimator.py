@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -68,6 +70,34 @@ def test_mv_subset_credit_with_ties() -> None:
             sub_counts = np.stack([(subsets == b).sum(axis=1) for b in range(3)], axis=1)
             expected = mv_credit(sub_counts, np.full(len(subsets), gold[r])).mean()
             assert credit[r, k - 1] == pytest.approx(expected, abs=1e-12), (r, k)
+
+
+def test_mv_subset_credit_of_a_large_pull_is_exact() -> None:
+    """Many completions and a large k: the urn's exact credit, summed over vote vectors with integer binomials
+    (Python's unbounded ints, C(20,000, 128) being past float64's range), is what ``mv_subset_credit`` gives."""
+    counts = np.array([[9_000, 8_700, 2_300], [6_000, 6_000, 8_000]])
+    gold = np.array([0, 1])
+    k_max = 128
+    credit = mv_subset_credit(counts, gold, k_max)
+    assert np.isfinite(credit).all()
+    for r in range(2):
+        n = int(counts[r].sum())
+        for k in (1, 2, 3, 64, 127, 128):
+            total = Fraction(0)
+            for g in range(k + 1):
+                for a in range(k - g + 1):
+                    b = k - g - a
+                    others = [a, b]
+                    top = max(others)
+                    if g < top:
+                        continue
+                    tally = [0, 0, 0]
+                    tally[gold[r]] = g
+                    rest = [i for i in range(3) if i != gold[r]]
+                    tally[rest[0]], tally[rest[1]] = a, b
+                    weight = math.prod(math.comb(int(c), t) for c, t in zip(counts[r], tally, strict=True))
+                    total += Fraction(weight, 1 + others.count(g))
+            assert credit[r, k - 1] == pytest.approx(float(total / math.comb(n, k)), rel=1e-12, abs=1e-15), (r, k)
 
 
 @pytest.mark.parametrize("kind", ["mv", "bon"])

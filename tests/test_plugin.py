@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import agents
 from agents.plugin import PlugInEstimator
 from agents.plugin.common import QueryStream
 from agents.plugin.majority_vote import prior_votes
-from iapo_gym import IAPOEnv, OutcomeTable, Pulls
+from iapo_gym import IAPOEnv, OutcomeTable, Policy, Pulls
 from tests.conftest import query_shifted_bon_table, shape_bon_table, tiny_bon_table, tiny_mv_table
 
 NAMES = ["plugin_halving", "plugin_anytime", "auto"]
@@ -133,6 +134,47 @@ def test_prior_votes_recover_the_beta_binomial_concentration() -> None:
     assert prior_votes(rng.binomial(8, share).astype(np.float64), votes, share, cap=32.0) == 32.0
     assert prior_votes(8.0 * (rng.random(rows) < share), votes, share, cap=32.0) < 0.1
     assert prior_votes(np.ones(rows), np.ones(rows), share, cap=32.0) == 32.0  # no row with two votes
+
+
+@pytest.mark.parametrize("curve", [0.0, 3.0])
+def test_majority_vote_value_is_corrected_by_the_mean_credit_over_every_subset(curve: float,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each prompt's majority-vote value at N is the mean over its s queries of C_q(N) + lam (U_q(m) - C_q(m)),
+    m = min(N, n_q): C_q the exact credit of the query's prior-read answer distribution, U_q the mean credit of a
+    majority vote over every m-subset of its n_q votes (enumerated here), lam = s / (s + K) and K
+    ``CORRECTION_QUERIES`` (set low here, so the correction weighs); queries with fewer votes than N keep the gap
+    measured at their votes."""
+    from agents.plugin import majority_vote
+    from iapo_gym.exact import mv_expected_credit
+    from iapo_gym.utility import mv_credit
+
+    monkeypatch.setattr(majority_vote, "CORRECTION_QUERIES", 3.0)
+    table = tiny_mv_table(seed=4, n_prompts=3, n_queries=12, n_buckets=3, n_max=6)
+    env = IAPOEnv(table=table)
+    env.reset(seed=2)
+    rng = np.random.default_rng(3)
+    est = PlugInEstimator(env, curve=curve)
+    train = env.queries("train")
+    prompts, queries = np.repeat(np.arange(3), train.size), np.tile(train, 3)
+    kept = (prompts != 1) | (queries < train[-3])  # prompt 1 misses three train queries
+    for low in (1, 1):  # 2 to 8 votes of a query: some have fewer than N_max
+        est.update(env.pull(prompts[kept], rng.integers(low, 5, int(kept.sum())), queries=queries[kept]))
+    gold = table.gold
+    for p in range(3):
+        seen = np.flatnonzero(est.atom_counts[p].sum(axis=1) > 0)
+        lam = seen.size / (seen.size + 3.0)
+        expected = np.zeros(6)
+        for q in seen:
+            c = mv_expected_credit(est._probs[p, q][None], gold[q:q + 1], 6)[0]
+            votes = np.repeat(np.arange(table.n_atoms), est.atom_counts[p, q])
+            u = np.zeros(6)
+            for k in range(1, min(6, votes.size) + 1):
+                subsets = np.array(list(itertools.combinations(votes.tolist(), k)))
+                tallies = np.stack([(subsets == b).sum(axis=1) for b in range(table.n_atoms)], axis=1)
+                u[k - 1] = mv_credit(tallies, np.full(len(subsets), gold[q])).mean()
+            m = np.minimum(np.arange(6), votes.size - 1)
+            expected += c + lam * (u[m] - c[m])
+        np.testing.assert_allclose(est.mean()[0, p], expected / seen.size, rtol=0, atol=1e-12)
 
 
 def test_plug_in_majority_vote_gives_a_contradicted_prior_less_weight() -> None:
@@ -718,16 +760,26 @@ FAMILY_TABLES = {
 
 @pytest.mark.parametrize("family", sorted(FAMILY_TABLES))
 def test_auto_finds_the_train_optimal_policy_where_psst_does(family: str) -> None:
-    """Consistency: at a budget where PSST finds the train-optimal policy on every seed, ``auto`` finds it too."""
+    """Consistency: at a budget where PSST finds the train-optimal policy on every seed, ``auto`` finds a policy of
+    the same train value in every context (an arm of the same exact value is as optimal: with two answers and half
+    credit for a tie, majority vote of 2k votes is worth exactly what 2k - 1 are)."""
     table = FAMILY_TABLES[family]()
     env = IAPOEnv(table=table)
     best = env.optimal_policy("train")
+    q_train = env.q_table("train")
+    contexts = np.arange(table.n_contexts)
+
+    def value(policy: Policy) -> np.ndarray:
+        arms = np.array(policy.arms)
+        return q_train[contexts, arms[:, 0], arms[:, 1] - 1]
+
     budget = 200_000
     for seed in range(3):
         env.reset(seed=seed)
         assert agents.make("psst", seed=seed).train(env, budget) == best, (family, seed)  # the premise
         env.reset(seed=seed)
-        assert agents.make("auto", seed=seed).train(env, budget) == best, (family, seed)
+        np.testing.assert_allclose(value(agents.make("auto", seed=seed).train(env, budget)), value(best), rtol=0,
+                                   atol=1e-12, err_msg=f"{family}, seed {seed}")
 
 
 def test_binned_pooled_reading_is_within_a_bin_of_the_exact_one() -> None:

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import scipy.optimize
 
+from agents._vote_credit import credit_rows, mv_credit_rows
 from agents.plugin._max_kernels import binned_expected_max, expected_max_rows, segment_readings
 from agents.plugin._scale_kernels import clipped_readings, location_scale_readings, over_spread, residual_sums, standardize
-from agents.plugin._vote_kernels import credit_rows, fit_curves
-from agents.plugin.majority_vote import mv_credit_rows
+from agents.plugin._vote_kernels import fit_curves
 from iapo_gym.exact import bon_expected_max, mv_expected_credit
 
 

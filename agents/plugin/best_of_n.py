@@ -11,6 +11,7 @@ import numpy as np
 from agents.plugin._logit_kernels import threshold_readings
 from agents.plugin._max_kernels import segment_readings as _segment_sums
 from agents.plugin._scale_kernels import clipped_readings, location_scale_readings
+from agents.plugin.common import CORRECTION_QUERIES, held_index
 from agents.plugin.location_scale import LocationScaleFit, blocks
 from agents.plugin.threshold_logit import Fit, ThresholdLogitFit
 
@@ -29,10 +30,6 @@ def check_bon_reading(bon_reading: str) -> str:
 #: weighs n / (n + SHAPE_DRAWS N) at N for the prompt's n completions. Tuned on the generated tuning levels
 #: (research/README.md): the pooled shape rules while a prompt has few draws against N.
 SHAPE_DRAWS = 8.0
-#: A prompt's correction at N, the mean over its s queries of their unbiased reading less the shrunk one, both at
-#: m = min(N, the query's draws), weighs lam = s / (s + CORRECTION_QUERIES). Chosen on the generated tuning levels
-#: (research/README.md): a correction read from few queries is noisy, one from hundreds is not.
-CORRECTION_QUERIES = 256.0
 
 
 def score_range(atoms: np.ndarray, objectives: np.ndarray) -> np.ndarray:
@@ -53,12 +50,6 @@ def segment_readings(scores: np.ndarray, counts: np.ndarray, n_max: int, weight:
     pass (``_max_kernels.segment_readings``)."""
     both = _segment_sums(scores, counts, n_max, weight, bounds)
     return both[0], both[1]
-
-
-def held_index(draws: np.ndarray, n_max: int) -> np.ndarray:
-    """(..., n_max) the index of m = min(N, n) for N = 1..n_max and each count ``draws`` n (..., at least 1): where a
-    (prompt, query)'s readings are taken beyond its draws."""
-    return np.minimum(np.arange(n_max), np.asarray(draws, dtype=np.int64)[..., None] - 1)
 
 
 class BestOfNReadings(LocationScaleFit, ThresholdLogitFit):

@@ -1,10 +1,23 @@
-"""What the plug-in agents share: train queries drawn without replacement, and trimming to the top prompts."""
+"""What the plug-in agents share: train queries drawn without replacement, trimming to the top prompts, and the
+correction of both aggregators' readings by their unbiased ones."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
+
+#: A prompt's correction at N, the mean over its s queries of their unbiased reading less the prior-read one, both at
+#: m = min(N, the query's draws), weighs lam = s / (s + CORRECTION_QUERIES), in Best-of-N and in majority vote alike.
+#: Chosen on the generated tuning levels (research/README.md): a correction read from few queries is noisy, one from
+#: hundreds is not.
+CORRECTION_QUERIES = 256.0
+
+
+def held_index(draws: np.ndarray, n_max: int) -> np.ndarray:
+    """(..., n_max) the index of m = min(N, n) for N = 1..n_max and each count ``draws`` n (..., at least 1): where a
+    (prompt, query)'s readings are taken beyond its draws."""
+    return np.minimum(np.arange(n_max), np.asarray(draws, dtype=np.int64)[..., None] - 1)
 
 
 class QueryStream:

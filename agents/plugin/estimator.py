@@ -29,13 +29,15 @@ from typing import Any
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
+from agents._vote_credit import credit_rows
 from agents.estimator import Estimator
 from agents.plugin._logit_kernels import threshold_fit, threshold_readings
 from agents.plugin._max_kernels import binned_expected_max, expected_max_rows, segment_readings
 from agents.plugin._scale_kernels import clipped_readings, location_scale_readings, over_spread, residual_sums, standardize
-from agents.plugin._vote_kernels import credit_rows, fit_curves
+from agents.plugin._vote_kernels import fit_curves
 from agents.plugin.best_of_n import BON_READINGS, BestOfNReadings, check_bon_reading, score_range
 from agents.plugin.majority_vote import MajorityVoteReadings
+from agents.scoring import mv_subset_credit
 from iapo_gym import Policy, Pulls
 
 
@@ -123,6 +125,8 @@ class PlugInEstimator(MajorityVoteReadings, BestOfNReadings):
         self._seen = np.zeros((self.n_prompts, table.n_queries), dtype=bool)
         if self.aggregator == "mv":
             self._credit = np.zeros((self.n_prompts, table.n_queries, self.n_max))  # per (p, q), cached
+            # per (p, q) the mean credit over every m-subset of its votes, m = 1..min(N_max, its votes)
+            self._unbiased = np.zeros((self.n_prompts, table.n_queries, self.n_max))
             # per (p, q) the smoothed answer distribution its credit was last read from (the stopping rules read it)
             self._probs = np.zeros((self.n_prompts, table.n_queries, table.n_atoms))
             self._votes = np.zeros((self.n_prompts, table.n_queries), dtype=np.int64)
@@ -179,6 +183,9 @@ class PlugInEstimator(MajorityVoteReadings, BestOfNReadings):
             np.add.at(self._votes, (pulls.prompts, pulls.queries), pulls.ns)
             np.add.at(self._gold_votes, (prompts_c, queries_c), pulls.atoms == gold[queries_c])
             np.add.at(self._pooled, (queries_c, pulls.atoms), 1)
+            pairs = np.unique(pulls.prompts * self._votes.shape[1] + pulls.queries)
+            pp, qq = np.divmod(pairs, self._votes.shape[1])
+            self._unbiased[pp, qq] = mv_subset_credit(self.atom_counts[pp, qq], gold[qq], self.n_max)
         else:
             atoms = self.env.table.atoms
             assert atoms is not None

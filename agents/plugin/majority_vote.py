@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from agents.plugin._vote_kernels import credit_rows, fit_curves
+from agents._vote_credit import mv_credit_rows
+from agents.plugin._vote_kernels import fit_curves
+from agents.plugin.common import CORRECTION_QUERIES, held_index
 from iapo_gym import Pulls
 
 #: Newton steps of a response-curve fit at most, and halvings of one step at most. A fit starts from the prompt's last
@@ -44,22 +46,6 @@ def prior_votes(gold_votes: np.ndarray, votes: np.ndarray, share: np.ndarray, ca
     return 1.0 / min(max(rho, 1.0 / (cap + 1.0)), 1.0) - 1.0
 
 
-def mv_credit_rows(probs: np.ndarray, gold: np.ndarray, n_max: int) -> np.ndarray:
-    """``mv_expected_credit`` of each row, computed with only the buckets of positive probability.
-
-    A bucket of probability 0 never receives a vote, so dropping it leaves the credit unchanged
-    (up to rounding: fewer quadrature nodes); the exact kernel's cost grows with the number of
-    buckets, and the plug-in rows of a query often have only a few.
-    """
-    n_rows = probs.shape[0]
-    p_gold = probs[np.arange(n_rows), gold]
-    others = probs.copy()
-    others[np.arange(n_rows), gold] = -1.0
-    others = -np.sort(-others, axis=1)[:, :-1]  # the other buckets, largest first
-    width = (others > 0).sum(axis=1)
-    return credit_rows(p_gold, others, width, n_max)
-
-
 class MajorityVoteReadings:
     """The majority-vote value of the read prompts (a part of ``PlugInEstimator``)."""
 
@@ -73,6 +59,7 @@ class MajorityVoteReadings:
     atom_counts: np.ndarray
     _seen: np.ndarray
     _credit: np.ndarray
+    _unbiased: np.ndarray
     _probs: np.ndarray
     _votes: np.ndarray
     _gold_votes: np.ndarray
@@ -88,7 +75,7 @@ class MajorityVoteReadings:
         p_pos, q_pos = np.nonzero(self._seen[prompts][:, queries])
         pooled = self._pooled[queries].astype(np.float64)
         self._mv_rows(prompts[p_pos], queries[q_pos], (pooled / pooled.sum(axis=1, keepdims=True))[q_pos])
-        return self._credit[prompts].sum(axis=1) / self._seen[prompts].sum(axis=1)[:, None]
+        return self._corrected_credit(prompts)
 
     def _mv_rows(self, rows_p: np.ndarray, q_idx: np.ndarray, prior: np.ndarray) -> None:
         """Refresh the credit of the (prompt, query) rows ``rows_p``, ``q_idx`` from their votes plus
@@ -138,8 +125,31 @@ class MajorityVoteReadings:
         prior = wrong / wrong.sum(axis=1, keepdims=True) * (1.0 - share)[:, None]
         prior[rows, gold[q_idx]] = share
         self._mv_rows(prompts[p_idx], q_idx, prior)
-        # unseen rows hold 0: sum only the columns any of them has seen
-        return self._credit[prompts[:, None], cols[None, :]].sum(axis=1) / seen.sum(axis=1)[:, None]
+        return self._corrected_credit(prompts)
+
+    def _corrected_credit(self, prompts: np.ndarray) -> np.ndarray:
+        """(len(prompts), N_max) each prompt's majority-vote credit: the mean over its s seen queries of
+        C(q, N) + lam (U(q, m) - C(q, m)), C the prior-read credit (``_credit``), U the unbiased one (``_unbiased``:
+        the mean credit over every m-subset of the query's n votes), m = min(N, n) and lam = s / (s +
+        ``CORRECTION_QUERIES``).
+
+        The prior-read credit is biased where the prior misreads a prompt (its response curve reads the queries
+        where voting helps it, not those where a wrong answer outvotes the gold one) and where a few votes are read
+        through the credit's bend near a tie; up to a query's votes the correction takes lam of that bias out, and
+        beyond them it keeps the bias measured where they end, so the estimate does not bend at n. As the votes grow
+        the prior's weight and the bias go to 0 together, so the estimate still converges to the train-split Q.
+        """
+        seen = self._seen[prompts]
+        p_idx, q_idx = np.nonzero(seen)  # by prompt, then query
+        rows_p = prompts[p_idx]
+        m = held_index(self._votes[rows_p, q_idx], self.n_max)  # (rows, N)
+        credit = self._credit[rows_p, q_idx]
+        gap = np.take_along_axis(self._unbiased[rows_p, q_idx] - credit, m, axis=1)
+        n_queries = seen.sum(axis=1).astype(np.float64)
+        lam = n_queries / (n_queries + CORRECTION_QUERIES)
+        starts = np.r_[0, np.cumsum(seen.sum(axis=1))[:-1]]  # every prompt read here has a seen query
+        return (np.add.reduceat(credit, starts, axis=0) + lam[:, None] * np.add.reduceat(gap, starts, axis=0)) \
+            / n_queries[:, None]
 
     def _fit_curves(self, prompts: np.ndarray, cols: np.ndarray, z: np.ndarray, ridge: tuple[float, float],
                     start: np.ndarray, slope: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
