@@ -9,6 +9,7 @@ vector lanes. ``tests/test_plugin_kernels.py`` checks it against a per-row, per-
 
 from __future__ import annotations
 
+import math
 from functools import cache
 
 import numpy as np
@@ -25,28 +26,30 @@ def _credit_block(p_gold: np.ndarray, others: np.ndarray, n_max: int, nodes: np.
 
     A row of ``draws`` 0 holds probabilities: its credit is the exact one of N i.i.d. votes, each bucket's term
     p^s / s!. A row of ``draws`` n > 0 holds the vote counts c of an urn of n drawn votes: its credit is the mean
-    over every N-subset of them, each bucket's term (c)_s / (n^s s!) (a falling factorial, 0 past c) and the sum
-    times n^N / (n)_N (0 past N = n). The rows run in lanes: every array is (degree, row), so each innermost loop is
-    one multiply-add over the block's rows, which the compiler vectorizes; each row's own sums are the same
-    operations in the same order as one row at a time.
+    over every N-subset of them, each bucket's term C(c, s) ``scale``^s and the sum divided by C(n, N) ``scale``^N
+    (0 past N = n), ``scale`` the power of two 2^-floor(log2 n): a power of two scales without rounding, so the
+    terms are the binomial coefficients exactly while they are below 2^53 (an urn of one answer reads 1 or 0
+    exactly) and stay in float64's range however many votes it holds. The rows run in lanes: every array is
+    (degree, row), so each innermost loop is one multiply-add over the block's rows, which the compiler vectorizes;
+    each row's own sums are the same operations in the same order as one row at a time.
     """
     n_rows, width = others.shape
     step = np.empty(n_rows)  # 1 on an urn's row (the falling factorial), 0 on a distribution's
-    unit = np.empty(n_rows)  # n on an urn's row, 1 on a distribution's
+    scale = np.empty(n_rows)  # 2^-floor(log2 n) on an urn's row, 1 on a distribution's
     for r in range(n_rows):
         step[r] = 1.0 if draws[r] > 0.0 else 0.0
-        unit[r] = draws[r] if draws[r] > 0.0 else 1.0
+        scale[r] = 2.0 ** -math.floor(math.log2(draws[r])) if draws[r] > 0.0 else 1.0
     a_gold = np.empty((n_max + 1, n_rows))  # a[s] = p^s / s!: the buckets' exponential generating functions
     a_other = np.empty((width, n_max + 1, n_rows))
     a_gold[0] = 1.0
     for s in range(1, n_max + 1):
         for r in range(n_rows):
-            a_gold[s, r] = a_gold[s - 1, r] * (p_gold[r] - (s - 1) * step[r]) / (s * unit[r])
+            a_gold[s, r] = a_gold[s - 1, r] * (p_gold[r] - (s - 1) * step[r]) / s * scale[r]
     for j in range(width):
         a_other[j, 0] = 1.0
         for s in range(1, n_max + 1):
             for r in range(n_rows):
-                a_other[j, s, r] = a_other[j, s - 1, r] * (others[r, j] - (s - 1) * step[r]) / (s * unit[r])
+                a_other[j, s, r] = a_other[j, s - 1, r] * (others[r, j] - (s - 1) * step[r]) / s * scale[r]
     full = np.zeros((n_max + 1, n_rows))
     new = np.empty((n_max + 1, n_rows))
     poly = np.empty((n_max + 1, n_rows))
@@ -92,14 +95,16 @@ def _credit_block(p_gold: np.ndarray, others: np.ndarray, n_max: int, nodes: np.
                 for r in range(n_rows):
                     series[k + d, r] += a_gold[k, r] * weights[g] * poly[d, r]
     out = np.empty((n_rows, n_max))
-    kept = np.ones(n_rows)  # (n)_N / n^N on an urn's row, 1 on a distribution's
+    subsets = np.ones(n_rows)  # C(n, N) scale^N on an urn's row (the same recurrence as its terms)
     fact = 1.0
     for n in range(1, n_max + 1):
         fact *= n
         for r in range(n_rows):
-            if n > 1:
-                kept[r] *= 1.0 - (n - 1) * step[r] / unit[r]
-            out[r, n - 1] = min(1.0, max(0.0, series[n, r] * fact / kept[r])) if kept[r] > 0.0 else 0.0
+            if step[r] == 0.0:
+                out[r, n - 1] = min(1.0, max(0.0, series[n, r] * fact))
+            else:
+                subsets[r] = subsets[r] * (draws[r] - (n - 1)) / n * scale[r]
+                out[r, n - 1] = min(1.0, max(0.0, series[n, r] / subsets[r])) if subsets[r] > 0.0 else 0.0
     return out
 
 

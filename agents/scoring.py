@@ -32,10 +32,10 @@ def mv_subset_credit(counts: np.ndarray, gold: np.ndarray, k_max: int) -> np.nda
     """Mean majority-vote credit (R, k_max) over all k-subsets (k = 1..k_max) of R pulls.
 
     ``counts`` (R, B) are each pull's votes per bucket, ``gold`` (R,) the gold buckets. Column k-1 is valid for
-    k <= the pull's size n (0 beyond it): the compiled urn credit of ``agents._vote_credit`` (the series of the
-    exact oracle's kernel with each bucket's term (c_j)_s / (n^s s!) in place of p_j^s / s!, times n^k / (n)_k,
-    which is sum over vote vectors of prod_j C(c_j, s_j) / C(n, k) times their credit, and stays in float64's
-    range however many votes a pull holds).
+    k <= the pull's size n (0 beyond it): the compiled urn credit of ``agents._vote_credit``, the sum over vote
+    vectors of prod_j C(c_j, s_j) / C(n, k) times their credit (the series of the exact oracle's kernel with
+    C(c_j, s) in place of p_j^s / s!), every coefficient scaled by a power of two so that it stays exact while
+    below 2^53 and in float64's range however many votes a pull holds.
     """
     return mv_credit_rows(np.asarray(counts, dtype=np.int64), np.asarray(gold), k_max, urn=True)
 

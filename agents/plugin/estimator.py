@@ -103,15 +103,18 @@ class PlugInEstimator(MajorityVoteReadings, BestOfNReadings):
 
     def __init__(self, env: Any, alpha: float = 32.0, curve: float = 3.0, slope: float = 1.0,
                  pretest: float = 2.0, bon_prior: float = 1.0, empirical_bayes: bool = True,
-                 bon_reading: str = BON_READINGS[0]) -> None:
+                 bon_reading: str = BON_READINGS[0], mv_correction: bool = True) -> None:
         """Bind to ``env``; the prior's strength (see the module docstring): ``alpha`` the majority-vote
         prior's pseudo-votes (at most, with ``empirical_bayes``; else exactly), ``curve`` and ``slope`` the
         response curves' ridges, ``pretest`` the sparse-slope test, ``bon_prior`` the pooled Best-of-N
-        reading's weight in completions per N, ``bon_reading`` which pooled Best-of-N reading (``BON_READINGS``)."""
+        reading's weight in completions per N, ``bon_reading`` which pooled Best-of-N reading (``BON_READINGS``),
+        ``mv_correction`` whether majority vote's credit takes the unbiased reading's correction (``_corrected_credit``;
+        the online agent's estimator, fed one request's votes at a time, reads without it: docs/online.md)."""
         self.alpha, self.curve, self.slope, self.pretest, self.bon_prior = check_nonnegative(
             alpha=alpha, curve=curve, slope=slope, pretest=pretest, bon_prior=bon_prior)
         self.bon_reading = check_bon_reading(bon_reading)
         self.empirical_bayes = bool(empirical_bayes)
+        self.mv_correction = bool(mv_correction)
         self.table = Estimator(env)
         self.env = self.table.env
         table = self.env.table
@@ -183,9 +186,10 @@ class PlugInEstimator(MajorityVoteReadings, BestOfNReadings):
             np.add.at(self._votes, (pulls.prompts, pulls.queries), pulls.ns)
             np.add.at(self._gold_votes, (prompts_c, queries_c), pulls.atoms == gold[queries_c])
             np.add.at(self._pooled, (queries_c, pulls.atoms), 1)
-            pairs = np.unique(pulls.prompts * self._votes.shape[1] + pulls.queries)
-            pp, qq = np.divmod(pairs, self._votes.shape[1])
-            self._unbiased[pp, qq] = mv_subset_credit(self.atom_counts[pp, qq], gold[qq], self.n_max)
+            if self.mv_correction:
+                pairs = np.unique(pulls.prompts * self._votes.shape[1] + pulls.queries)
+                pp, qq = np.divmod(pairs, self._votes.shape[1])
+                self._unbiased[pp, qq] = mv_subset_credit(self.atom_counts[pp, qq], gold[qq], self.n_max)
         else:
             atoms = self.env.table.atoms
             assert atoms is not None

@@ -56,6 +56,7 @@ class MajorityVoteReadings:
     slope: float
     pretest: float
     empirical_bayes: bool
+    mv_correction: bool
     atom_counts: np.ndarray
     _seen: np.ndarray
     _credit: np.ndarray
@@ -140,6 +141,9 @@ class MajorityVoteReadings:
         the prior's weight and the bias go to 0 together, so the estimate still converges to the train-split Q.
         """
         seen = self._seen[prompts]
+        if not self.mv_correction:  # the mean over the columns any of them saw (unseen rows hold 0)
+            cols = np.flatnonzero(seen.any(axis=0))
+            return self._credit[prompts[:, None], cols[None, :]].sum(axis=1) / seen.sum(axis=1)[:, None]
         p_idx, q_idx = np.nonzero(seen)  # by prompt, then query
         rows_p = prompts[p_idx]
         m = held_index(self._votes[rows_p, q_idx], self.n_max)  # (rows, N)
