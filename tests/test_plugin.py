@@ -177,6 +177,12 @@ def test_majority_vote_value_is_corrected_by_the_mean_credit_over_every_subset(c
         np.testing.assert_allclose(est.mean()[0, p], expected / seen.size, rtol=0, atol=1e-12)
 
 
+def test_mv_correction_must_be_a_bool() -> None:
+    env = IAPOEnv(table=tiny_mv_table(seed=1, n_prompts=2, n_queries=6, n_buckets=3, n_max=4))
+    with pytest.raises(ValueError, match="mv_correction must be True or False, got 'no'"):
+        PlugInEstimator(env, mv_correction="no")  # type: ignore[arg-type]
+
+
 def test_plug_in_majority_vote_gives_a_contradicted_prior_less_weight() -> None:
     """On a table whose (prompt, query) gold shares are all 0 or 1 the response-curve prior explains little:
     after 4 votes per (prompt, train query) the estimate reads each query from its own votes (pseudo-votes

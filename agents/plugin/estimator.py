@@ -114,7 +114,9 @@ class PlugInEstimator(MajorityVoteReadings, BestOfNReadings):
             alpha=alpha, curve=curve, slope=slope, pretest=pretest, bon_prior=bon_prior)
         self.bon_reading = check_bon_reading(bon_reading)
         self.empirical_bayes = bool(empirical_bayes)
-        self.mv_correction = bool(mv_correction)
+        if not isinstance(mv_correction, bool):
+            raise ValueError(f"mv_correction must be True or False, got {mv_correction!r}")
+        self.mv_correction = mv_correction
         self.table = Estimator(env)
         self.env = self.table.env
         table = self.env.table
