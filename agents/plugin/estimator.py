@@ -130,8 +130,10 @@ class PlugInEstimator(MajorityVoteReadings, BestOfNReadings):
         self._seen = np.zeros((self.n_prompts, table.n_queries), dtype=bool)
         if self.aggregator == "mv":
             self._credit = np.zeros((self.n_prompts, table.n_queries, self.n_max))  # per (p, q), cached
-            # per (p, q) the mean credit over every m-subset of its votes, m = 1..min(N_max, its votes)
-            self._unbiased = np.zeros((self.n_prompts, table.n_queries, self.n_max))
+            # per (p, q) the mean credit over every m-subset of its votes, m = 1..min(N_max, its votes); none is read
+            # without the correction
+            shape = (self.n_prompts, table.n_queries, self.n_max) if self.mv_correction else (0, 0, 0)
+            self._unbiased = np.zeros(shape)
             # per (p, q) the smoothed answer distribution its credit was last read from (the stopping rules read it)
             self._probs = np.zeros((self.n_prompts, table.n_queries, table.n_atoms))
             self._votes = np.zeros((self.n_prompts, table.n_queries), dtype=np.int64)

@@ -149,9 +149,10 @@ class MajorityVoteReadings:
         m = held_index(self._votes[rows_p, q_idx], self.n_max)  # (rows, N)
         credit = self._credit[rows_p, q_idx]
         gap = np.take_along_axis(self._unbiased[rows_p, q_idx] - credit, m, axis=1)
-        n_queries = seen.sum(axis=1).astype(np.float64)
+        per_prompt = seen.sum(axis=1)
+        n_queries = per_prompt.astype(np.float64)
         lam = n_queries / (n_queries + CORRECTION_QUERIES)
-        starts = np.r_[0, np.cumsum(seen.sum(axis=1))[:-1]]  # every prompt read here has a seen query
+        starts = np.r_[0, np.cumsum(per_prompt)[:-1]]  # every prompt read here has a seen query
         return (np.add.reduceat(credit, starts, axis=0) + lam[:, None] * np.add.reduceat(gap, starts, axis=0)) \
             / n_queries[:, None]
 
