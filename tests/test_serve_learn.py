@@ -237,6 +237,7 @@ def _section_blocks() -> list[tuple[str, str]]:
     return [(m.group(1), m.group(2)) for m in re.finditer(r"^```(\w*)\n(.*?)^```", section, re.S | re.M)]
 
 
+@pytest.mark.heavy
 def test_the_commands_of_the_learning_section_run_as_written(tmp_path: Path) -> None:
     blocks = _section_blocks()
     assert [lang for lang, _ in blocks] == ["shell", "py"]

@@ -451,6 +451,7 @@ def _doc_blocks() -> list[tuple[str, str]]:
     return [(m.group(1), m.group(2)) for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)]
 
 
+@pytest.mark.heavy
 def test_the_commands_of_docs_simulate_run_as_written(tmp_path: Path) -> None:
     """Every command of docs/simulate.md's sh blocks runs as written in a scratch folder (the server in the
     background, until the commands after it are done), and its Python blocks run against that server."""
