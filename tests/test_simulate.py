@@ -207,6 +207,44 @@ def test_seeds_give_identical_completions_and_n_and_usage_are_honoured(mv_sim: i
     assert chunks[-1].usage.completion_tokens == 24 * tokens
 
 
+def test_a_seeded_spec_draws_the_same_samples_from_the_same_model_at_another_address(
+        mv_sim: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-completion seeds derive from the spec's seed, the model, the rendered prompt, the sampling and the
+    index, not from the server's address: the same spec against a second simulator of the same table and --seed on
+    another port (a model moved, restarted, behind a proxy) gets the same completions; another spec seed gets
+    others."""
+    import asyncio
+    import dataclasses
+
+    from iapo_gym.llm.client import LLMClient
+    from iapo_gym.llm.spec import load_spec
+
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    written = tmp_path / "sim.json"
+    subprocess.run([*CLI, "simulate", MV, "--port", str(mv_sim), "--write-spec", str(written)], check=True, cwd=ROOT)
+    spec = load_spec(written)
+    assert spec.sampling.seed is not None
+    table = level_table("mv_categorical", 2)
+    prompt = template(table.prompts[2], "Question q5?")
+
+    async def texts(port: int, seed: int) -> list[str]:
+        moved = dataclasses.replace(spec, endpoint=dataclasses.replace(
+            spec.endpoint, base_url=f"http://127.0.0.1:{port}/v1"), sampling=dataclasses.replace(spec.sampling,
+                                                                                               seed=seed))
+        async with LLMClient(moved) as llm:
+            return [c.text for c in await llm.complete(prompt, list(range(16)))]
+
+    proc, other_port = start_simulator(MV)
+    try:
+        here = asyncio.run(texts(mv_sim, spec.sampling.seed))
+        there = asyncio.run(texts(other_port, spec.sampling.seed))
+        reseeded = asyncio.run(texts(other_port, spec.sampling.seed + 1))
+    finally:
+        stop(proc)
+    assert other_port != mv_sim and here == there
+    assert reseeded != here and len(set(here)) > 1
+
+
 def test_bad_requests_get_a_clear_4xx(mv_sim: int) -> None:
     """Each bad request is refused with the status, code and parameter named, and a message saying what was
     expected; the simulator goes on answering."""

@@ -28,8 +28,23 @@ Entry = tuple[str, int, "str | None", "int | None"]
 
 def completion_key(base_url: str, model: str, api: str, prompt: Any, sampling: dict[str, Any], index: int) -> str:
     """The cache key of completion ``index`` of one rendered prompt under one set of sampling parameters."""
-    blob = json.dumps({"base_url": base_url, "model": model, "api": api, "prompt": prompt, "sampling": sampling,
-                       "index": int(index)}, sort_keys=True, ensure_ascii=False)
+    return _digest({"base_url": base_url, **_sample_fields(model, api, prompt, sampling, index)})
+
+
+def sample_key(model: str, api: str, prompt: Any, sampling: dict[str, Any], index: int) -> str:
+    """What names sample ``index`` of one rendered prompt wherever the model is served: the cache key without the
+    server's address. Its per-completion seed derives from it, so a rerun against the same model at another
+    address (another port, a proxy) asks for the same samples; the cache, which must not mix servers, keys by
+    ``completion_key``."""
+    return _digest(_sample_fields(model, api, prompt, sampling, index))
+
+
+def _sample_fields(model: str, api: str, prompt: Any, sampling: dict[str, Any], index: int) -> dict[str, Any]:
+    return {"model": model, "api": api, "prompt": prompt, "sampling": sampling, "index": int(index)}
+
+
+def _digest(fields: dict[str, Any]) -> str:
+    blob = json.dumps(fields, sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 

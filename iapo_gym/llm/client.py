@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from iapo_gym.llm.budget import Budget, Rate, RateLimited, Reservation, Spend
-from iapo_gym.llm.cache import ResponseCache, completion_key
+from iapo_gym.llm.cache import ResponseCache, completion_key, sample_key
 from iapo_gym.llm.loop import gather_all
 from iapo_gym.llm.prices import prompt_token_bound
 from iapo_gym.llm.retry import (
@@ -319,16 +319,21 @@ class LLMClient:
 
     def key(self, prompt: Any, index: int, max_tokens: int | None = None) -> str:
         """The cache key of completion ``index`` of a rendered prompt (at ``max_tokens`` when it is not the spec's)."""
-        sampling = self.sampling if max_tokens is None else {**self.sampling, "max_tokens": max_tokens}
-        return completion_key(self.base_url, self.spec.endpoint.model, self.spec.endpoint.api, prompt, sampling, index)
+        return completion_key(self.base_url, self.spec.endpoint.model, self.spec.endpoint.api, prompt,
+                              self._sampling_at(max_tokens), index)
+
+    def _sampling_at(self, max_tokens: int | None) -> dict[str, Any]:
+        return self.sampling if max_tokens is None else {**self.sampling, "max_tokens": max_tokens}
 
     def _seed(self, prompt: Any, index: int, options: RequestOptions | None = None) -> int | None:
-        """Per-completion seed derived from the spec's seed, or the request's (distinct samples, reproducible reruns)."""
+        """Per-completion seed derived from the spec's seed, or the request's, and the sample's ``sample_key``
+        (distinct samples; reproducible reruns, wherever the model is served)."""
         seed = self.spec.sampling.seed if options is None or options.seed is None else options.seed
         if seed is None:
             return None
         max_tokens = options.max_tokens if options is not None else None
-        return derive_seed(seed, SAMPLE_SEED_KEY, self.key(prompt, index, max_tokens)) % (2**31)
+        key = sample_key(self.spec.endpoint.model, self.spec.endpoint.api, prompt, self._sampling_at(max_tokens), index)
+        return derive_seed(seed, SAMPLE_SEED_KEY, key) % (2**31)
 
     async def complete(self, prompt: Any, indices: list[int], options: RequestOptions | None = None) -> list[Completion]:
         """Completions ``indices`` of ``prompt`` (string or chat messages), cached ones without a request.
