@@ -464,9 +464,14 @@ def test_best_of_n_correction_carries_past_a_querys_draws() -> None:
     assert np.abs(error).mean(axis=1).max() < 0.08, np.round(error, 3)
 
 
-def test_best_of_n_reading_of_a_prompt_does_not_depend_on_the_prompts_read_with_it() -> None:
-    """With every prompt drawn on the same queries, a prompt's Best-of-N value is the same whether it is read
-    alone or with the others (its shape is against the pool of every query, not against the prompts read)."""
+def test_best_of_n_reading_of_a_prompt_does_not_depend_on_the_prompts_read_with_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every prompt drawn on the same queries, a prompt's Best-of-N reading is the same whether it is read
+    alone or with the others (its shape is against the pool of every query, not against the prompts read). The
+    correction, whose pooled part is read from the prompts read, is weighed 0 here (``CORRECTION_QUERIES`` huge)."""
+    from agents.plugin import best_of_n
+
+    monkeypatch.setattr(best_of_n, "CORRECTION_QUERIES", 1e300)
     env = IAPOEnv(table=shape_bon_table(seed=4, n_prompts=5, n_queries=30, n_max=8, n_objectives=2))
     env.reset(seed=0)
     est = PlugInEstimator(env)
@@ -533,7 +538,9 @@ def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float, mon
     """Each prompt's Best-of-N value is the mean over its s queries of the shrunk reading S_q(N) = R_q + w_q (V_own -
     o_q - R_q), w_q = n_q / (n_q + bon_prior N), R_q the location-scale reading, plus the correction s / (s + K)
     (U_q(m) - o_q - S_q(m)) at m = min(N, n_q), U_q the mean max over the query's m-subsets (PSST's U-statistic:
-    the sample maximum at m = n_q) and K ``CORRECTION_QUERIES`` (set low here, so the correction weighs). R is
+    the sample maximum at m = n_q) and K ``CORRECTION_QUERIES`` (set low here, so the correction weighs), plus
+    the pooled correction (1 - s / (s + K)) S / (S + K) times the mean gap U_q(m) - o_q - S_q(m) over the S queries
+    of every prompt read. R is
     held within the outcomes' score range and recomputed query by query with the exact oracle (unbinned): the
     scales' fit, each query's pooled residuals, the pool over every query (a query drawn once stays out of it)
     and each prompt's shrunk shape against that pool. A prompt that saw other queries than the one that saw the
@@ -587,9 +594,10 @@ def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float, mon
         shape *= drawn[:, None] / (drawn[:, None] + best_of_n.SHAPE_DRAWS * scale_n)
         own_queries = [[q for q in seen_q if n[p, q] > 0] for p in range(4)]
         values, reached_n = {}, {}  # (prompt, read on whose queries) -> its value; prompt -> its k at each N
+        gaps = {}  # (prompt, read on whose queries) -> the sum over the queries of the correction's gap U - S
         for p, on in [(p, p) for p in range(4)] + [(0, p) for p in range(1, 4)]:
             queries = own_queries[on]
-            total = np.zeros(8)
+            total, gap = np.zeros(8), np.zeros(8)
             k = (n[p, queries][:, None] >= scale_n).sum(axis=0)
             lam_s = len(queries) / (len(queries) + 3.0)
             for q in queries:
@@ -606,11 +614,18 @@ def test_best_of_n_weight_matches_a_query_by_query_reading(bon_prior: float, mon
                 m = np.minimum(np.arange(8), draws.size - 1)
                 unbiased = draws @ bon_subset_weights(draws.size)  # N = 1..n
                 total += shrunk + lam_s * (unbiased[m] - offsets[r, q] - shrunk[m])
+                gap += unbiased[m] - offsets[r, q] - shrunk[m]
                 if bon_prior == 0.0:
                     np.testing.assert_allclose(weight, 1.0)
-            values[p, on] = total / len(queries)
+            values[p, on], gaps[p, on] = total / len(queries), gap
             if p == on:
                 reached_n[p] = k
+        # the pooled correction: the mean gap over every read prompt's queries, weighed S / (S + K), of which a
+        # value on s queries takes 1 - s / (s + K)
+        n_total = sum(len(own_queries[p]) for p in range(4))
+        pooled = sum(gaps[p, p] for p in range(4)) / (n_total + 3.0)
+        for key in values:
+            values[key] = values[key] + 3.0 / (len(own_queries[key[1]]) + 3.0) * pooled
         for p in range(4):
             expected = values[p, p]
             if p != 0:  # prompt 0 saw the most queries: each other prompt moves by its value on its own less on theirs

@@ -279,21 +279,21 @@ def test_residual_kernels_equal_the_entry_by_entry_reference_bit_for_bit() -> No
 
 def test_location_scale_readings_equal_the_query_by_query_reference_bit_for_bit() -> None:
     """``location_scale_readings`` is R for every (prompt, query, N), held within [low, high]; ``clipped_readings``
-    is, per prompt and N, the sum over its seen queries (in query order) of weight x R(N), plus, past the pair's
-    draws d, weight_at_draws x R(d)."""
+    is, per set of weights, prompt and N, the sum over its seen queries (in query order) of weight x R(N), plus,
+    past the pair's draws d, weight_at_draws x R(d)."""
     rng = np.random.default_rng(8)
     n_w, n_p, n_q, n_max = 2, 4, 6, 7
     expected, spread = rng.normal(size=(n_w, n_q, n_max)), np.abs(rng.normal(size=(n_w, n_q)))
     shape, scale = rng.normal(size=(n_w, n_p, n_max)), np.abs(rng.normal(size=(n_w, n_p)))
     level, offsets = rng.normal(size=(n_w, n_p)), rng.normal(size=(n_w, n_q))
     low, high = np.array([-1.5, -2.0]), np.array([1.0, 1.5])  # some readings are clipped
-    weight, weight_at_draws = rng.random((n_p, n_q, n_max)), rng.normal(size=(n_p, n_q))
+    weight, weight_at_draws = rng.random((2, n_p, n_q, n_max)), rng.normal(size=(2, n_p, n_q))
     draws, seen = rng.integers(1, n_max + 2, (n_p, n_q)), rng.random((n_p, n_q)) < 0.7
     readings = location_scale_readings(expected, spread, shape, scale, level, offsets, low, high)
     summed = clipped_readings(level, offsets, scale, expected, spread, shape, weight, weight_at_draws, draws, seen,
                               low, high)
     clipped = 0
-    for w, p in itertools.product(range(n_w), range(n_p)):
+    for k, w, p in itertools.product(range(2), range(n_w), range(n_p)):
         total = [0.0] * n_max
         for q in range(n_q):
             base = level[w, p] + offsets[w, q]
@@ -303,11 +303,11 @@ def test_location_scale_readings_equal_the_query_by_query_reference_bit_for_bit(
             clipped += sum(x in (low[w], high[w]) for x in r)
             if seen[p, q]:
                 for n in range(n_max):
-                    value = weight[p, q, n] * r[n]
+                    value = weight[k, p, q, n] * r[n]
                     if n > draws[p, q] - 1:
-                        value += weight_at_draws[p, q] * r[draws[p, q] - 1]
+                        value += weight_at_draws[k, p, q] * r[draws[p, q] - 1]
                     total[n] += value
-        assert summed[w, p].tolist() == total
+        assert summed[k, w, p].tolist() == total
     assert clipped > 0
 
 

@@ -123,10 +123,12 @@ def _clipped_block(level: np.ndarray, offsets: np.ndarray, scale: np.ndarray, ex
                    spread: np.ndarray, shape: np.ndarray, weight: np.ndarray, weight_at_draws: np.ndarray,
                    draws: np.ndarray, seen: np.ndarray, low: np.ndarray, high: np.ndarray, other: np.ndarray,
                    alpha: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
-    """``clipped_readings`` in one pass (no (W, P, Q, N) work array but ``other``'s)."""
+    """``clipped_readings`` in one pass (no (W, P, Q, N) work array but ``other``'s): each reading computed once and
+    added to every set of weights."""
     n_weightings, n_prompts = level.shape
     n_queries, n_max = expected.shape[1], expected.shape[2]
-    out = np.zeros((n_weightings, n_prompts, n_max))
+    n_sets = weight.shape[0]
+    out = np.zeros((n_sets, n_weightings, n_prompts, n_max))
     for w in range(n_weightings):
         for p in range(n_prompts):
             for q in range(n_queries):
@@ -138,12 +140,13 @@ def _clipped_block(level: np.ndarray, offsets: np.ndarray, scale: np.ndarray, ex
                     r = _reading(base, scale[w, p], expected[w, q, n], spread[w, q], shape[w, p, n], low[w], high[w])
                     if alpha[w] > 0.0:
                         r = (1.0 - alpha[w]) * r + alpha[w] * other[w, p, q, n]
-                    value = weight[p, q, n] * r
                     if n == last:
                         at_draws = r
-                    elif n > last:
-                        value += weight_at_draws[p, q] * at_draws
-                    out[w, p, n] += value
+                    for k in range(n_sets):
+                        value = weight[k, p, q, n] * r
+                        if n > last:
+                            value += weight_at_draws[k, p, q] * at_draws
+                        out[k, w, p, n] += value
     return out
 
 
@@ -151,11 +154,12 @@ def clipped_readings(level: np.ndarray, offsets: np.ndarray, scale: np.ndarray, 
                      spread: np.ndarray, shape: np.ndarray, weight: np.ndarray, weight_at_draws: np.ndarray,
                      draws: np.ndarray, seen: np.ndarray, low: np.ndarray, high: np.ndarray,
                      other: np.ndarray | None = None, alpha: np.ndarray | None = None) -> np.ndarray:
-    """(W, P, N) sum over the queries ``seen`` (P, Q) marks of weight[p, q, n] R(p, q, n) + [n > d]
-    weight_at_draws[p, q] R(p, q, d), d = draws[p, q] (>= 1), R the location-scale reading (``_reading``) of
-    ``location_scale_readings``' arguments at N = n: the pooled readings' sum of ``BestOfNReadings._bon_value``, each
-    prompt's terms added query by query in query order. With ``other`` (W, P, Q, N) and ``alpha`` (W,), R is the blend
-    (1 - alpha) R + alpha other in each row where alpha > 0."""
+    """(K, W, P, N) per set k of weights, the sum over the queries ``seen`` (P, Q) marks of weight[k, p, q, n]
+    R(p, q, n) + [n > d] weight_at_draws[k, p, q] R(p, q, d), d = draws[p, q] (>= 1), R the location-scale reading
+    (``_reading``) of ``location_scale_readings``' arguments at N = n: the pooled readings' sums of
+    ``BestOfNReadings._bon_value`` (the shrunk reading's and the correction's, K = 2), each prompt's terms added query
+    by query in query order. ``weight`` is (K, P, Q, N), ``weight_at_draws`` (K, P, Q). With ``other`` (W, P, Q, N)
+    and ``alpha`` (W,), R is the blend (1 - alpha) R + alpha other in each row where alpha > 0."""
     def f64(a: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(a, dtype=np.float64)
     return _clipped_block(f64(level), f64(offsets), f64(scale), f64(expected), f64(spread), f64(shape), f64(weight),

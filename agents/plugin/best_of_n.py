@@ -119,17 +119,20 @@ class BestOfNReadings(LocationScaleFit, ThresholdLogitFit):
         M_q and G. With the shrunk reading S(q, N) = R + w_pqN (V_own(p, q, N) - R), w_pqN = n / (n + ``bon_prior``
         N), the value is the mean over the prompt's s seen queries of S(q, N) + lam (U(q, m) - S(q, m)), m = min(N,
         n_pq), U the unbiased mean max over m-subsets (the sample maximum at m = n_pq) and lam = s / (s +
-        ``CORRECTION_QUERIES``), less their mean offset. Up to a query's draws the correction takes lam of the shrunk
-        reading's bias out; beyond them it keeps the bias measured where they end, so the estimate does not bend at
-        n_pq (without it, the plug-in's low bias past n reads the large N too low). As a query's draws grow, w -> 1
-        and m -> N, so the value tends to the mean over the queries of their own readings less the mean offset,
+        ``CORRECTION_QUERIES``), less their mean offset, plus the pooled correction (1 - lam) S / (S +
+        ``CORRECTION_QUERIES``) delta(N): delta the mean of U(q, m) - S(q, m) over every read prompt's seen queries, S
+        of them. Up to a query's draws the correction takes lam of the shrunk reading's bias out; beyond them it keeps
+        the bias measured where they end, so the estimate does not bend at n_pq (without it, the plug-in's low bias
+        past n reads the large N too low). The bias the prompt's own few queries cannot measure is read from all the
+        read prompts' queries, where the readings share it (the pooled scores top out alike). As a query's draws grow,
+        w -> 1 and m -> N, so the value tends to the mean over the queries of their own readings less the mean offset,
         which is 0 once every prompt has seen every train query (as the common-query agents' prompts do at large
         budgets). The fit-free parts (w V_own, and U(m) - w(m) V_own(m)) are per-prompt sums kept by ``_add_own``;
-        the readings enter as one weighted sum of R per prompt and N, with weight (1 - w) - lam (1 - w) up to n_pq
-        and, beyond it, 1 - w at N and - lam (1 - w(n_pq)) on R at n_pq. A prompt that saw other queries than the
-        reference (``_move_to_reference``) then moves onto the reference's queries. With ``bon_reading`` "blend", R is
-        alpha R_logit + (1 - alpha) R throughout, R_logit the threshold-logit reading and alpha its weight per
-        objective row (``ThresholdLogitFit``).
+        the readings enter as two weighted sums of R per prompt and N, in one kernel pass: the shrunk reading's, weight
+        1 - w, and the correction's, - (1 - w) up to n_pq and - (1 - w(n_pq)) on R at n_pq beyond it. A prompt that
+        saw other queries than the reference (``_move_to_reference``) then moves onto the reference's queries. With
+        ``bon_reading`` "blend", R is alpha R_logit + (1 - alpha) R throughout, R_logit the threshold-logit reading and
+        alpha its weight per objective row (``ThresholdLogitFit``).
         """
         level, offsets = self._additive_fit()
         scale, expected, spread, shape = self._location_scale(level, offsets, prompts)  # (W, P), (W, Q, N), (W, Q), (W, P, N)
@@ -147,31 +150,41 @@ class BestOfNReadings(LocationScaleFit, ThresholdLogitFit):
             logit_fit = self._threshold_fit()
             self.blend_weight = self._blend_weight(logit_fit, prompts, cols, (level, offsets, scale, expected, spread, d_p))
             blend = (logit_fit, self.blend_weight)
+        n_seen = seen_all[:, cols].sum(axis=1).astype(np.float64)  # (P,) s_p, each prompt's seen queries
+        held_total = np.zeros((n_weightings, self.n_max))  # sum over the prompts of C_p
         for lo, hi in blocks(np.full(prompts.size, max(n_weightings, 1) * cols.size * self.n_max)):
             block = prompts[lo:hi]
             seen = seen_all[lo:hi, cols]
-            n_queries = seen.sum(axis=1)[:, None].astype(np.float64)  # s, the prompt's seen queries
+            n_queries = n_seen[lo:hi, None]  # (p, 1) s
             lam = n_queries / (n_queries + CORRECTION_QUERIES)  # (p, 1) the correction's weight
             completions = self._completions[block][:, cols]
             n_pq = np.maximum(completions, 1.0).astype(np.int64)  # (p, q) the draws; R(m) = R(N) up to them
             w_pqn = self._own_weight_of(completions)
             reached = self._has_draws(completions)  # (p, q, N): N <= n_pq, so m = N
-            weight = (seen[:, :, None] - w_pqn - lam[:, :, None] * reached * (1.0 - w_pqn)) / n_queries[:, :, None]
             w_at_draws = np.take_along_axis(w_pqn, np.minimum(n_pq, self.n_max)[..., None] - 1, axis=-1)[..., 0]
-            # - lam (1 - w(n_pq)) / s on R(m = n_pq) at every N > n_pq
-            weight_at_draws = np.where(seen & (n_pq < self.n_max), -lam * (1.0 - w_at_draws) / n_queries, 0.0)
+            # the shrunk reading's (1 - w) on R, and the correction's - (1 - w(m)) on R(m): at N up to n_pq, and
+            # at n_pq for every N > n_pq
+            weight = np.stack([(seen[:, :, None] - w_pqn) / n_queries[:, :, None], (w_pqn - 1.0) * reached])
+            weight_at_draws = np.stack([np.zeros(seen.shape), np.where(seen & (n_pq < self.n_max), w_at_draws - 1.0, 0.0)])
             other = None if blend is None else threshold_readings(blend[0], block, cols, seen, self.n_max)
-            shrunk = clipped_readings(level[:, block], offsets_cols, scale[:, block], expected_cols, spread_cols,
-                                      d_p[:, lo:hi], weight, weight_at_draws, n_pq, seen, low, high, other,
-                                      None if blend is None else blend[1])
-            own = (self._own[:, block] + lam[None] * self._own_held[:, block]) / n_queries
-            out[:, lo:hi] = shrunk + own - (seen @ offsets_cols.T).T[:, :, None] / n_queries
-        self._move_to_reference(out, prompts, seen_all, drawn, (level, offsets, scale, expected, spread, d_p), blend)
+            shrunk, held = clipped_readings(level[:, block], offsets_cols, scale[:, block], expected_cols, spread_cols,
+                                            d_p[:, lo:hi], weight, weight_at_draws, n_pq, seen, low, high, other,
+                                            None if blend is None else blend[1])
+            held += self._own_held[:, block]  # C_p, the sum over the prompt's queries of U(m) - S(m)
+            held_total += held.sum(axis=1)
+            out[:, lo:hi] = (shrunk + (self._own[:, block] + lam[None] * held) / n_queries
+                             - (seen @ offsets_cols.T).T[:, :, None] / n_queries)
+        total = n_seen.sum()  # S
+        pooled = held_total / (total + CORRECTION_QUERIES)  # S / (S + K) x delta, delta = sum_p C_p / S
+        out += (CORRECTION_QUERIES / (n_seen + CORRECTION_QUERIES))[None, :, None] * pooled[:, None, :]  # (1 - lam)
+        self._move_to_reference(out, prompts, seen_all, drawn, (level, offsets, scale, expected, spread, d_p), blend,
+                                pooled)
         result: np.ndarray = out[self._objective_row]
         return result
 
     def _move_to_reference(self, out: np.ndarray, prompts: np.ndarray, seen: np.ndarray, drawn: np.ndarray,
-                           fit: tuple[np.ndarray, ...], blend: tuple[Fit, np.ndarray] | None) -> None:
+                           fit: tuple[np.ndarray, ...], blend: tuple[Fit, np.ndarray] | None,
+                           pooled: np.ndarray) -> None:
         """Move, in place, each value in ``out`` (W, len(prompts), N_max) from its prompt's queries to the reference's:
         add the reference's value on every query it saw less its value on the queries the prompt saw too. A prompt
         that saw exactly the reference's queries is left as it is (every prompt, while all read prompts saw the same
@@ -186,7 +199,8 @@ class BestOfNReadings(LocationScaleFit, ThresholdLogitFit):
         readings recomputed query by query), one set of sums per distinct subset, in blocks of objective rows.
         ``seen`` (len(prompts), Q) and ``drawn`` (len(prompts),) are the prompts' seen queries and completions;
         ``fit`` is ``_bon_value``'s (level, offsets, scale, expected, spread, shape) of the read prompts, ``blend``
-        its threshold-logit fit and blend weights (None: the location-scale reading alone).
+        its threshold-logit fit and blend weights (None: the location-scale reading alone), ``pooled`` (W, N_max) its
+        pooled correction S / (S + ``CORRECTION_QUERIES``) delta, which a value on s queries takes 1 - lam of.
         """
         ref = int(np.lexsort((np.arange(prompts.size), -drawn, -seen.sum(axis=1)))[0])
         differs = np.flatnonzero((seen != seen[ref]).any(axis=1))
@@ -223,6 +237,7 @@ class BestOfNReadings(LocationScaleFit, ThresholdLogitFit):
             with np.errstate(invalid="ignore", divide="ignore"):  # a subset of no query: 0 / 0, not used
                 value = (shrunk + subsets @ plug_in + lam * (subsets @ held)
                          - (offsets[ws, cols] @ subsets.T)[:, :, None]) / n_queries  # (w, subsets, N)
+            value += (1.0 - lam) * pooled[ws, None, :]
             move = value[:, :1] - value[:, 1:]
             move[:, n_queries[1:, 0] == 0] = 0.0  # a prompt that shares no query with the reference stays
             out[lo:hi, differs] += move[:, which]

@@ -83,8 +83,8 @@ def warm_up() -> None:
     standardize(np.ones((1, 1)), one, index)
     over_spread(one, one, index, index)
     cube = np.ones((1, 1, 1))
-    clipped_readings(one, one, one, cube, one, cube, cube, one, np.ones((1, 1), np.int64), np.ones((1, 1), dtype=bool),
-                     np.zeros(1), np.ones(1), np.ones((1, 1, 1, 1)), np.ones(1))
+    clipped_readings(one, one, one, cube, one, cube, cube[None], one[None], np.ones((1, 1), np.int64),
+                     np.ones((1, 1), dtype=bool), np.zeros(1), np.ones(1), np.ones((1, 1, 1, 1)), np.ones(1))
     location_scale_readings(cube, one, cube, one, one, one, np.zeros(1), np.ones(1))
     fit = threshold_fit(np.array([[0.0, 1.0]]), np.ones(2), np.zeros(2, np.int64), index, index, 1, 1, 1, 1, 1.0, 1.0, 1.0,
                         0.0)
