@@ -464,10 +464,14 @@ def test_best_of_n_correction_carries_past_a_querys_draws() -> None:
     assert np.abs(error).mean(axis=1).max() < 0.08, np.round(error, 3)
 
 
-def test_best_of_n_reading_of_a_prompt_does_not_depend_on_the_prompts_read_with_it() -> None:
-    """With every prompt drawn on the same queries, a prompt's Best-of-N value is the same whether it is read
-    alone or with the others (its shape is against the pool of every query, not against the prompts read, and the
-    pooled correction pools every prompt's gaps, the others' as their last update read them)."""
+def test_best_of_n_reading_of_a_prompt_does_not_depend_on_the_prompts_read_with_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every prompt drawn on the same queries, a prompt's Best-of-N reading is the same whether it is read
+    alone or with the others (its shape is against the pool of every query, not against the prompts read). The
+    correction, whose pooled part is read from the prompts read, is weighed 0 here (``CORRECTION_QUERIES`` huge)."""
+    from agents.plugin import best_of_n
+
+    monkeypatch.setattr(best_of_n, "CORRECTION_QUERIES", 1e300)
     env = IAPOEnv(table=shape_bon_table(seed=4, n_prompts=5, n_queries=30, n_max=8, n_objectives=2))
     env.reset(seed=0)
     est = PlugInEstimator(env)

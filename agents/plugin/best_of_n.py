@@ -60,8 +60,6 @@ class BestOfNReadings(LocationScaleFit, ThresholdLogitFit):
     blend_weight: np.ndarray
     _own: np.ndarray
     _own_held: np.ndarray
-    _gap_sum: np.ndarray
-    _gap_queries: np.ndarray
     _objective_row: np.ndarray
     _score_range: np.ndarray
 
@@ -107,7 +105,7 @@ class BestOfNReadings(LocationScaleFit, ThresholdLogitFit):
         unbiased mean max over m-subsets."""
         return segment_readings(*self._pair_scores(pp, qq, objectives), self.n_max, weight, bounds)
 
-    def _bon_value(self, prompts: np.ndarray, store: bool = False) -> np.ndarray:
+    def _bon_value(self, prompts: np.ndarray) -> np.ndarray:
         """(C, len(prompts), N_max) the prompts' Best-of-N task value: per query, the shrunk own reading.
 
         A location-scale reading: score(p, q) = level_p + o_q + scale_p e, e drawn from query q's residual
@@ -122,13 +120,11 @@ class BestOfNReadings(LocationScaleFit, ThresholdLogitFit):
         N), the value is the mean over the prompt's s seen queries of S(q, N) + lam (U(q, m) - S(q, m)), m = min(N,
         n_pq), U the unbiased mean max over m-subsets (the sample maximum at m = n_pq) and lam = s / (s +
         ``CORRECTION_QUERIES``), less their mean offset, plus the pooled correction (1 - lam) S / (S +
-        ``CORRECTION_QUERIES``) delta(N): delta the mean of U(q, m) - S(q, m) over the seen queries of every prompt
-        with completions, S of them, the prompts not read now as their last update read them (``store``: keep the
-        read prompts' gaps for that, as ``update`` does), so a prompt's value does not depend on the prompts read
-        with it. Up to a query's draws the correction takes lam of the shrunk reading's bias out; beyond them it keeps
+        ``CORRECTION_QUERIES``) delta(N): delta the mean of U(q, m) - S(q, m) over every read prompt's seen queries, S
+        of them. Up to a query's draws the correction takes lam of the shrunk reading's bias out; beyond them it keeps
         the bias measured where they end, so the estimate does not bend at n_pq (without it, the plug-in's low bias
         past n reads the large N too low). The bias the prompt's own few queries cannot measure is read from all the
-        prompts' queries, where the readings share it (the pooled scores top out alike). As a query's draws grow,
+        read prompts' queries, where the readings share it (the pooled scores top out alike). As a query's draws grow,
         w -> 1 and m -> N, so the value tends to the mean over the queries of their own readings less the mean offset,
         which is 0 once every prompt has seen every train query (as the common-query agents' prompts do at large
         budgets). The fit-free parts (w V_own, and U(m) - w(m) V_own(m)) are per-prompt sums kept by ``_add_own``;
@@ -155,7 +151,7 @@ class BestOfNReadings(LocationScaleFit, ThresholdLogitFit):
             self.blend_weight = self._blend_weight(logit_fit, prompts, cols, (level, offsets, scale, expected, spread, d_p))
             blend = (logit_fit, self.blend_weight)
         n_seen = seen_all[:, cols].sum(axis=1).astype(np.float64)  # (P,) s_p, each prompt's seen queries
-        gaps = np.empty((n_weightings, prompts.size, self.n_max))  # C_p, the sum over p's queries of U(m) - S(m)
+        held_total = np.zeros((n_weightings, self.n_max))  # sum over the prompts of C_p
         for lo, hi in blocks(np.full(prompts.size, max(n_weightings, 1) * cols.size * self.n_max)):
             block = prompts[lo:hi]
             seen = seen_all[lo:hi, cols]
@@ -174,16 +170,12 @@ class BestOfNReadings(LocationScaleFit, ThresholdLogitFit):
             shrunk, held = clipped_readings(level[:, block], offsets_cols, scale[:, block], expected_cols, spread_cols,
                                             d_p[:, lo:hi], weight, weight_at_draws, n_pq, seen, low, high, other,
                                             None if blend is None else blend[1])
-            held += self._own_held[:, block]
-            gaps[:, lo:hi] = held
+            held += self._own_held[:, block]  # C_p, the sum over the prompt's queries of U(m) - S(m)
+            held_total += held.sum(axis=1)
             out[:, lo:hi] = (shrunk + (self._own[:, block] + lam[None] * held) / n_queries
                              - (seen @ offsets_cols.T).T[:, :, None] / n_queries)
-        stored, stored_queries = self._gap_sum.copy(), self._gap_queries.copy()
-        stored[:, prompts], stored_queries[prompts] = gaps, n_seen
-        if store:
-            self._gap_sum, self._gap_queries = stored, stored_queries
-        # S / (S + K) x delta, delta = sum_p C_p / S over every prompt
-        pooled = stored.sum(axis=1) / (stored_queries.sum() + CORRECTION_QUERIES)
+        total = n_seen.sum()  # S
+        pooled = held_total / (total + CORRECTION_QUERIES)  # S / (S + K) x delta, delta = sum_p C_p / S
         out += (CORRECTION_QUERIES / (n_seen + CORRECTION_QUERIES))[None, :, None] * pooled[:, None, :]  # (1 - lam)
         self._move_to_reference(out, prompts, seen_all, drawn, (level, offsets, scale, expected, spread, d_p), blend,
                                 pooled)

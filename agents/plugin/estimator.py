@@ -150,10 +150,6 @@ class PlugInEstimator(MajorityVoteReadings, BestOfNReadings):
             n_rows = self._objectives.shape[0]
             self._own = np.zeros((n_rows, self.n_prompts, self.n_max))  # sum_q w_pqN V_own(p, q, N)
             self._own_held = np.zeros((n_rows, self.n_prompts, self.n_max))  # sum_q U(p, q, m) - w_pqm V_own(p, q, m)
-            #: per prompt, its correction's gaps sum_q U(p, q, m) - S(p, q, m) and its s seen queries, as its last
-            #: update read them: what the pooled Best-of-N correction pools (``BestOfNReadings._bon_value``)
-            self._gap_sum = np.zeros((n_rows, self.n_prompts, self.n_max))
-            self._gap_queries = np.zeros(self.n_prompts)
             self._score_range = score_range(table.atoms, self._objectives)  # (2, W): no outcome scores beyond
             #: (W,) per objective row the threshold-logit reading's weight in the last Best-of-N reading (0 with the
             #: location-scale reading alone)
@@ -216,7 +212,7 @@ class PlugInEstimator(MajorityVoteReadings, BestOfNReadings):
             credit = self._mv_credit_curve(prompts) if self.curve > 0 else self._mv_credit_pooled(pulls, prompts)
             task = self._weights[:, :1, None] * credit[None]
         else:
-            task = self._bon_value(prompts, store=True)
+            task = self._bon_value(prompts)
         self.table.sums[:, prompts, :] = task + self._cost_term(prompts)
         self.table.counts[:, prompts, :] = 1.0
 
