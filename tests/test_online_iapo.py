@@ -310,15 +310,18 @@ def test_a_prompt_with_wide_utilities_trips_no_detector_on_a_stationary_table() 
     ``bon_flat`` level 0 (tuning) the best prompt of one context, served at N = 16, has residuals of sd 0.12 against
     a pooled sd of 0.045; in pooled sds its CUSUM walked past the threshold 3 times between requests 59K and 62K,
     its completions were forgotten and it was lost again (0.0097 per request over the last tenth). In its own sd
-    nothing fires and, once it is found, the regret per request falls to almost 0 (without a warm start, ``budget``
-    0, so that the best prompt is found by exploring)."""
+    nothing fires and, once it is found, it is kept: the regret per request over the last tenth is below a tenth of
+    what losing it cost, and below a fifth of the first tenth's (without a warm start, ``budget`` 0, so that the
+    best prompt is found by exploring)."""
     horizon = 66_000
     env = OnlineEnv(family="bon_flat", level=0, schedule="stationary", horizon=horizon)
     agent = IAPOOnline(budget=0)
     regret = run_online(env, agent, seed=0, batch_size=16).regret
     assert not agent.changes
     tenth = horizon // 10
-    assert regret[-tenth:].mean() < 0.1 * regret[:tenth].mean()
+    lost = 0.0097  # per request over the last tenth, the best prompt lost
+    assert regret[-tenth:].mean() < 0.1 * lost
+    assert regret[-tenth:].mean() < 0.2 * regret[:tenth].mean()
 
 
 def _cusum_crossings(residuals: np.ndarray, slack: float = 0.25, threshold: float = 50.0) -> np.ndarray:
