@@ -56,9 +56,14 @@ prompts, refitted on a doubling schedule, with a change detector for drift and o
   change since, with the pooled variance sigma^2 counted as ``ARM_RESIDUALS`` residuals: a best-of-N prompt served
   at a high N spreads wider than the pool, and in pooled sds its CUSUM walked past the threshold on a stationary
   table), feeds a two-sided CUSUM per prompt (slack ``slack``, threshold ``threshold``; every CUSUM starts over at
-  a refit). When one crosses, the prompt's completions before the CUSUM's change estimate (the crossing side's last
-  zero) are forgotten: the estimator is rebuilt from the completions kept, and the prompt's count restarts, so it
-  is explored again; the fading's window restarts too (above), so the other prompts are soon re-examined.
+  a refit). Its change estimate is the crossing side's last zero.
+* **Read test.** Before a prompt is read (a refit, an early read), its utilities since its last read are compared
+  with those before, per N and context (``agents.online._read_test``): a served prompt's shift and early reads can
+  absorb a change its CUSUM then never sees. A change found is dated where those utilities shift.
+* **Forgetting.** On a change (either detector) every prompt's completions before its estimated start (the
+  earliest of a batch's detections; a detected prompt's own, if later) are forgotten: the estimator is rebuilt
+  from the rest, a prompt with none left enters again, and the fading's window restarts (above). Every prompt's: a
+  drift moves a quarter to three quarters of them, and one not served since kept its old estimate otherwise.
 
 Everything runs on the env's schema (``OnlineEnv.schema``); the estimator's env is an ``IAPOEnv`` on that schema
 whose completion source refuses to draw: the online env serves every completion.
@@ -74,6 +79,7 @@ import numpy as np
 
 from agents.base import make
 from agents.online._iapo_kernels import ARM_RESIDUALS, ENTRY_REQUESTS, MIN_COUNT, NO_SHIFT, best_prompts, feed_cusums
+from agents.online._read_test import read_test
 from agents.online.explore_commit import ExploreThenCommit
 from agents.online.served_log import ServedElsewhere, ServedLog, select_pulls
 from agents.plugin.anytime import AnytimePlugIn
@@ -142,6 +148,7 @@ class IAPOOnline(OnlineAgentBase):
         self.read = np.zeros(n_p, dtype=bool)  # prompts with an estimate
         self.completions = np.zeros(n_p)  # completions of each prompt (kept ones)
         self._read_at = np.zeros(n_p)  # each prompt's completions when its estimate was last read
+        self._read_step = np.zeros(n_p, dtype=np.int64)  # the step at which each prompt's estimate was last read
         self._drawn = 0.0  # completions kept (in the estimator or pending)
         self._fitted_total = 0.0  # completions kept at the last refit
         self._scaled = np.zeros(n_p)  # faded counts, times exp(phi(t) - phi(_t0))
@@ -303,9 +310,10 @@ class IAPOOnline(OnlineAgentBase):
         self._after(detected, p)
 
     def _after(self, detected: dict[int, int], touched: np.ndarray | int) -> None:
-        """After a request or batch is counted (``touched``: the prompts it served): forget on a detection; else
-        the first read once every available prompt is through its entry, a refit when due, or an early read of the
-        touched prompts whose completions doubled since their last read (or that just finished their entry)."""
+        """After a request or batch is counted (``touched``: the prompts it served): forget on a CUSUM's detection;
+        else the first read once every available prompt is through its entry, a refit when due, or an early read of
+        the touched prompts whose completions doubled since their last read (or that just finished their entry), each
+        after its read test."""
         fade = self._fade()
         if fade < 1.0 / _RESCALE:  # keep the lazily faded counts in range
             self._scaled *= fade
@@ -322,15 +330,29 @@ class IAPOOnline(OnlineAgentBase):
                 self._first_read = True
                 self._refit()
         elif self._drawn >= 2.0 * self._fitted_total:
-            self._refit()
+            self._test_then_read(None)
         elif isinstance(touched, int):  # one request: scalars
             if self._due(touched):
                 self._one[0] = touched
-                self._read_early(self._one)
+                self._test_then_read(self._one)
         else:
             due = touched[self._due(touched)]
             if due.size:
-                self._read_early(due)
+                self._test_then_read(due)
+
+    def _test_then_read(self, prompts: np.ndarray | None) -> None:
+        """The read test of ``prompts`` (None: every read prompt, at a refit of the whole estimate); on a change,
+        forget, else the refit or their early read."""
+        mask = self.read.copy() if prompts is None else np.zeros(self.read.size, dtype=bool)
+        if prompts is not None:
+            mask[prompts] = True
+        detected = self._read_test(mask)
+        if detected:
+            self._forget(list(detected.items()))
+        elif prompts is None:
+            self._refit()
+        else:
+            self._read_early(prompts)
 
     def _due(self, prompts: Any) -> Any:
         """Whether each of ``prompts`` (an array, or one int) is due for an early read: through its entry and its
@@ -344,10 +366,19 @@ class IAPOOnline(OnlineAgentBase):
                     self._res_sum, self._ref_ss, self._ref_n, self._up, self._down, self._up_zero, self._down_zero,
                     self._pool, self.slack, self.threshold, self.bias_sd, since)
 
-    def _forget(self, detected: list[tuple[int, int]]) -> None:
-        """Drop each detected prompt's completions before its change estimate; rebuild the estimate from the rest."""
+    def _read_test(self, prompts: np.ndarray) -> dict[int, int]:
+        """``read_test`` of ``prompts`` (P,) bool on the log (none before the pooled residual sd is read)."""
         steps, pulls = self.log.read()
-        keep = np.ones(steps.size, dtype=bool)
+        if steps.size == 0 or self._pool[0] < ARM_RESIDUALS or self._pool[1] <= 0.0:
+            return {}
+        return read_test(steps, pulls, self.log.utilities(), prompts, self._read_step, self.q.shape[2],
+                         self._pool[1] / self._pool[0])
+
+    def _forget(self, detected: list[tuple[int, int]]) -> None:
+        """Drop every prompt's completions before the earliest change estimate of ``detected`` ((prompt, estimate)
+        pairs), and each detected prompt's before its own; rebuild the estimate from the rest."""
+        steps, pulls = self.log.read()
+        keep = steps >= min(since for _, since in detected)
         for p, since in detected:
             keep &= ~((pulls.prompts == p) & (steps < since))
             self.changes.append((self.t, p, since))
@@ -367,6 +398,7 @@ class IAPOOnline(OnlineAgentBase):
         self._prior[:] = 0.0  # the warm start's prior is dropped with the completions before a change
         self.read[:] = False
         self._read_at[:] = 0.0
+        self._read_step[:] = self.t
         self._drawn = float(ns.sum())
         self._pending.clear()
         self._pending.add(steps, pulls, self.log.utilities())
@@ -411,6 +443,7 @@ class IAPOOnline(OnlineAgentBase):
             self._read_offset()
         self.read[prompts] = True
         self._read_at[prompts] = self.completions[prompts]
+        self._read_step[prompts] = self.t
         self._store(prompts)
 
     def _store(self, prompts: np.ndarray) -> None:
