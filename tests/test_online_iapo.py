@@ -442,6 +442,19 @@ def test_a_change_sends_the_prompts_not_served_since_back_to_their_entry() -> No
     assert regret[-30_000:].mean() < 0.00125
 
 
+def test_a_change_after_the_last_read_of_a_prompt_served_on_most_requests_is_found() -> None:
+    """On drift ``mv_specialist`` level 3 (tuning; a ramp in four steps from request 34,175) the best prompt before
+    the drift falls by 0.05-0.09, keeps about 99 % of the requests, and is read last at request 53,990: its
+    completions do not double again before T, nor do the run's. Tested only at reads, the change went unseen and
+    the last 30,000 requests cost 0.119 a request; tested every ``TEST_EVERY`` requests too, it is found after
+    the ramp's last step and the last 30,000 cost less than a tenth of that."""
+    env = OnlineEnv(family="mv_specialist", level=3, schedule="drift", horizon=100_000)
+    agent = IAPOOnline()
+    regret = run_online(env, agent, seed=0, batch_size=16).regret
+    assert agent.changes and agent.changes[0][0] > 53_990
+    assert regret[-30_000:].mean() < 0.0119
+
+
 def test_one_failed_vote_after_a_flawless_read_is_not_a_change() -> None:
     """On stationary ``mv_models`` level 3 (tuning) a prompt served at N = 35 won every one of its 1,204 votes
     before its read at request 13,456 and lost one of its next 40. With the two sides' own variance only (about

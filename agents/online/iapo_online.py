@@ -8,12 +8,12 @@ prompts, refitted on a doubling schedule, with a change detector for drift and o
   time, the corrected estimate let the regret stop falling on ``mv_many_queries`` level 0). The estimate is
   refitted when the completions served since the last refit reach those before (a doubling schedule, about log2 of
   the completions refits in a run), never per request: a refit costs as much as thousands of requests.
-* **Warm start.** Before request 0 ``auto`` spends ``budget`` completions on the train split
-  (as ``ExploreThenCommit`` trains, with the same seeds: the same completions). Its estimate Q_off of
-  each prompt it read enters as k_p = 1 / (1 / q_p + 1 / Q_train + 1 / Q_test) requests served at step 0, faded as
-  every request, q_p the train queries it read the prompt on and Q_train, Q_test the splits' sizes: a prompt's value
-  on the train split differs from its value on the run's queries by the sampling of both splits' queries, so a
-  prompt read on a few queries counts as about that many requests and one read on many as at most the splits allow.
+* **Warm start.** Before request 0 ``auto`` spends ``budget`` completions on the train split (as
+  ``ExploreThenCommit`` trains, with the same seeds: the same completions). Its estimate Q_off of each prompt it read
+  enters as k_p = 1 / (1 / q_p + 1 / Q_train + 1 / Q_test) requests served at step 0, faded as every request, q_p
+  the train queries it read the prompt on and Q_train, Q_test the splits' sizes: a prompt's value on the train split
+  differs from its value on the run's queries by the sampling of both splits' queries, so a prompt read on a few
+  queries counts as about that many requests and one read on many as at most the splits allow.
   A read prompt's estimate is (k_p (Q_off + d_c) + n_p Q^) / (k_p + n_p) with n_p its faded requests (Q_off + d_c
   before the prompt is served), and d_c, per context, the mean over every served pull of a warm prompt of its
   utility less Q_off at its N, shrunk to 0 by ``ARM_RESIDUALS`` pulls: the run's queries as a whole are easier or
@@ -41,15 +41,13 @@ prompts, refitted on a doubling schedule, with a change detector for drift and o
   refit (against the new estimate) and follows every residual in between, so the choice follows what is served
   without paying for a refit, and a prompt's few unlucky residuals fade with its count.
 * **Optimistic entry.** A prompt with fewer than ``ENTRY_REQUESTS`` (2) requests served (at the start, one that
-  arrives, or one whose completions were all forgotten) comes before every other, at N = ``entry_n``; the requests
-  of one batch spread over the entering prompts, the fewest served first. One request's completions are on one
-  query, and a first estimate from them sat far below the prompt's value at times (0.32 against 0.86). The
-  estimate is first read once every available prompt is through its entry (the entry round); a prompt that enters
+  arrives, or one whose completions were all forgotten) comes before every other, at N = ``entry_n``, the fewest
+  served first: one request's completions are on one query and read a prompt far below its value at times (0.32
+  against 0.86). The estimate is first read once every available prompt is through its entry; a prompt that enters
   later is read as soon as it is.
-* **Early reads.** Between refits of the whole estimate, a prompt whose completions have doubled since its
-  estimate was last read is read again at once (its pending pulls go into the estimator; its estimates, shifts and
-  residual sds are re-read): a prompt served only a few times at a refit would otherwise be judged on those few
-  until the next doubling of every completion, thousands of requests later.
+* **Early reads.** Between refits, a prompt whose completions have doubled since its last read is read again at
+  once (its pending pulls go into the estimator; its estimates, shifts and residual sds are re-read), not judged
+  on its first few completions until the next doubling of every completion, thousands of requests later.
 * **Change detector.** Each served request's residual under its context less the prompt's shift s_cp before it
   (the prompt's own recent mean, so the estimate's bias is not taken for a change), over the prompt's own residual
   sd under that context as of the last refit (its faded residuals' sd about their mean then, so not inflated by a
@@ -57,13 +55,13 @@ prompts, refitted on a doubling schedule, with a change detector for drift and o
   at a high N spreads wider than the pool, and in pooled sds its CUSUM walked past the threshold on a stationary
   table), feeds a two-sided CUSUM per prompt (slack ``slack``, threshold ``threshold``; every CUSUM starts over at
   a refit). Its change estimate is the crossing side's last zero.
-* **Read test.** Before a prompt is read (a refit, an early read), its utilities since its last read are compared
-  with those before, per N and context (``agents.online._read_test``): a served prompt's shift and early reads can
-  absorb a change its CUSUM then never sees. A change found is dated where those utilities shift.
+* **Read test.** Before a prompt is read (a refit, an early read), and every ``TEST_EVERY`` requests, its utilities
+  since its last read are compared with those before, per N and context (``agents.online._read_test``): a served
+  prompt's shift and early reads can absorb a change its CUSUM never sees. A change is dated where they shift.
 * **Forgetting.** On a change (either detector) every prompt's completions before its estimated start (the
-  earliest of a batch's detections; a detected prompt's own, if later) are forgotten: the estimator is rebuilt
-  from the rest, a prompt with none left enters again, and the fading's window restarts (above). Every prompt's: a
-  drift moves a quarter to three quarters of them, and one not served since kept its old estimate otherwise.
+  earliest of a batch's detections; a detected prompt's own, if later) are forgotten, the estimator rebuilt from
+  the rest; a prompt with none left enters again, and the fading's window restarts (above). Every prompt's: a drift
+  moves a quarter to three quarters of them, and one not served since kept its old estimate otherwise.
 
 Everything runs on the env's schema (``OnlineEnv.schema``); the estimator's env is an ``IAPOEnv`` on that schema
 whose completion source refuses to draw: the online env serves every completion.
@@ -79,7 +77,7 @@ import numpy as np
 
 from agents.base import make
 from agents.online._iapo_kernels import ARM_RESIDUALS, ENTRY_REQUESTS, MIN_COUNT, NO_SHIFT, best_prompts, feed_cusums
-from agents.online._read_test import read_test
+from agents.online._read_test import TEST_EVERY, read_test
 from agents.online.explore_commit import ExploreThenCommit
 from agents.online.served_log import ServedElsewhere, ServedLog, select_pulls
 from agents.plugin.anytime import AnytimePlugIn
@@ -158,6 +156,7 @@ class IAPOOnline(OnlineAgentBase):
         self._origins, self._phi_origins = [0], [0.0]
         self._tie = self.rng.random(n_p) * 1e-12  # a fixed random order among equal indices
         self.t = 0
+        self._next_test = TEST_EVERY
         self._first_read = False  # the entry round is over and the estimate was read
         # the change detector: pooled residual moments, per prompt two CUSUMs and their last zeros
         # residuals pooled, their sum of squares, the shift prior sigma^2 / bias_sd^2 and the width's unit sigma once
@@ -339,14 +338,16 @@ class IAPOOnline(OnlineAgentBase):
             due = touched[self._due(touched)]
             if due.size:
                 self._test_then_read(due)
+        if self._first_read and not detected and self.t >= self._next_test:  # the read test between reads
+            self._next_test = self.t + TEST_EVERY
+            found = self._read_test(self.read & (self.completions > self._read_at))
+            if found:
+                self._forget(list(found.items()))
 
     def _test_then_read(self, prompts: np.ndarray | None) -> None:
         """The read test of ``prompts`` (None: every read prompt, at a refit of the whole estimate); on a change,
         forget, else the refit or their early read."""
-        mask = self.read.copy() if prompts is None else np.zeros(self.read.size, dtype=bool)
-        if prompts is not None:
-            mask[prompts] = True
-        detected = self._read_test(mask)
+        detected = self._read_test(self.read.copy() if prompts is None else np.isin(np.arange(self.read.size), prompts))
         if detected:
             self._forget(list(detected.items()))
         elif prompts is None:
@@ -355,8 +356,7 @@ class IAPOOnline(OnlineAgentBase):
             self._read_early(prompts)
 
     def _due(self, prompts: Any) -> Any:
-        """Whether each of ``prompts`` (an array, or one int) is due for an early read: through its entry and its
-        completions doubled since its last read."""
+        """Whether ``prompts`` (array or int) are due for an early read: entered, completions doubled since read."""
         return (self.entries[prompts] >= ENTRY_REQUESTS) & (self.completions[prompts] >= 2.0 * self._read_at[prompts])
 
     def _feed(self, prompts: np.ndarray, contexts: np.ndarray, steps: np.ndarray, residuals: np.ndarray,
