@@ -347,7 +347,7 @@ class IAPOOnline(OnlineAgentBase):
     def _test_then_read(self, prompts: np.ndarray | None) -> None:
         """The read test of ``prompts`` (None: every read prompt, at a refit of the whole estimate); on a change,
         forget, else the refit or their early read."""
-        detected = self._read_test(self.read.copy() if prompts is None else np.isin(np.arange(self.read.size), prompts))
+        detected = self._read_test(self.read if prompts is None else np.isin(np.arange(self.read.size), prompts))
         if detected:
             self._forget(list(detected.items()))
         elif prompts is None:
