@@ -510,6 +510,37 @@ def test_public_readings_draws_and_estimate() -> None:
         PlugInEstimator(mv).estimate(np.array([0]))
 
 
+def test_the_read_out_reads_its_candidates_together_whatever_they_were_updated_with() -> None:
+    """The plug-in read-out compares the live prompts under one fit: fed the same completions, an estimator whose
+    last update pulled prompts 1 and 3 together and one that pulled 3, then 1 alone, read prompt 1 alike once 1
+    is the only candidate (its estimate recomputed over it alone), though their stored estimates of it differ; the
+    stored estimates are left as they were."""
+    from agents.online.served_log import select_pulls
+    from agents.plugin.anytime import read_policy
+
+    table = shape_bon_table(seed=2, n_prompts=5, n_queries=20, n_max=8, n_objectives=2)
+    env = IAPOEnv(table=table)
+    env.reset(seed=3)
+    rng = np.random.default_rng(0)
+    first = env.pull(np.repeat(np.arange(5), 6), rng.integers(1, 6, 30), queries=rng.choice(env.queries("train"), 30))
+    last = env.pull(np.array([1, 3] * 15), rng.integers(1, 6, 30), queries=rng.choice(env.queries("train"), 30))
+    together, apart = PlugInEstimator(env), PlugInEstimator(env)
+    for est, parts in ((together, [last]), (apart, [select_pulls(last, last.prompts == p) for p in (3, 1)])):
+        est.update(first)
+        for part in parts:
+            est.update(part)
+    stored = [est.mean().copy() for est in (together, apart)]
+    assert np.abs(stored[0][:, 1] - stored[1][:, 1]).max() > 1e-6  # the pooled correction differs
+    alive = np.zeros((table.n_contexts, 5), dtype=bool)
+    alive[:, 1] = True
+    policies = [read_policy(env, est, alive, np.random.default_rng(1)) for est in (together, apart)]
+    value = together.estimate(np.array([1]))[:, 0]
+    np.testing.assert_allclose(apart.estimate(np.array([1]))[:, 0], value, rtol=0, atol=1e-12)
+    assert policies[0] == policies[1]
+    assert all(p == 1 and n == int(value[c].argmax()) + 1 for c, (p, n) in enumerate(policies[0].arms))
+    assert all(np.array_equal(est.mean(), before) for est, before in zip((together, apart), stored, strict=True))
+
+
 def test_best_of_n_own_sums_match_a_fresh_recount() -> None:
     """The per-prompt sums of the shrunk own readings, kept by taking back and adding each pulled (prompt,
     query)'s share, equal a fresh estimator's fed the same completions in one update."""

@@ -8,6 +8,7 @@ halving of the prompts still live on what the whole steps leave (docs/agents.md,
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Iterator
@@ -205,9 +206,12 @@ class AnytimePlugIn(Agent):
 def read_policy(base: Any, est: PlugInEstimator, alive: np.ndarray, rng: np.random.Generator) -> Policy:
     """The plug-in agents' read-out: per context the best (p, N) of its ``alive`` (C, P) prompts by ``est``; with the
     env's ``rule_arms``, the best (p, N, r), the rules' values added to the live prompts' estimates only
-    (``agents.rule_readings.plugin_rule_values``), a rule only at the caps ``trusted_rule_values`` keeps."""
+    (``agents.rule_readings.plugin_rule_values``), a rule only at the caps ``trusted_rule_values`` keeps. On Best-of-N
+    the live prompts are compared read together (``PlugInEstimator.read_together``); their stored estimates stay."""
+    live = np.flatnonzero(alive.any(axis=0))
     mask = np.repeat(alive[:, :, None], est.n_max, axis=2)
-    if not base.rule_arms:
-        return est.best_arms(rng, mask)
-    values = plugin_rule_values(est, np.flatnonzero(alive.any(axis=0)))
+    with est.read_together(live) if est.aggregator == "bon" else contextlib.nullcontext():
+        if not base.rule_arms:
+            return est.best_arms(rng, mask)
+        values = plugin_rule_values(est, live)
     return best_rule_arms(trusted_rule_values(values, mask), rng, mask)

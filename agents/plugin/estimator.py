@@ -233,6 +233,22 @@ class PlugInEstimator(MajorityVoteReadings, BestOfNReadings):
         with one_blas_thread():
             return self._bon_value(prompts) + self._cost_term(prompts)
 
+    @contextmanager
+    def read_together(self, prompts: np.ndarray) -> Iterator[None]:
+        """Within it, ``mean`` of the pulled ``prompts`` is their Best-of-N estimate recomputed together now
+        (``estimate``), the pooled correction taken over them alone; their stored estimates are back after. A
+        read-out compares its candidates under one fit, not each as of its last update (a trim after the last pull
+        leaves the survivors' stored values pooled with the trimmed prompts' gaps)."""
+        prompts = np.unique(np.asarray(prompts, dtype=np.int64))
+        prompts = prompts[self.table.counts[0, prompts, 0] > 0]
+        stored = self.table.sums[:, prompts, :].copy()
+        if prompts.size:
+            self.table.sums[:, prompts, :] = self.estimate(prompts)
+        try:
+            yield
+        finally:
+            self.table.sums[:, prompts, :] = stored
+
     def _cost_term(self, prompts: np.ndarray) -> np.ndarray:
         """(C, len(prompts), N_max) each context's cost weight x N x the prompt's mean cost over its seen queries."""
         n_queries = self._seen[prompts].sum(axis=1).astype(np.float64)
