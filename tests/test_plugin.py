@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import agents
+from agents.online.served_log import select_pulls
 from agents.plugin import PlugInEstimator
+from agents.plugin.anytime import read_policy
 from agents.plugin.common import QueryStream
 from agents.plugin.majority_vote import prior_votes
 from iapo_gym import IAPOEnv, OutcomeTable, Policy, Pulls
@@ -515,9 +517,6 @@ def test_the_read_out_reads_its_candidates_together_whatever_they_were_updated_w
     last update pulled prompts 1 and 3 together and one that pulled 3, then 1 alone, read prompt 1 alike once 1
     is the only candidate (its estimate recomputed over it alone), though their stored estimates of it differ; the
     stored estimates are left as they were."""
-    from agents.online.served_log import select_pulls
-    from agents.plugin.anytime import read_policy
-
     table = shape_bon_table(seed=2, n_prompts=5, n_queries=20, n_max=8, n_objectives=2)
     env = IAPOEnv(table=table)
     env.reset(seed=3)
