@@ -540,6 +540,32 @@ def test_the_read_out_reads_its_candidates_together_whatever_they_were_updated_w
     assert all(np.array_equal(est.mean(), before) for est, before in zip((together, apart), stored, strict=True))
 
 
+def test_the_read_out_of_a_context_takes_a_prompt_it_trimmed_that_another_context_kept() -> None:
+    """A context's read-out compares every prompt still live in some context, all read on the same completions: the
+    first context kept only the prompt read worst there, the others only the one read best; the first context now
+    takes the best (the read-out of its own survivors alone would keep the worst), and every context takes the best
+    (p, N) of the two read together, never a prompt no context kept."""
+    table = shape_bon_table(seed=2, n_prompts=5, n_queries=20, n_max=8, n_objectives=2)
+    env = IAPOEnv(table=table)
+    env.reset(seed=3)
+    queries = np.random.default_rng(0).choice(env.queries("train"), 12, replace=False)
+    est = PlugInEstimator(env)
+    est.update(env.pull(np.repeat(np.arange(5), 12), np.full(60, 6), queries=np.tile(queries, 5)))
+    first = est.mean()[0].max(axis=1)
+    worst, best = int(first.argmin()), int(first.argmax())
+    pair = np.array([worst, best])
+    together = est.estimate(pair)
+    assert together[0, 1].max() > together[0, 0].max()  # read together, the first context's order stays
+    alive = np.zeros((table.n_contexts, 5), dtype=bool)
+    alive[0, worst] = True
+    alive[1:, best] = True
+    policy = read_policy(env, est, alive, np.random.default_rng(1))
+    assert policy.arms[0][0] == best
+    for c, (p, n) in enumerate(policy.arms):
+        k, at = np.unravel_index(int(together[c].argmax()), together[c].shape)
+        assert (p, n) == (int(pair[k]), int(at) + 1)
+
+
 def test_best_of_n_own_sums_match_a_fresh_recount() -> None:
     """The per-prompt sums of the shrunk own readings, kept by taking back and adding each pulled (prompt,
     query)'s share, equal a fresh estimator's fed the same completions in one update."""

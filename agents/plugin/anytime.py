@@ -77,7 +77,8 @@ class AnytimePlugIn(Agent):
     fewer than restore T / P completions (so every early trim is re-examined once T is large enough:
     consistency), then runs successive halving of each context's live prompts on what is left:
     max(1, floor(log2 largest live set)) rounds of equal shares by the step rule, each context
-    halving its live set after each. The policy is, per context, the best (p, N) of its live prompts.
+    halving its live set after each. The policy is, per context, the best (p, N) of the prompts still live in
+    some context (``read_policy``).
 
     :param seed: the agent's generator (query order, ties).
     :param q0: common queries of the first step (its spend s0 = P q0 MIN_DRAWS).
@@ -204,12 +205,16 @@ class AnytimePlugIn(Agent):
 
 
 def read_policy(base: Any, est: PlugInEstimator, alive: np.ndarray, rng: np.random.Generator) -> Policy:
-    """The plug-in agents' read-out: per context the best (p, N) of its ``alive`` (C, P) prompts by ``est``; with the
-    env's ``rule_arms``, the best (p, N, r), the rules' values added to the live prompts' estimates only
-    (``agents.rule_readings.plugin_rule_values``), a rule only at the caps ``trusted_rule_values`` keeps. On Best-of-N
-    the live prompts are compared read together (``PlugInEstimator.read_together``); their stored estimates stay."""
-    live = np.flatnonzero(alive.any(axis=0))
-    mask = np.repeat(alive[:, :, None], est.n_max, axis=2)
+    """The plug-in agents' read-out: per context the best (p, N) by ``est`` of the prompts live in some context of
+    ``alive`` (C, P), not only of its own: every such prompt was pulled up to the end as the context's own survivors
+    were, so a prompt one context trimmed but another kept is read on as many completions as they are and re-enters
+    the comparison. With the env's ``rule_arms``, the best (p, N, r), the rules' values added to those prompts'
+    estimates only (``agents.rule_readings.plugin_rule_values``), a rule only at the caps ``trusted_rule_values``
+    keeps. On Best-of-N those prompts are compared read together (``PlugInEstimator.read_together``); their stored
+    estimates stay."""
+    kept = alive.any(axis=0)
+    live = np.flatnonzero(kept)
+    mask = np.repeat(np.broadcast_to(kept, alive.shape)[:, :, None], est.n_max, axis=2)
     with est.read_together(live) if est.aggregator == "bon" else contextlib.nullcontext():
         if not base.rule_arms:
             return est.best_arms(rng, mask)

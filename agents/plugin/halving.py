@@ -22,7 +22,8 @@ class PlugInHalving(Agent):
     replacement), n completions each, n = min(N_max, floor(b / (m_min L))) and m = floor(b / (n L)),
     L the live prompts. After each round but the last, each context keeps the top max(1,
     floor(|L_c| / 2)) of its live prompts by max_N of the estimate; the policy takes, per context,
-    the best (p, N) of its survivors. The majority-vote prior is the query's pooled answers.
+    the best (p, N) of the prompts surviving in some context (``read_policy``). The majority-vote prior is
+    the query's pooled answers.
 
     :param seed: the agent's generator (query order, ties).
     :param m_min: common queries per live prompt and round at least.
