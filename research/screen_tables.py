@@ -12,11 +12,16 @@ reported on.
 
     IAPO_GYM_OFFLINE=1 IAPO_GYM_DATA=../shared/iapo-release nice -n 10 python research/screen_tables.py \\
         auto auto:restore=0.0 psst --kind shape6 --levels 60 --first 100 --budgets 3000 10000 40000 100000
+
+To pair two versions of the code (the seeds depend on the level and spec only, not the code), run the screen at
+the first with ``--out FILE`` and at the second with ``--against FILE``: it adds, per spec, the paired gain over the
+saved run's regrets of the same spec, with the levels better and worse.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -83,10 +88,21 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=0)
     parser.add_argument("--seed", type=int, default=90, help="a tuning root seed")
     parser.add_argument("--budgets", type=int, nargs="+", default=[3000, 10000, 40000])
+    parser.add_argument("--out", type=Path, help="write the per-level regrets to this JSON file")
+    parser.add_argument("--against", type=Path, help="a JSON file of --out, from the same arguments: paired gains over it")
     args = parser.parse_args()
     budgets = sorted(args.budgets)
+    setup = {"kind": args.kind, "levels": args.levels, "first": args.first, "seed": args.seed, "budgets": budgets,
+             "specs": args.specs}
+    saved = None
+    if args.against is not None:
+        saved = json.loads(args.against.read_text(encoding="utf-8"))
+        if saved["setup"] != setup:
+            raise SystemExit(f"--against {args.against} was run with {saved['setup']}, not {setup}")
     regrets = np.array([level_regrets(args.kind, level, args.seed, budgets, args.specs)
                         for level in range(args.first, args.first + args.levels)])  # (L, 2, S, B)
+    if args.out is not None:
+        args.out.write_text(json.dumps({"setup": setup, "regrets": regrets.tolist()}), encoding="utf-8")
     root = np.sqrt(args.levels)
     for w, name in enumerate(("train regret", "test regret")):
         print(f"\n{args.kind}, {name}, levels {args.first}-{args.first + args.levels - 1}, seed {args.seed}")
@@ -97,6 +113,13 @@ def main() -> None:
             cells = [f"{m:.4f} ± {s:.4f}" for m, s in zip(r.mean(0), r.std(0, ddof=1) / root, strict=True)]
             gains = [f"{m:+.4f} ± {s:.4f}" for m, s in zip(gain.mean(0), gain.std(0, ddof=1) / root, strict=True)]
             print(f"| {spec} | {' | '.join(cells)} | {' / '.join(gains)} |")
+        if saved is not None:
+            print(f"\npaired gain over {args.against} (+: this code better), levels better / worse")
+            for i, spec in enumerate(args.specs):
+                gain = np.array(saved["regrets"])[:, w, i] - regrets[:, w, i]
+                cells = [f"{g.mean():+.5f} ± {g.std(ddof=1) / root:.5f} ({(g > 1e-12).sum()}/{(g < -1e-12).sum()})"
+                         for g in gain.T]
+                print(f"| {spec} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":
