@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import agents  # noqa: E402
 from iapo_gym import IAPOEnv, OutcomeTable  # noqa: E402
+from iapo_gym.atomic import atomic_write_text  # noqa: E402
 from iapo_gym.leaderboard.run.runner import run_setup  # noqa: E402
 from iapo_gym.leaderboard.run.specs import parse_agent_spec, resolve_task  # noqa: E402
 from iapo_gym.oracle import acr_from_q, greedy_policy, policy_arms, q_table  # noqa: E402
@@ -96,13 +97,14 @@ def main() -> None:
              "specs": args.specs}
     saved = None
     if args.against is not None:
-        saved = json.loads(args.against.read_text(encoding="utf-8"))
-        if saved["setup"] != setup:
-            raise SystemExit(f"--against {args.against} was run with {saved['setup']}, not {setup}")
+        against = json.loads(args.against.read_text(encoding="utf-8"))
+        if against["setup"] != setup:
+            raise SystemExit(f"--against {args.against} was run with {against['setup']}, not {setup}")
+        saved = np.array(against["regrets"])  # (L, 2, S, B), as ``regrets`` below
     regrets = np.array([level_regrets(args.kind, level, args.seed, budgets, args.specs)
                         for level in range(args.first, args.first + args.levels)])  # (L, 2, S, B)
     if args.out is not None:
-        args.out.write_text(json.dumps({"setup": setup, "regrets": regrets.tolist()}), encoding="utf-8")
+        atomic_write_text(args.out, json.dumps({"setup": setup, "regrets": regrets.tolist()}))
     root = np.sqrt(args.levels)
     for w, name in enumerate(("train regret", "test regret")):
         print(f"\n{args.kind}, {name}, levels {args.first}-{args.first + args.levels - 1}, seed {args.seed}")
@@ -116,7 +118,7 @@ def main() -> None:
         if saved is not None:
             print(f"\npaired gain over {args.against} (+: this code better), levels better / worse")
             for i, spec in enumerate(args.specs):
-                gain = np.array(saved["regrets"])[:, w, i] - regrets[:, w, i]
+                gain = saved[:, w, i] - regrets[:, w, i]
                 cells = [f"{g.mean():+.5f} ± {g.std(ddof=1) / root:.5f} ({(g > 1e-12).sum()}/{(g < -1e-12).sum()})"
                          for g in gain.T]
                 print(f"| {spec} | {' | '.join(cells)} |")
