@@ -97,7 +97,12 @@ def main() -> None:
              "specs": args.specs}
     saved = None
     if args.against is not None:
-        against = json.loads(args.against.read_text(encoding="utf-8"))
+        try:
+            against = json.loads(args.against.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"--against {args.against} cannot be read as the JSON of --out: {error}") from None
+        if not isinstance(against, dict) or not {"setup", "regrets"} <= against.keys():
+            raise SystemExit(f"--against {args.against} is not a file written by --out (expected the keys setup and regrets)")
         if against["setup"] != setup:
             raise SystemExit(f"--against {args.against} was run with {against['setup']}, not {setup}")
         saved = np.array(against["regrets"])  # (L, 2, S, B), as ``regrets`` below
