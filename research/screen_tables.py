@@ -15,13 +15,16 @@ reported on.
 
 To pair two versions of the code (the seeds depend on the level and spec only, not the code), run the screen at
 the first with ``--out FILE`` and at the second with ``--against FILE``: it adds, per spec, the paired gain over the
-saved run's regrets of the same spec, with the levels better and worse.
+saved run's regrets of the same spec, with the levels better and worse. ``--jobs K`` runs the levels in K worker
+processes, with the same regrets.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import multiprocessing
 import sys
 from pathlib import Path
 
@@ -91,6 +94,7 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[3000, 10000, 40000])
     parser.add_argument("--out", type=Path, help="write the per-level regrets to this JSON file")
     parser.add_argument("--against", type=Path, help="a JSON file of --out, from the same arguments: paired gains over it")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes over the levels (the regrets do not depend on it)")
     args = parser.parse_args()
     budgets = sorted(args.budgets)
     setup = {"kind": args.kind, "levels": args.levels, "first": args.first, "seed": args.seed, "budgets": budgets,
@@ -106,8 +110,16 @@ def main() -> None:
         if against["setup"] != setup:
             raise SystemExit(f"--against {args.against} was run with {against['setup']}, not {setup}")
         saved = np.array(against["regrets"])  # (L, 2, S, B), as ``regrets`` below
-    regrets = np.array([level_regrets(args.kind, level, args.seed, budgets, args.specs)
-                        for level in range(args.first, args.first + args.levels)])  # (L, 2, S, B)
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs must be at least 1, got {args.jobs}")
+    levels = range(args.first, args.first + args.levels)
+    one = functools.partial(level_regrets, args.kind, seed=args.seed, budgets=budgets, specs=args.specs)
+    if args.jobs == 1:
+        per_level = [one(level) for level in levels]
+    else:  # each level's seeds depend on the level alone, so the workers give what one process gives
+        with multiprocessing.Pool(args.jobs) as pool:
+            per_level = pool.map(one, levels, chunksize=1)
+    regrets = np.array(per_level)  # (L, 2, S, B)
     if args.out is not None:
         atomic_write_text(args.out, json.dumps({"setup": setup, "regrets": regrets.tolist()}))
     root = np.sqrt(args.levels)

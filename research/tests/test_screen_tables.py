@@ -22,14 +22,19 @@ def test_screen_tables_pairs_the_specs_and_measures_train_regret() -> None:
 
 def test_screen_tables_pairs_a_saved_run_and_refuses_one_of_other_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    """--out saves the per-level regrets (those of ``level_regrets``); --against pairs a run with them, the gain 0 on
-    every level when the code is the same, and refuses a file run with other arguments, naming both."""
+    """--out saves the per-level regrets (those of ``level_regrets``; with --jobs 2 the same); --against pairs a run
+    with them, the gain 0 on every level when the code is the same, and refuses a file run with other arguments,
+    naming both."""
     saved = tmp_path / "before.json"
     args = ["screen_tables.py", "auto", "--kind", "shape6", "--levels", "2", "--budgets", "300"]
     monkeypatch.setattr(sys, "argv", [*args, "--out", str(saved)])
     main()
     regrets = json.loads(saved.read_text(encoding="utf-8"))["regrets"]
     np.testing.assert_array_equal(regrets, [level_regrets("shape6", level, 90, [300], ["auto"]) for level in (0, 1)])
+    in_workers = tmp_path / "workers.json"  # --jobs: the same regrets from worker processes
+    monkeypatch.setattr(sys, "argv", [*args, "--jobs", "2", "--out", str(in_workers)])
+    main()
+    assert json.loads(in_workers.read_text(encoding="utf-8"))["regrets"] == regrets
     capsys.readouterr()
     monkeypatch.setattr(sys, "argv", [*args, "--against", str(saved)])
     main()
