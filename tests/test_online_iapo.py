@@ -11,8 +11,10 @@ import pytest
 
 from agents.online import make_online
 from agents.online._iapo_kernels import ARM_RESIDUALS, ENTRY_REQUESTS, MIN_COUNT, NO_SHIFT, feed_cusums
+from agents.online._read_test import CHANGE_PULLS, CHANGE_Z, read_test
 from agents.online.explore_commit import ExploreThenCommit
 from agents.online.iapo_online import IAPOOnline
+from iapo_gym import Pulls
 from iapo_gym.online import OnlineEnv, Requests, ScheduleError, Served, build_schedule, run_online
 from iapo_gym.oracle import q_table
 from iapo_gym.seeding import derive_seed
@@ -411,6 +413,55 @@ def test_the_change_detector_forgets_every_completion_before_the_change() -> Non
     assert not ((pulls.prompts == p) & (steps < last)).any()  # forgotten
     assert steps.min() >= min(s for _, _, s in agent.changes)  # every prompt's, before the earliest change estimate
     assert np.isin(np.arange(steps.min(), agent.t), steps).all()  # every request since it is kept
+
+
+def ref_read_test(steps: np.ndarray, prompts_served: np.ndarray, ns: np.ndarray, utilities: np.ndarray,
+                  tested: np.ndarray, read_step: np.ndarray, pooled_var: float) -> dict[int, int]:
+    """``read_test`` written out cell by cell: per tested prompt and N with ``CHANGE_PULLS`` pulls on each side of
+    its last read, per context the two-sample z with the pooled residual variance counted as ``ARM_RESIDUALS`` more
+    observations; the prompts whose largest z passes ``CHANGE_Z``, the strongest first, each dated at the largest
+    standardized CUSUM of that cell's utilities under the context of its largest z."""
+    found = []
+    for prompt in np.flatnonzero(tested):
+        for n in np.unique(ns[prompts_served == prompt]):
+            cell = (prompts_served == prompt) & (ns == n)
+            after = steps >= read_step[prompt]
+            a, b = utilities[cell & ~after], utilities[cell & after]
+            if len(a) < CHANGE_PULLS or len(b) < CHANGE_PULLS:
+                continue
+            var = ((((a - a.mean(axis=0)) ** 2).sum(axis=0) + ((b - b.mean(axis=0)) ** 2).sum(axis=0)
+                    + ARM_RESIDUALS * pooled_var) / (len(a) + len(b) - 2 + ARM_RESIDUALS))
+            z = np.abs(b.mean(axis=0) - a.mean(axis=0)) / np.sqrt(var * (1 / len(a) + 1 / len(b)))
+            if z.max() > CHANGE_Z:
+                x, x_steps = utilities[cell, int(z.argmax())], steps[cell]
+                dev = [abs((x[:m] - x.mean()).sum()) / np.sqrt(m * (len(x) - m) / len(x)) for m in range(1, len(x))]
+                found.append((-z.max(), int(prompt), int(x_steps[int(np.argmax(dev)) + 1])))
+    detected: dict[int, int] = {}
+    for _, prompt, since in sorted(found, key=lambda f: f[0]):
+        detected.setdefault(prompt, since)
+    return detected
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_read_test_is_its_cell_by_cell_reference(seed: int) -> None:
+    """``read_test`` (the sums of the tested cells only, in one sorted pass) finds and dates what the cell-by-cell
+    reference does, on a log where some prompts change after their last read (a shift of their utilities at one
+    step) and the others do not: some prompts are found and some are not, prompts outside ``prompts`` never."""
+    rng = np.random.default_rng(seed)
+    n_prompts, n_max, n_contexts, size = 6, 4, 3, 3_000
+    steps = np.arange(size)
+    served = rng.integers(0, n_prompts, size)
+    ns = rng.integers(1, n_max + 1, size)
+    read_step = rng.integers(500, 2_500, n_prompts)
+    change = read_step + rng.integers(-100, 300, n_prompts)
+    moved = rng.random(n_prompts) < 0.5
+    utilities = rng.normal(0.5, 0.2, (size, n_contexts)) + 0.3 * (moved[served] & (steps >= change[served]))[:, None]
+    tested = np.ones(n_prompts, dtype=bool)
+    tested[rng.integers(n_prompts)] = False
+    pulls = Pulls.of(served, ns, np.zeros(size, dtype=np.int64), np.zeros(int(ns.sum()), dtype=np.int64))
+    got = read_test(steps, pulls, utilities, tested, read_step, n_max, 0.04)
+    assert got == ref_read_test(steps, served, ns, utilities, tested, read_step, 0.04)
+    assert got and set(got) <= set(np.flatnonzero(tested & moved).tolist())
 
 
 def test_a_change_the_reads_absorb_is_found_by_the_read_test() -> None:

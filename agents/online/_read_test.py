@@ -41,22 +41,28 @@ def read_test(steps: np.ndarray, pulls: Pulls, utilities: np.ndarray, prompts: n
     read and ``pooled_var`` sigma^2. Returns {prompt: change estimate} for each prompt whose z-test passes
     ``CHANGE_Z`` at some (N, context); the change is dated at the largest standardized CUSUM of that (N, context)'s
     utilities (where a shift of their mean fits best)."""
-    rows = prompts[pulls.prompts]
-    if not rows.any():
+    rows = np.flatnonzero(prompts[pulls.prompts])
+    if not rows.size:
         return {}
     p, n, st = pulls.prompts[rows], pulls.ns[rows], steps[rows]
-    u = utilities[rows]
     key = (p * n_max + (n - 1)) * 2 + (st >= read_step[p])  # (prompt, N, after the read)
     cnt = np.bincount(key, minlength=prompts.size * n_max * 2).astype(np.float64).reshape(-1, 2)
-    cells = np.flatnonzero((cnt >= CHANGE_PULLS).all(axis=1))
+    tested = (cnt >= CHANGE_PULLS).all(axis=1)
+    cells = np.flatnonzero(tested)
     if not cells.size:
         return {}
-    order = np.argsort(key, kind="stable")
-    groups, first = np.unique(key[order], return_index=True)
-    s1, s2 = np.zeros((cnt.size, u.shape[1])), np.zeros((cnt.size, u.shape[1]))
-    s1[groups] = np.add.reduceat(u[order], first, axis=0)
-    s2[groups] = np.add.reduceat(u[order] ** 2, first, axis=0)
-    s1, s2 = s1.reshape(-1, 2, u.shape[1])[cells], s2.reshape(-1, 2, u.shape[1])[cells]
+    # the sums of the tested cells only, each over its pulls in step order (a stable sort keeps it): the utilities of
+    # the log's other pulls, most of it late in a run, are not copied
+    in_cells = tested[key // 2]
+    key_in = key[in_cells]
+    order = np.argsort(key_in, kind="stable")
+    groups, first = np.unique(key_in[order], return_index=True)
+    u_in = utilities[rows[in_cells][order]]
+    n_c = utilities.shape[1]
+    s1, s2 = np.zeros((cnt.size, n_c)), np.zeros((cnt.size, n_c))
+    s1[groups] = np.add.reduceat(u_in, first, axis=0)
+    s2[groups] = np.add.reduceat(u_in ** 2, first, axis=0)
+    s1, s2 = s1.reshape(-1, 2, n_c)[cells], s2.reshape(-1, 2, n_c)[cells]
     count = cnt[cells][:, :, None]
     mean = s1 / count
     var = ((s2 - s1 * mean).sum(axis=1) + ARM_RESIDUALS * pooled_var) / (count.sum(axis=1) - 2.0 + ARM_RESIDUALS)
@@ -69,7 +75,7 @@ def read_test(steps: np.ndarray, pulls: Pulls, utilities: np.ndarray, prompts: n
         if prompt in detected:
             continue
         sel = (p == prompt) & (n == k + 1)  # its utilities at that N, in step order
-        x, x_steps = u[sel, int(z[i].argmax())], st[sel]
+        x, x_steps = utilities[rows[sel], int(z[i].argmax())], st[sel]
         m = np.arange(1, x.size)
         dev = np.abs(np.cumsum(x - x.mean())[:-1]) / np.sqrt(m * (x.size - m) / x.size)
         detected[prompt] = int(x_steps[int(dev.argmax()) + 1])
