@@ -47,7 +47,7 @@ def read_test(steps: np.ndarray, pulls: Pulls, utilities: np.ndarray, prompts: n
     p, n, st = pulls.prompts[rows], pulls.ns[rows], steps[rows]
     key = (p * n_max + (n - 1)) * 2 + (st >= read_step[p])  # (prompt, N, after the read)
     cnt = np.bincount(key, minlength=prompts.size * n_max * 2).astype(np.float64).reshape(-1, 2)
-    tested = (cnt >= CHANGE_PULLS).all(axis=1)
+    tested = np.all(cnt >= CHANGE_PULLS, axis=1)
     cells = np.flatnonzero(tested)
     if not cells.size:
         return {}
