@@ -27,85 +27,96 @@ class ServedElsewhere:
 
 
 class ServedLog:
-    """Pulls served (step, prompt, N, query, atoms) with each pull's utility under every context: blocks of a
-    batch's arrays, and single requests as scalars (the one-request path: lists of their steps, prompts, Ns, queries,
-    atom arrays and utility vectors), joined into one block when read."""
+    """Pulls served (step, prompt, N, query, atoms) with each pull's utility under every context, in arrays that
+    grow by doubling: a batch or a single request is written after the rows already there (amortized O(1) per pull,
+    where joining blocks on each read copied the whole log), and a read is a view of the rows so far. A view read
+    earlier never changes: appends write past it, and ``keep`` and ``clear`` start new arrays."""
 
     def __init__(self) -> None:
-        self.blocks: list[tuple[np.ndarray, Pulls, np.ndarray]] = []
-        self._clear_singles()
+        self.clear()
 
-    def _clear_singles(self) -> None:
-        self._steps: list[int] = []
-        self._prompts: list[int] = []
-        self._ns: list[int] = []
-        self._queries: list[int] = []
-        self._atoms: list[np.ndarray] = []
-        self._utilities: list[np.ndarray] = []
+    def clear(self) -> None:
+        """Forget everything (new arrays: views read before stay as they were)."""
+        self._n = 0  # pulls
+        self._m = 0  # completions
+        self._steps = np.zeros(0, dtype=np.int64)
+        self._prompts = np.zeros(0, dtype=np.int64)
+        self._ns = np.zeros(0, dtype=np.int64)
+        self._queries = np.zeros(0, dtype=np.int64)
+        self._offsets = np.zeros(1, dtype=np.int64)
+        self._atoms = np.zeros(0, dtype=np.int64)
+        self._utilities = np.zeros((0, 0))
 
     def __bool__(self) -> bool:
-        return bool(self.blocks or self._steps)
+        return self._n > 0
+
+    def _reserve(self, pulls: int, completions: int, contexts: int) -> None:
+        """Room for ``pulls`` more pulls of ``completions`` more completions, utilities over ``contexts``."""
+        need = self._n + pulls
+        if need > self._prompts.size or self._utilities.shape[1] != contexts:
+            cap = max(need, 2 * self._prompts.size, 64)
+            self._steps, self._prompts, self._ns, self._queries = (
+                _grown(a, self._n, cap) for a in (self._steps, self._prompts, self._ns, self._queries))
+            self._offsets = _grown(self._offsets, self._n + 1, cap + 1)
+            utilities = np.zeros((cap, contexts))
+            if self._n:
+                utilities[:self._n] = self._utilities[:self._n]
+            self._utilities = utilities
+        if self._m + completions > self._atoms.size:
+            self._atoms = _grown(self._atoms, self._m, max(self._m + completions, 2 * self._atoms.size, 256))
 
     def add(self, steps: np.ndarray, pulls: Pulls, utilities: np.ndarray) -> None:
         """A batch's pulls and their utilities (B, C) under every context."""
-        self._flush()
-        self.blocks.append((steps, pulls, utilities))
+        k, done = len(pulls), pulls.completions
+        self._reserve(k, done, utilities.shape[1])
+        n, m = self._n, self._m
+        self._steps[n:n + k] = steps
+        self._prompts[n:n + k] = pulls.prompts
+        self._ns[n:n + k] = pulls.ns
+        self._queries[n:n + k] = pulls.queries
+        self._offsets[n + 1:n + k + 1] = m + pulls.offsets[1:]
+        self._atoms[m:m + done] = pulls.atoms
+        self._utilities[n:n + k] = utilities
+        self._n, self._m = n + k, m + done
 
     def add_one(self, t: int, p: int, n: int, q: int, atoms: np.ndarray, utilities: np.ndarray) -> None:
         """One request's pull (``atoms`` holds its ``n`` outcomes) and its utilities (C,) under every context."""
-        self._steps.append(t)
-        self._prompts.append(p)
-        self._ns.append(n)
-        self._queries.append(q)
-        self._atoms.append(atoms)
-        self._utilities.append(utilities)
-
-    def _flush(self) -> None:
-        if not self._steps:
-            return
-        pulls = Pulls.of(np.array(self._prompts, dtype=np.int64), np.array(self._ns, dtype=np.int64),
-                         np.array(self._queries, dtype=np.int64), np.concatenate(self._atoms))
-        self.blocks.append((np.array(self._steps, dtype=np.int64), pulls, np.stack(self._utilities)))
-        self._clear_singles()
-
-    def _join(self) -> tuple[np.ndarray, Pulls, np.ndarray]:
-        self._flush()
-        if not self.blocks:
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, Pulls(empty, empty, empty, empty, np.zeros(1, dtype=np.int64)), np.zeros((0, 0))
-        if len(self.blocks) > 1:
-            self.blocks = [(np.concatenate([b[0] for b in self.blocks]), concat_pulls([b[1] for b in self.blocks]),
-                            np.concatenate([b[2] for b in self.blocks]))]
-        return self.blocks[0]
+        self._reserve(1, n, utilities.shape[0])
+        i, m = self._n, self._m
+        self._steps[i], self._prompts[i], self._ns[i], self._queries[i] = t, p, n, q
+        self._offsets[i + 1] = m + n
+        self._atoms[m:m + n] = atoms
+        self._utilities[i] = utilities
+        self._n, self._m = i + 1, m + n
 
     def read(self) -> tuple[np.ndarray, Pulls]:
-        """(steps, pulls) of everything logged, as one block (kept as that one block)."""
-        steps, pulls, _ = self._join()
-        return steps, pulls
+        """(steps, pulls) of everything logged, in the order served (views of the log's arrays)."""
+        n = self._n
+        return self._steps[:n], Pulls(self._prompts[:n], self._ns[:n], self._queries[:n], self._atoms[:self._m],
+                                      self._offsets[:n + 1])
 
     def utilities(self) -> np.ndarray:
-        """(B, C): the utility under every context of each pull of ``read()``'s block, in its order."""
-        return self._join()[2]
+        """(B, C): the utility under every context of each pull of ``read()``, in its order."""
+        return self._utilities[:self._n]
 
     def keep(self, mask: np.ndarray) -> None:
-        """Keep only the pulls where ``mask`` (over ``read()``'s block) is True."""
-        steps, pulls, utilities = self._join()
-        self.blocks = [(steps[mask], select_pulls(pulls, mask), utilities[mask])]
+        """Keep only the pulls where ``mask`` (over ``read()``) is True, in new arrays."""
+        steps, pulls = self.read()
+        utilities = self.utilities()
+        kept, kept_utilities = select_pulls(pulls, mask), utilities[mask]
+        kept_steps = steps[mask]
+        self.clear()
+        if kept_steps.size:
+            self.add(kept_steps, kept, kept_utilities)
 
-    def clear(self) -> None:
-        """Forget everything."""
-        self.blocks = []
-        self._clear_singles()
+
+def _grown(a: np.ndarray, used: int, size: int) -> np.ndarray:
+    """A new array of ``size`` entries (``a``'s dtype) holding ``a``'s first ``used``."""
+    out = np.zeros(size, dtype=a.dtype)
+    out[:used] = a[:used]
+    return out
 
 
 def select_pulls(pulls: Pulls, mask: np.ndarray) -> Pulls:
     """The pulls where ``mask`` is True, their atoms in draw order."""
     return Pulls.of(pulls.prompts[mask], pulls.ns[mask], pulls.queries[mask], pulls.atoms[np.repeat(mask, pulls.ns)])
-
-
-def concat_pulls(parts: list[Pulls]) -> Pulls:
-    """One block of ``parts``' pulls, in order."""
-    if len(parts) == 1:
-        return parts[0]
-    return Pulls.of(np.concatenate([p.prompts for p in parts]), np.concatenate([p.ns for p in parts]),
-                    np.concatenate([p.queries for p in parts]), np.concatenate([p.atoms for p in parts]))
