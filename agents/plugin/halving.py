@@ -48,21 +48,30 @@ class PlugInHalving(Agent):
         base = self.base_env(env)
         budget = self.check_budget(budget)
         est = PlugInEstimator(base, alpha=self.alpha, curve=0.0, empirical_bayes=False)
-        stream = QueryStream(base.queries(), self.rng)
-        n_contexts, n_prompts, n_max = est.shape
-        alive = np.ones((n_contexts, n_prompts), dtype=bool)
-        rounds_total = rounds_to_one(n_prompts) + 1  # the trims, then a last round
-        spent = 0
-        for r in range(rounds_total):
-            live = np.flatnonzero(alive.any(axis=0))
-            b = (budget - spent) // (rounds_total - r)
-            if b < live.size:
-                break
-            n = int(min(n_max, max(1, b // (live.size * self.m_min))))
-            m = b // (live.size * n)
-            pulls = base.pull(np.repeat(live, m), np.full(live.size * m, n), queries=np.tile(stream.take(m), live.size))
-            spent += pulls.completions
-            est.update(pulls)
-            if r < rounds_total - 1:
-                keep_top(alive, est, np.maximum(1, alive.sum(axis=1) // 2), self.rng)
-        return read_policy(base, est, alive, self.rng)
+        return halve(base, est, budget, self.m_min, self.rng)[0]
+
+
+def halve(base: Any, est: PlugInEstimator, budget: int, m_min: int,
+          rng: np.random.Generator) -> tuple[Policy, np.ndarray]:
+    """``PlugInHalving``'s rounds on ``base`` read through ``est`` (empty), drawing from ``rng``: the policy
+    (``read_policy``) and the live prompts (C, P) when the last round began. ``auto`` runs them on Best-of-N too."""
+    stream = QueryStream(base.queries(), rng)
+    n_contexts, n_prompts, n_max = est.shape
+    alive = np.ones((n_contexts, n_prompts), dtype=bool)
+    last = alive.copy()
+    rounds_total = rounds_to_one(n_prompts) + 1  # the trims, then a last round
+    spent = 0
+    for r in range(rounds_total):
+        live = np.flatnonzero(alive.any(axis=0))
+        b = (budget - spent) // (rounds_total - r)
+        if b < live.size:
+            break
+        last = alive.copy()
+        n = int(min(n_max, max(1, b // (live.size * m_min))))
+        m = b // (live.size * n)
+        pulls = base.pull(np.repeat(live, m), np.full(live.size * m, n), queries=np.tile(stream.take(m), live.size))
+        spent += pulls.completions
+        est.update(pulls)
+        if r < rounds_total - 1:
+            keep_top(alive, est, np.maximum(1, alive.sum(axis=1) // 2), rng)
+    return read_policy(base, est, alive, rng), last
