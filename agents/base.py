@@ -29,7 +29,9 @@ class AnytimeAgent(AgentLike, Protocol):
     """An agent that can give every budget's policy from one trajectory (the leaderboard then trains it once).
 
     ``anytime`` says whether this instance can (e.g. only with ``batch_size=1``); ``train_budgets`` yields
-    (budget, policy) in increasing budget order, each policy bit-identical to a fresh ``train`` at that budget.
+    (budget, policy) in increasing budget order, each policy bit-identical to a fresh ``train`` at that budget. An
+    agent that shares one trajectory on some tables only may also define ``shares_trajectory(table) -> bool``: where
+    it is False the leaderboard trains (and times) each budget on its own.
     """
 
     @property

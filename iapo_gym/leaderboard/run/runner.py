@@ -182,8 +182,6 @@ def agent_seed_for(root_seed: int, task: str, run: int, spec: AgentSpec) -> int:
 
 def run_unit(unit: WorkUnit) -> UnitOutcome:
     """Run every pending (agent, budget) of one (task, run); errors become Failures, not exceptions."""
-    from agents.base import AnytimeAgent
-
     outcome = UnitOutcome(unit)
     task = unit.task
     setup = run_setup(task, unit.run, unit.root_seed, unit.train_fraction)
@@ -217,12 +215,24 @@ def run_unit(unit: WorkUnit) -> UnitOutcome:
         except Exception as exc:
             outcome.failures.extend(_failure(context, spec, b, exc) for b in budgets)
             continue
-        if len(budgets) > 1 and isinstance(agent, AnytimeAgent) and agent.anytime:
+        if len(budgets) > 1 and _shares_trajectory(agent, context.table):
             _run_shared(context, spec, budgets, agent, agent_seed, outcome)
         else:
             for budget in budgets:
                 _run_one(context, spec, budget, agent_seed, outcome)
     return outcome
+
+
+def _shares_trajectory(agent: Any, table: OutcomeTable) -> bool:
+    """Whether ``agent`` gives every budget's policy from one trajectory on ``table``: an anytime agent, unless its
+    optional ``shares_trajectory(table)`` says it trains each budget on its own there (then each budget is trained
+    and timed alone, as any agent's)."""
+    from agents.base import AnytimeAgent
+
+    if not (isinstance(agent, AnytimeAgent) and agent.anytime):
+        return False
+    ask = getattr(agent, "shares_trajectory", None)
+    return True if ask is None else bool(ask(table))
 
 
 @dataclass(frozen=True)
