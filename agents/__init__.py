@@ -23,7 +23,7 @@ register("sb3", "agents.sb3:SB3Agent")
 register("plugin_halving", "agents.plugin:PlugInHalving")
 register("plugin_anytime", "agents.plugin:AnytimePlugIn")
 #: The recommended agent: the strongest measured one (docs/agents.md, "auto").
-register("auto", "agents.plugin:AnytimePlugIn")
+register("auto", "agents.plugin:Auto")
 register_entry_points()  # third-party agents (entry-point group ``iapo_gym.agents``)
 
 __all__ = ["REGISTRY", "Agent", "AgentLike", "AnytimeAgent", "available", "make", "register"]

@@ -99,3 +99,28 @@ def test_sweep_shares_trajectories_and_stores_the_rows_of_separate_runs(tmp_path
     assert len(a) == 2 * 4 * 3 * 2
     assert a == b
     assert all(spent == key[2] for key, (_, _, spent, _, _) in a.items() if key[1] != "uniform")
+
+
+def test_auto_shares_one_trajectory_on_majority_vote_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep gives ``auto`` every budget from one trajectory on a majority-vote task only (on Best-of-N it trains
+    and times each budget alone), and its rows are what ``train_budgets`` gives on both."""
+    from agents.plugin.auto import Auto
+
+    tasks = [resolve_task("synthetic_bernoulli"), resolve_task("synthetic_categorical")]
+    specs = [parse_agent_spec("auto")]
+    budgets = [300, 1200]
+    shared_on: list[str] = []
+    original = Auto.train_budgets
+
+    def spy(self: Auto, env: IAPOEnv, budgets: list[int]):  # type: ignore[no-untyped-def]
+        shared_on.append(env.table.aggregator)
+        yield from original(self, env, budgets)
+
+    monkeypatch.setattr(Auto, "train_budgets", spy)
+    own = run_sweep(tmp_path / "own", tasks, specs, budgets, runs=2, jobs=1, log=io.StringIO(), bar=False)
+    assert shared_on == ["mv", "mv"]
+    monkeypatch.setattr(Auto, "shares_trajectory", lambda self, table: True)
+    everywhere = run_sweep(tmp_path / "all", tasks, specs, budgets, runs=2, jobs=1, log=io.StringIO(), bar=False)
+    assert shared_on.count("bon") == 2
+    assert own.failures == everywhere.failures == []
+    assert _rows(tmp_path / "own") == _rows(tmp_path / "all") and len(_rows(tmp_path / "own")) == 2 * 2 * 2

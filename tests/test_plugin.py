@@ -35,9 +35,41 @@ class RecordingEnv(IAPOEnv):
         return pulls
 
 
-def test_auto_is_plugin_anytime_with_its_defaults() -> None:
+def test_auto_is_plugin_anytime_on_majority_vote() -> None:
+    """Same hyper-parameters, and on a majority-vote table the same pulls and policy as ``plugin_anytime``."""
     auto, plugin = agents.make("auto", seed=0), agents.make("plugin_anytime", seed=0)
-    assert type(auto) is type(plugin) and auto.params() == plugin.params()  # type: ignore[attr-defined]
+    assert auto.params() == plugin.params()  # type: ignore[attr-defined]
+    runs = []
+    for name in ("auto", "plugin_anytime"):
+        env = RecordingEnv(BIT_IDENTITY_TABLES["mv"]())
+        env.reset(seed=4)
+        policy = agents.make(name, seed=1).train(env, 3_000)
+        runs.append((policy, np.concatenate([b.atoms for b in env.batches])))
+    assert runs[0][0] == runs[1][0] and np.array_equal(runs[0][1], runs[1][1])
+
+
+def test_auto_halves_for_its_budget_on_best_of_n() -> None:
+    """On Best-of-N ``auto`` runs ``plugin_halving``'s rounds (each live prompt min(N_max, b // (8 L)) draws per
+    common query, half the live prompts kept per context after each round but the last) read with the blended
+    reading: its pulls are ``plugin_halving``'s, and its estimator's readings are the blended ones."""
+    from agents.plugin.auto import BON_QUERIES
+
+    table = shape_bon_table(seed=3, n_prompts=8, n_queries=200, n_max=16)
+    envs = {}
+    for name in ("auto", "plugin_halving:m_min=8"):
+        spec = name.split(":")
+        env = RecordingEnv(table)
+        env.reset(seed=2)
+        agent = agents.make(spec[0], seed=6, **({"m_min": BON_QUERIES} if len(spec) > 1 else {}))
+        agent.train(env, 6_000)
+        envs[name] = (env, agent)
+    auto_env, auto = envs["auto"]
+    first = auto_env.batches[0]
+    assert np.unique(first.prompts).size == 8 and np.all(first.ns == min(16, (6_000 // 4) // (BON_QUERIES * 8)))
+    assert auto.last_tail.estimator.bon_reading == "blend"  # type: ignore[attr-defined]
+    halving_env = envs["plugin_halving:m_min=8"][0]
+    assert np.array_equal(auto_env.batches[0].atoms, halving_env.batches[0].atoms)  # the same first round
+    assert auto_env.budget_used <= 6_000
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -943,8 +975,8 @@ def test_location_scale_of_the_read_prompts_equals_their_rows_of_the_whole(pool_
 @pytest.mark.heavy
 def test_the_threshold_logit_fit_stops_at_the_maximum_in_autos_training(monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/agents.md's constants table: at every update of ``auto``'s training on a level of each Best-of-N family
-    the fit's stop (``LOGIT_TOL``) leaves every fitted probability within 1e-6 of where 500 sweeps take it, and it
-    is the stop that ends the fit, never the cap of ``LOGIT_SWEEPS`` (at most 22 sweeps on one objective row here)."""
+    the fit's stop (``LOGIT_TOL``) leaves every fitted probability within 2e-6 of where 500 sweeps take it, and it
+    is the stop that ends the fit, never the cap of ``LOGIT_SWEEPS`` (at most 33 sweeps on one objective row here)."""
     import gymnasium as gym
 
     from agents.plugin import threshold_logit
@@ -976,14 +1008,19 @@ def test_the_threshold_logit_fit_stops_at_the_maximum_in_autos_training(monkeypa
                 stopped = probs(args[8], args[12])
                 worst = max(worst, float(np.abs(stopped - probs(500, 0.0)).max()))
                 most = max(most, next(s for s in range(1, args[8] + 1) if np.array_equal(probs(s, 0.0), stopped)))
-    assert worst <= 1e-6 and most < threshold_logit.LOGIT_SWEEPS, (worst, most)
+    assert worst <= 2e-6 and most < threshold_logit.LOGIT_SWEEPS, (worst, most)
 
 
 @pytest.mark.heavy
-def test_eight_fit_sweeps_sit_at_the_fixed_point(monkeypatch: pytest.MonkeyPatch) -> None:
-    """docs/agents.md's constants table: after ``auto``'s training on levels 0-2 of the three Best-of-N tuning
-    families at T = 3K and 40K, ``OFFSET_SWEEPS`` = ``SCALE_SWEEPS`` = 8 leave the offsets within 0.4 % of the
-    largest offset, and the scales and spreads within 0.15 % of the largest, of where 64 sweeps take them."""
+@pytest.mark.parametrize(("name", "bounds"), [("plugin_anytime", (0.004, 0.0015)), ("auto", (0.03, 0.003))])
+def test_eight_fit_sweeps_sit_at_the_fixed_point(name: str, bounds: tuple[float, float],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/agents.md's constants table: after training on levels 0-2 of the three Best-of-N tuning families at
+    T = 3K and 40K, ``OFFSET_SWEEPS`` = ``SCALE_SWEEPS`` = 8 leave the offsets within ``bounds[0]`` of the largest
+    offset, and the scales and spreads within ``bounds[1]`` of the largest, of where 64 sweeps take them: on
+    ``plugin_anytime``'s whole steps (every prompt on the same queries, so the offsets are exact after one sweep)
+    within 0.4 % and 0.15 %; at ``auto``'s Best-of-N read-out, after its halving (the prompts trimmed early saw
+    fewer queries), within 3 % and 0.3 %."""
     import gymnasium as gym
 
     from agents.plugin import location_scale
@@ -1004,8 +1041,9 @@ def test_eight_fit_sweeps_sit_at_the_fixed_point(monkeypatch: pytest.MonkeyPatch
                 env = gym.make("IAPO-Generated-v0", family=family, level=level)
                 env.reset(seed=0)
                 seen.clear()
-                agents.make("auto", seed=0).train(env, budget)
-                est = seen[-1]
+                agent = agents.make(name, seed=0)
+                agent.train(env, budget)
+                est = seen[-1] if name == "plugin_anytime" else agent.last_tail.estimator  # type: ignore[attr-defined]
                 prompts = np.flatnonzero(est._completions.sum(axis=1) > 0)
                 fits = {}
                 for sweeps in (8, 64):
@@ -1014,10 +1052,10 @@ def test_eight_fit_sweeps_sit_at_the_fixed_point(monkeypatch: pytest.MonkeyPatch
                     level_fit, offsets = est._additive_fit()
                     scale, _, spread, _ = est._location_scale(level_fit, offsets, prompts)
                     fits[sweeps] = (offsets, scale, spread)
-                for name, a, b in zip(("offsets", "scale", "spread"), fits[8], fits[64], strict=True):
-                    worst[name] = max(worst[name], float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300)))
-    assert worst["offsets"] <= 0.004, worst
-    assert worst["scale"] <= 0.0015 and worst["spread"] <= 0.0015, worst
+                for key, a, b in zip(("offsets", "scale", "spread"), fits[8], fits[64], strict=True):
+                    worst[key] = max(worst[key], float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300)))
+    assert worst["offsets"] <= bounds[0], worst
+    assert worst["scale"] <= bounds[1] and worst["spread"] <= bounds[1], worst
 
 
 def _threshold_model_table(seed: int, n_prompts: int = 6, n_queries: int = 60, n_max: int = 16) -> OutcomeTable:

@@ -1,8 +1,9 @@
 """Explore-then-commit: optimize offline with an existing agent, then serve its frozen policy (``optimize`` + ``serve``).
 
-Before request 0 the agent spends ``budget`` completions training an offline agent (``auto``, ``psst``, any
-registered name) through its public ``train`` API on ``OnlineEnv.offline_env``: the table of request 0, the
-prompts available then, the train split. Those completions are not requests of the run and carry no regret.
+Before request 0 the agent spends ``budget`` completions training an offline agent (``plugin_anytime`` by default,
+``auto``'s majority-vote path and the warm start of ``iapo_online``; ``psst``, ``auto``, any registered name)
+through its public ``train`` API on ``OnlineEnv.offline_env``: the table of request 0, the prompts available then,
+the train split. Those completions are not requests of the run and carry no regret.
 It then serves the trained policy's arm for each context and never learns again: after a drift or an
 arrival its regret keeps growing (what the online agents are measured against). When a committed prompt is
 retired, the context is served a prompt drawn uniformly (the agent's generator, once per retirement) among those
@@ -24,11 +25,11 @@ from iapo_gym.seeding import derive_seed
 class ExploreThenCommit(OnlineAgentBase):
     """Train an offline agent on the train split before the run, serve its policy frozen.
 
-    :param agent: the registered offline agent that explores (e.g. ``auto``, ``psst``).
+    :param agent: the registered offline agent that explores (e.g. ``plugin_anytime``, ``auto``, ``psst``).
     :param budget: completions it may spend before the run (not requests; no regret).
     """
 
-    def __init__(self, seed: int | None = None, agent: str = "auto", budget: int = 5_000,
+    def __init__(self, seed: int | None = None, agent: str = "plugin_anytime", budget: int = 5_000,
                  agent_params: dict[str, Any] | None = None) -> None:
         """Hyper-parameters as documented on the class; ``agent_params`` go to the offline agent."""
         super().__init__(seed)

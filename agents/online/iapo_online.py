@@ -8,7 +8,8 @@ prompts, refitted on a doubling schedule, with a change detector for drift and o
   time, the corrected estimate let the regret stop falling on ``mv_many_queries`` level 0). The estimate is
   refitted when the completions served since the last refit reach those before (a doubling schedule, about log2 of
   the completions refits in a run), never per request: a refit costs as much as thousands of requests.
-* **Warm start.** Before request 0 ``auto`` spends ``budget`` completions on the train split (as
+* **Warm start.** Before request 0 ``plugin_anytime`` (``auto``'s majority-vote path, the agent this one was tuned
+  with; on Best-of-N ``auto`` halves instead) spends ``budget`` completions on the train split (as
   ``ExploreThenCommit`` trains, with the same seeds: the same completions). Its estimate Q_off of each prompt it read
   enters as k_p = 1 / (1 / q_p + 1 / Q_train + 1 / Q_test) requests served at step 0, faded as every request, q_p
   the train queries it read the prompt on and Q_train, Q_test the splits' sizes: a prompt's value on the train split
@@ -103,7 +104,8 @@ class IAPOOnline(OnlineAgentBase):
     :param entry_n: N of an entering prompt's ``ENTRY_REQUESTS`` pulls (optimistic entry; capped at N_max).
     :param prior: weight of the estimator's shared prior, times ``auto``'s (``alpha`` 32 pseudo-votes, ``bon_prior`` 1).
     :param bias_sd: prior sd of the estimate's bias per (context, prompt) (utility units; 0: no shift s_cp).
-    :param budget: completions ``auto`` spends on the train split before request 0 (the warm start; 0: none).
+    :param budget: completions ``plugin_anytime`` spends on the train split before request 0 (the warm start; 0:
+        none).
     """
 
     def __init__(self, seed: int | None = None, width: float = 0.5, memory: float = 200.0, threshold: float = 50.0,
@@ -182,11 +184,12 @@ class IAPOOnline(OnlineAgentBase):
             self._warm_start(env, seed)
 
     def _warm_start(self, env: OnlineEnv, seed: int) -> None:
-        """``auto``'s estimate after ``budget`` offline completions, each prompt it read as k_p requests at step 0."""
+        """``plugin_anytime``'s estimate after ``budget`` offline completions, each prompt it read as k_p requests at
+        step 0."""
         # explore-then-commit's training (``ExploreThenCommit.start``): its env and generator seeded alike, so the
         # warm start reads the completions explore-then-commit's policy was chosen on
         offline, keep = env.offline_env("train", seed=derive_seed(seed, "offline env"))
-        learner = make("auto", seed=derive_seed(seed, "offline agent"))
+        learner = make("plugin_anytime", seed=derive_seed(seed, "offline agent"))
         learner.train(offline, self.budget)
         assert isinstance(learner, AnytimePlugIn) and learner.last_tail is not None
         est = learner.last_tail.estimator

@@ -7,7 +7,8 @@
 """
 
 from agents.plugin.anytime import AnytimePlugIn
+from agents.plugin.auto import Auto
 from agents.plugin.estimator import PlugInEstimator
 from agents.plugin.halving import PlugInHalving
 
-__all__ = ["AnytimePlugIn", "PlugInEstimator", "PlugInHalving"]
+__all__ = ["AnytimePlugIn", "Auto", "PlugInEstimator", "PlugInHalving"]

@@ -2,7 +2,7 @@
 
 For each (task, schedule, horizon) the runs of two agents pair by (level, run): both served the same requests
 (common random numbers). At the reported checkpoints (``REPORTED``: T/10, T/4, T/2 and T) every agent is tested
-against the baseline (default ``etc_auto``, explore-then-commit with ``auto``) with the paper protocol's paired
+against the baseline (default ``etc_auto``, explore-then-commit with ``plugin_anytime``) with the paper protocol's paired
 test (``stats.paired_test``: Wilcoxon signed-rank or the sign test) and its multiplicity correction
 (``stats.adjust_pvalues``) within each (task, schedule, horizon, checkpoint). An agent *beats* the baseline there
 when the adjusted p < alpha and the test leans to fewer regret (``PairedTest.direction``: the paired differences
