@@ -8,20 +8,19 @@ prompts, refitted on a doubling schedule, with a change detector for drift and o
   time, the corrected estimate let the regret stop falling on ``mv_many_queries`` level 0). The estimate is
   refitted when the completions served since the last refit reach those before (a doubling schedule, about log2 of
   the completions refits in a run), never per request: a refit costs as much as thousands of requests.
-* **Warm start.** Before request 0 ``plugin_anytime`` (``auto``'s majority-vote path, the agent this one was tuned
-  with; on Best-of-N ``auto`` halves instead) spends ``budget`` completions on the train split (as
-  ``ExploreThenCommit`` trains, with the same seeds: the same completions). Its estimate Q_off of each prompt it read
-  enters as k_p = 1 / (1 / q_p + 1 / Q_train + 1 / Q_test) requests served at step 0, faded as every request, q_p
-  the train queries it read the prompt on and Q_train, Q_test the splits' sizes: a prompt's value on the train split
-  differs from its value on the run's queries by the sampling of both splits' queries, so a prompt read on a few
-  queries counts as about that many requests and one read on many as at most the splits allow.
-  A read prompt's estimate is (k_p (Q_off + d_c) + n_p Q^) / (k_p + n_p) with n_p its faded requests (Q_off + d_c
-  before the prompt is served), and d_c, per context, the mean over every served pull of a warm prompt of its
-  utility less Q_off at its N, shrunk to 0 by ``ARM_RESIDUALS`` pulls: the run's queries as a whole are easier or
-  harder than the train split's (by 0.1-0.25 on tuning levels of the families with few queries), and without it a
-  prompt known only from the train split is compared with served ones on another scale. A warm prompt needs no
-  entry requests; a prompt that arrives, or every prompt after a detected change (the prior is dropped), enters
-  as without the warm start.
+* **Warm start.** Before request 0 ``plugin_anytime`` (``auto`` on majority vote; the agent this one was tuned with)
+  spends ``budget`` completions on the train split (as ``ExploreThenCommit`` trains, with the same seeds: the same
+  completions). Its estimate Q_off of each prompt it read enters as k_p = 1 / (1 / q_p + 1 / Q_train + 1 / Q_test)
+  requests served at step 0, faded as every request, q_p the train queries it read the prompt on and Q_train, Q_test
+  the splits' sizes: a prompt's value on the train split differs from its value on the run's queries by the sampling
+  of both splits' queries, so a prompt read on a few queries counts as about that many requests and one read on many
+  as at most the splits allow. A read prompt's estimate is (k_p (Q_off + d_c) + n_p Q^) / (k_p + n_p) with n_p its
+  faded requests (Q_off + d_c before the prompt is served), and d_c, per context, the mean over every served pull of a
+  warm prompt of its utility less Q_off at its N, shrunk to 0 by ``ARM_RESIDUALS`` pulls: the run's queries as a whole
+  are easier or harder than the train split's (by 0.1-0.25 on tuning levels of the families with few queries), and
+  without it a prompt known only from the train split is compared with served ones on another scale. A warm prompt
+  needs no entry requests; a prompt that arrives, or every prompt after a detected change (the prior is dropped),
+  enters as without the warm start.
 * **Choice.** For a request of context c, each available prompt p scores ``max_N Q^(c, p, N) + s_cp + width *
   sigma * sqrt(log(t + 2) / n_p)`` with n_p the requests the prompt served, faded, and sigma the pooled sd of the
   residuals; the request gets the best prompt at its best N. Within a batch each earlier choice counts as a request
@@ -104,8 +103,7 @@ class IAPOOnline(OnlineAgentBase):
     :param entry_n: N of an entering prompt's ``ENTRY_REQUESTS`` pulls (optimistic entry; capped at N_max).
     :param prior: weight of the estimator's shared prior, times ``auto``'s (``alpha`` 32 pseudo-votes, ``bon_prior`` 1).
     :param bias_sd: prior sd of the estimate's bias per (context, prompt) (utility units; 0: no shift s_cp).
-    :param budget: completions ``plugin_anytime`` spends on the train split before request 0 (the warm start; 0:
-        none).
+    :param budget: completions ``plugin_anytime`` spends on the train split before request 0 (warm start; 0: none).
     """
 
     def __init__(self, seed: int | None = None, width: float = 0.5, memory: float = 200.0, threshold: float = 50.0,
@@ -184,8 +182,7 @@ class IAPOOnline(OnlineAgentBase):
             self._warm_start(env, seed)
 
     def _warm_start(self, env: OnlineEnv, seed: int) -> None:
-        """``plugin_anytime``'s estimate after ``budget`` offline completions, each prompt it read as k_p requests at
-        step 0."""
+        """``plugin_anytime``'s estimate after ``budget`` offline completions, each read prompt as k_p requests."""
         # explore-then-commit's training (``ExploreThenCommit.start``): its env and generator seeded alike, so the
         # warm start reads the completions explore-then-commit's policy was chosen on
         offline, keep = env.offline_env("train", seed=derive_seed(seed, "offline env"))
