@@ -14,7 +14,7 @@ ONLINE_REGISTRY: dict[str, tuple[str, dict[str, Any]]] = {
     "ucb": ("agents.online.ucb:ContextUCB", {}),
     "ucb_discounted": ("agents.online.ucb:ContextUCB", {"discount": 0.9999}),
     "thompson": ("agents.online.thompson:ContextThompson", {}),
-    "etc_auto": ("agents.online.explore_commit:ExploreThenCommit", {"agent": "plugin_anytime"}),
+    "etc_auto": ("agents.online.explore_commit:ExploreThenCommit", {}),  # with ExploreThenCommit's default agent
     "etc_psst": ("agents.online.explore_commit:ExploreThenCommit", {"agent": "psst"}),
 }
 
