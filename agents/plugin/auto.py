@@ -30,14 +30,19 @@ class Auto(AnytimePlugIn):
     is ``train(env, budget)``'s.
     """
 
+    @staticmethod
+    def halves(table: Any) -> bool:
+        """Whether ``auto`` halves for its budget on ``table`` (Best-of-N) rather than run ``AnytimePlugIn``."""
+        return bool(table.aggregator == "bon")
+
     def shares_trajectory(self, table: Any) -> bool:
         """One trajectory serves every budget on majority vote; on Best-of-N each budget is trained on its own."""
-        return bool(table.aggregator != "bon")
+        return not self.halves(table)
 
     def train(self, env: Any, budget: int) -> Policy:
         """Spend at most ``budget`` completions of ``env``; per context the best live arm."""
         base = self.base_env(env)
-        if base.table.aggregator != "bon":
+        if not self.halves(base.table):
             return super().train(env, budget)
         budget = self.check_budget(budget)
         est = PlugInEstimator(base, **self.prior, bon_reading=self.bon_reading)
@@ -49,7 +54,7 @@ class Auto(AnytimePlugIn):
         """(budget, policy) for each budget in increasing order, each bit-identical to ``train(env, budget)`` by a
         fresh agent with the same seed on an env reset with the same seed (``AnytimePlugIn.train_budgets``)."""
         base = self.base_env(env)
-        if base.table.aggregator != "bon":
+        if not self.halves(base.table):
             yield from super().train_budgets(env, budgets)
             return
         checked = sorted({self.check_budget(b) for b in budgets})
