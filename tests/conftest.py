@@ -16,6 +16,18 @@ RELEASE_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "iapo-rele
 MATH_RELEASE = RELEASE_DIR / "MATH_final.pkl"
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the modules that hold a test marked ``heavy`` first, each module's tests still together and in order.
+
+    pytest-xdist's load scheduling (the README's ``-n 2``) hands the tests out in collection order, so a long test
+    collected late leaves one worker running it alone at the end. The long tests are the ``heavy`` ones; starting
+    their modules first lets the short ones fill in around them. Keeping each module whole keeps its module-scoped
+    fixtures (a sweep, a server) built once per worker.
+    """
+    heavy_modules = {item.module for item in items if item.get_closest_marker("heavy") is not None}
+    items.sort(key=lambda item: item.module not in heavy_modules)  # stable: the order within each group is kept
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Keep every test's generated tables out of the user's cache and data folders."""

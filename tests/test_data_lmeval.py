@@ -131,6 +131,7 @@ def lm_eval_command() -> str:
     return found
 
 
+@pytest.mark.heavy
 def test_real_lm_eval_run_builds_the_table_of_its_log(lm_eval_command: str, tmp_path: Path,
                                                       llama_server: int,  # noqa: F811
                                                       capsys: pytest.CaptureFixture[str]) -> None:

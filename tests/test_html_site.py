@@ -84,6 +84,7 @@ def _column(driver: Any, task: str, index: int) -> list[float]:
             for tr in driver.find_elements(By.CSS_SELECTOR, f"#ranking-{task} tbody tr")]
 
 
+@pytest.mark.heavy
 def test_site_in_chromium(site: Path, tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys

@@ -191,6 +191,7 @@ def test_synthetic_tasks_use_instance_r_for_run_r(tmp_path: Path) -> None:
 # ---- interruption, concurrency, Dask --------------------------------------------------------
 
 
+@pytest.mark.heavy
 def test_kill_minus_9_then_rerun_equals_a_clean_sweep(tmp_path: Path, tables: dict[str, str]) -> None:
     args = ["leaderboard", "--tasks", tables["mv"], "--agents", f"{TOY}:Sleepy:delay=0.02", "--budgets", "6", "30",
             "--runs", "40", "--no-table"]

@@ -102,6 +102,7 @@ def test_a_rerun_skips_done_runs_and_the_batch_size_is_the_folders(swept: Path, 
         _sweep(swept, tables, batch_size=4)
 
 
+@pytest.mark.heavy
 def test_kill_minus_9_then_rerun_equals_a_clean_sweep(tmp_path: Path, tables: dict[str, str]) -> None:
     args = ["leaderboard", "--protocol", "online", "--tasks", tables["mv"], "--agents", "ucb",
             "tests.leaderboard_toy_agents:SleepyOnline:delay=0.05", "--schedule", "stationary", "arrival",
@@ -364,6 +365,7 @@ def _doc_block(doc: str, marker: str) -> list[str]:
     raise AssertionError(f"no bash block with {marker!r} in {doc}")
 
 
+@pytest.mark.heavy
 def test_the_leaderboard_docs_online_commands_run_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     commands = _doc_block("docs/leaderboard.md", "--protocol online")
     assert [c.split()[:2] for c in commands] == [["iapo-gym", "leaderboard"], ["iapo-gym", "report"],
@@ -377,6 +379,7 @@ def test_the_leaderboard_docs_online_commands_run_as_written(tmp_path: Path, mon
     assert record["status"] == "verified" and record["matched"] == 6
 
 
+@pytest.mark.heavy
 def test_the_online_site_in_chromium(swept: Path, tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
 

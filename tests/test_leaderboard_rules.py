@@ -233,6 +233,7 @@ def test_the_docs_rules_commands_run_as_written(tmp_path: Path, monkeypatch: pyt
     assert env.evaluate(best, "test") > env.evaluate(env.optimal_policy("test"), "test")  # rules help on this level
 
 
+@pytest.mark.heavy
 def test_bench_rules_agents_part_pairs_the_two_arm_sets(tmp_path: Path) -> None:
     """benchmarks/bench_rules.py --part agents: its paired gain is the difference of the two sweeps' rows, a rerun
     reuses them, and a changed agent source is refused."""

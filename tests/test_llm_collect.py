@@ -137,6 +137,7 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run(tmp_path: Path, llama_s
     assert content(resumed) == content(straight)
 
 
+@pytest.mark.heavy
 def test_server_killed_and_restarted_mid_run(tmp_path: Path, tiny_model: Path) -> None:  # noqa: F811
     port = free_port()
     server = start_llama_server(tiny_model, port)

@@ -58,6 +58,7 @@ def _cache_rows(path: Path) -> tuple[int, int]:
     return int(n), int(tokens)
 
 
+@pytest.mark.heavy
 def test_dead_endpoint_stops_within_seconds_spends_nothing_on_refusals_and_resumes(
         tmp_path: Path, tiny_model: Path) -> None:  # noqa: F811
     port = free_port()

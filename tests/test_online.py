@@ -234,6 +234,7 @@ def test_arrival_is_explored_by_optimistic_entry_and_ignored_by_a_frozen_agent()
     assert not np.isin(frozen.arms[:, 0], late).any()  # trained before they arrived: never served
 
 
+@pytest.mark.heavy
 def test_the_python_blocks_of_docs_online_run() -> None:
     """Every ```python block of docs/online.md runs as written (the interface sketch is a plain block)."""
     import re

@@ -203,6 +203,7 @@ def test_dr_reads_the_directed_learners_contender_and_stays_unbiased() -> None:
     assert covered >= total - 2, (covered, total)  # 6 intervals of 95 %: P(more than 2 miss) < 0.003
 
 
+@pytest.mark.heavy
 def test_dr_covers_every_candidate_on_a_log_of_todays_learner() -> None:
     """Today's learner spreads a part u of its exploration uniformly over the K arms: every candidate arm is
     observed with a known probability on every row, so DR covers candidates off the greedy prompts too (which the

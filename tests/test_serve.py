@@ -133,6 +133,7 @@ def test_both_apis_with_the_openai_client_and_the_completions_drawn_upstream(sta
     assert last["latency_ms"] > 0 and last["path"] == "/v1/completions"
 
 
+@pytest.mark.heavy
 def test_load_32_clients_x_20_requests(stack: tuple[int, int, Path, Any]) -> None:
     serve_port, proxy_port, _, proc = stack
     before = proxy_stats(proxy_port)
@@ -228,6 +229,7 @@ def test_missing_key_variable_and_bad_policy_stop_the_command(tmp_path: Path) ->
     assert main(["serve", str(tmp_path / "edited.json"), "--upstream", str(spec)]) == 1
 
 
+@pytest.mark.heavy
 def test_upstream_killed_during_load_gives_502s_then_recovers(tiny_model: Path, tmp_path: Path) -> None:  # noqa: F811
     up, port = free_port(), free_port()
     llama = start_llama_server(tiny_model, up)

@@ -133,6 +133,7 @@ def test_two_processes_on_one_sqlite_store_and_a_restart_keeps_the_days_spend(tm
         stop(upstream)
 
 
+@pytest.mark.heavy
 def test_workers_share_the_default_sqlite_store(tmp_path: Path) -> None:
     _two_servers_under_load(tmp_path, [], workers=True)
 
@@ -142,6 +143,7 @@ def test_two_processes_on_one_redis_server(tmp_path: Path, redis_url: str) -> No
     assert not (tmp_path / "budget.sqlite").exists()
 
 
+@pytest.mark.heavy
 def test_a_process_killed_mid_request_leaves_its_worst_case_held_then_spent(tmp_path: Path) -> None:
     """kill -9 while a request waits on the upstream: the next process finds the reservation held (not lost, not
     zero), and once the request's deadline plus the margin is past it counts as spent whole."""

@@ -281,6 +281,7 @@ class _Attack:
             stop(serve)
 
 
+@pytest.mark.heavy
 def test_a_dns_rebinding_page_in_chromium_is_refused(tmp_path: Path) -> None:
     attack = _Attack(tmp_path)
     try:

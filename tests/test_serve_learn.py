@@ -98,6 +98,7 @@ def ask(port: int, t: int) -> dict[str, Any]:
     return body
 
 
+@pytest.mark.heavy
 def test_learn_explores_within_budget_logs_propensities_and_serves_the_best_arm(
         sim: tuple[int, Path, dict[str, Any]], tmp_path: Path) -> None:
     _, spec_path, spec = sim

@@ -103,6 +103,7 @@ def test_log_queries_keeps_the_query_text(tmp_path: Path) -> None:
     assert row.id == body["id"] and row.query == "secret query 123"
 
 
+@pytest.mark.heavy
 def test_kill_9_loses_at_most_the_rows_of_the_last_flush_interval_and_the_log_goes_on(tmp_path: Path) -> None:
     """Under load from 8 callers, serve is killed with -9: every request answered more than flush_ms (200 ms)
     plus a second of slack (a commit and the thread's turn on a loaded machine) before the kill is in the log."""

@@ -426,6 +426,7 @@ def test_binomial_z2_tail_matches_a_monte_carlo_null() -> None:
             <= float((sums >= z2 - 0.01 * probs.size).mean()) + 4 * np.sqrt(simulated / sums.size)
 
 
+@pytest.mark.heavy
 def test_collect_against_the_simulator_rebuilds_the_table(tmp_path: Path) -> None:
     """`iapo-gym collect` on the written spec collects every (prompt, query) from the simulator and builds a
     table with the original's shape, split, contexts and costs, whose gold-answer frequencies match the
@@ -555,6 +556,7 @@ def test_an_edited_spec_maps_by_its_templates_and_a_label_the_extractor_cannot_r
         Simulator(table, load_spec(path))
 
 
+@pytest.mark.heavy
 def test_collect_of_a_best_of_n_table_scores_through_the_reward_endpoint(tmp_path: Path) -> None:
     """`iapo-gym collect` on a Best-of-N simulator (8 queries of a generated level) scores every completion through
     the written spec's reward_url, and the table it builds has the original's score vectors with their
