@@ -24,8 +24,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     their modules first lets the short ones fill in around them. Keeping each module whole keeps its module-scoped
     fixtures (a sweep, a server) built once per worker.
     """
-    heavy_modules = {item.module for item in items if item.get_closest_marker("heavy") is not None}
-    items.sort(key=lambda item: item.module not in heavy_modules)  # stable: the order within each group is kept
+    heavy_modules = {getattr(item, "module", None) for item in items if item.get_closest_marker("heavy") is not None}
+    items.sort(key=lambda item: getattr(item, "module", None) not in heavy_modules)  # stable: the order within each group is kept
 
 
 @pytest.fixture(autouse=True, scope="session")
