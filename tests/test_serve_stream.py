@@ -201,8 +201,12 @@ def test_n1_text_arrives_while_the_upstream_is_still_sending(tmp_path: Path, cha
                 if piece:
                     pieces.append(piece)
                     arrived.append(time.monotonic())
-            # each character as its own chunk, the first well before the upstream sent its last
+            # each character as its own chunk, the first well before the upstream sent its last (the upstream
+            # notes its finish just after its last write, so the caller can read [DONE] a moment before it does)
             assert pieces == list(answer)
+            deadline = time.monotonic() + 3
+            while not up.streams_done and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert len(up.streams_done) == 1 and arrived[0] < up.streams_done[0] - 0.5
             assert up.bodies[-1]["stream"] is True and up.bodies[-1]["stream_options"] == {"include_usage": True}
             # the usage is the upstream's own final usage chunk (the echo counts a token per character, and the
