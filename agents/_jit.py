@@ -177,9 +177,6 @@ def pairwise_rows(values: np.ndarray, start: int, count: int, scratch: tuple[np.
     explicit stack (numba cannot load a recursive function from its cache), in ``scratch``
     (``pairwise_scratch``), so no call allocates."""
     acc, partial, stack = scratch
-    if count <= PAIRWISE_BLOCK:
-        _pairwise_leaf(values, start, count, acc, out)
-        return
     n_columns = values.shape[1]
     first, size, right_pending = stack[0], stack[1], stack[2]
     depth = 0
@@ -212,8 +209,9 @@ def pairwise_rows(values: np.ndarray, start: int, count: int, scratch: tuple[np.
 @_njit
 def _reduceat_sum(values: np.ndarray, count: int, scratch: tuple[np.ndarray, np.ndarray, np.ndarray],
                   out: np.ndarray) -> None:
-    """``out[c] = np.add.reduceat(values[:count], [0], axis=0)[0, c]`` bit for bit (``update_one``'s block sums):
-    numpy's reduceat starts from the first row and adds the pairwise sum of the others (``pairwise_rows``)."""
+    """``out[c] = np.add.reduceat(values[:count], [0], axis=0)[0, c]`` bit for bit (``update_one``'s block sums, the
+    plug-in's segment sums; at count 1 a -0.0 comes out +0.0): numpy's reduceat starts from the first row and adds
+    the pairwise sum of the others (``pairwise_rows``)."""
     pairwise_rows(values, 1, count - 1, scratch, out)
     for c in range(values.shape[1]):
         out[c] = values[0, c] + out[c]

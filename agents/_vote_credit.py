@@ -64,7 +64,7 @@ def _credit_block(p_gold: np.ndarray, others: np.ndarray, n_max: int, nodes: np.
             for d in range(n_max + 1 - s if j else 1):
                 for r in range(n_rows):
                     new[d + s, r] += a_other[j, s, r] * full[d, r]
-        full[:] = new
+        full, new = new, full  # the product so far; the old one's buffer is cleared and refilled next
     for k in range(1, n_max + 1):
         degree = n_max - k
         if k > degree:
@@ -89,7 +89,7 @@ def _credit_block(p_gold: np.ndarray, others: np.ndarray, n_max: int, nodes: np.
                 for d in range(min(size, new_size - k)):
                     for r in range(n_rows):
                         new[d + k, r] += coef[r] * poly[d, r]
-                poly[:new_size] = new[:new_size]
+                poly, new = new, poly  # buffers swapped, not copied: only the first ``size`` rows are read
                 size = new_size
             for d in range(size):
                 for r in range(n_rows):

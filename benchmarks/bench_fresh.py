@@ -8,6 +8,13 @@ run converts the table into a private cache (not timed). Run::
 
     IAPO_GYM_OFFLINE=1 IAPO_GYM_DATA=../shared/iapo-release \\
         nice -n 10 .venv/bin/python benchmarks/bench_fresh.py --repeats 21
+
+``--compile`` times instead a first training of ``auto`` (``TRAIN``: Synthetic-Bernoulli and
+Synthetic-Categorical, T = 3,000) in a fresh process, cold (numba's cache an empty folder, so every
+kernel it calls compiles) and warm (a cache those runs filled, so the kernels load), interleaved;
+cold minus warm is what compiling costs a user once per install::
+
+    nice -n 10 .venv/bin/python benchmarks/bench_fresh.py --compile --repeats 5
 """
 
 from __future__ import annotations
@@ -28,6 +35,14 @@ env = gym.make({env_id!r})
 value = iapo_gym.evaluate([(0, 1)] * env.unwrapped.n_contexts, env)
 assert value == value
 """
+TRAIN = """
+import gymnasium as gym
+import agents, iapo_gym
+for env_id in ("IAPO-SyntheticBernoulli-v0", "IAPO-SyntheticCategorical-v0"):
+    env = gym.make(env_id, instance=0)
+    env.reset(seed=0)
+    agents.make("auto", seed=0).train(env, 3000)
+"""
 
 
 def run(code: str, env: dict[str, str]) -> float:
@@ -43,7 +58,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--user-cache", action="store_true",
                         help="use the user's cache ($IAPO_GYM_CACHE or the OS cache) instead of a private temporary one")
+    parser.add_argument("--compile", action="store_true",
+                        help="time a first training of auto with numba's cache empty and filled (module docstring)")
     args = parser.parse_args()
+    if args.compile:
+        compile_cost(args.repeats)
+        return
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ) if args.user_cache else {**os.environ, "IAPO_GYM_CACHE": cache}
         code = MEASURED.format(env_id=args.env_id)
@@ -60,6 +80,22 @@ def main() -> None:
     print(f"  interpreter + import iapo_gym : {b * 1e3:7.1f} ms")
     print(f"  + gym.make + exact evaluate   : {f * 1e3:7.1f} ms")
     print(f"  beyond interpreter + import   : {(f - b) * 1e3:7.1f} ms")
+
+
+def compile_cost(repeats: int) -> None:
+    """Median wall time of ``TRAIN`` in fresh processes with numba's cache empty and filled (interleaved)."""
+    cold, warm = [], []
+    with tempfile.TemporaryDirectory() as folder:
+        filled = {**os.environ, "NUMBA_CACHE_DIR": os.path.join(folder, "filled")}
+        run(TRAIN, filled)  # fills the warm cache (not timed)
+        for i in range(repeats):
+            cold.append(run(TRAIN, {**os.environ, "NUMBA_CACHE_DIR": os.path.join(folder, f"empty{i}")}))
+            warm.append(run(TRAIN, filled))
+    c, w = statistics.median(cold), statistics.median(warm)
+    print(f"auto's first training (Synthetic-Bernoulli and -Categorical, T = 3,000): fresh process, median of {repeats}")
+    print(f"  numba's cache empty  : {c:6.1f} s")
+    print(f"  numba's cache filled : {w:6.1f} s")
+    print(f"  compiling            : {c - w:6.1f} s")
 
 
 if __name__ == "__main__":

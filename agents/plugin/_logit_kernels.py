@@ -149,7 +149,8 @@ def _fit_block(projected: np.ndarray, counts: np.ndarray, entry_pair: np.ndarray
                 share += mass[m]
             pooled[j] = math.log(share / (total - share))  # 0 < share < total: every bin holds some score
         for p in range(n_prompts):
-            a[w, p, :k_w] = pooled[:k_w]
+            for j in range(k_w):
+                a[w, p, j] = pooled[j]
         for sweep in range(sweeps):
             moved = 0.0  # the largest change of a pair's fitted probability since the previous sweep
             for side in range(2):

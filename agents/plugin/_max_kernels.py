@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from agents._jit import _njit, pairwise_rows, pairwise_scratch
+from agents._jit import _njit, _reduceat_sum, pairwise_scratch
 
 #: Outcomes per row up to which ``_sort_outcomes`` sorts by insertion alone; larger rows are bucketed first.
 INSERTION_SORT_MAX = 32
@@ -66,27 +66,22 @@ def _sort_outcomes(u: np.ndarray, mass: np.ndarray, k: int, spare_u: np.ndarray,
 
 
 @_njit
-def _sorted_row(scores: np.ndarray, counts: np.ndarray, r: int, count_row: int, presorted: bool, u: np.ndarray,
-                mass: np.ndarray, sort_scratch: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-                ) -> int:  # pragma: no cover - compiled
+def _gather_row(scores: np.ndarray, counts: np.ndarray, r: int, count_row: int, u: np.ndarray,
+                mass: np.ndarray) -> int:  # pragma: no cover - compiled
     """Row r's outcomes (their counts in row ``count_row`` of ``counts``) of positive count into ``u`` and
-    ``mass``, ascending (``presorted``: they already are; else ``_sort_outcomes`` with ``sort_scratch``); their
-    number."""
+    ``mass``, in the row's order (``_sort_outcomes`` sorts them); their number."""
     k = 0
     for j in range(scores.shape[1]):
         if counts[count_row, j] > 0:
             u[k], mass[k] = scores[r, j], counts[count_row, j]
             k += 1
-    if not presorted:
-        spare_u, spare_mass, bucket, start = sort_scratch
-        _sort_outcomes(u, mass, k, spare_u, spare_mass, bucket, start)
     return k
 
 
 @_njit
 def _row_scratch(width: int) -> tuple[np.ndarray, ...]:  # pragma: no cover - compiled
-    """The buffers of ``_sorted_row`` (outcomes, counts) and ``_row_readings`` (gap, cdf, power, below) for rows of
-    ``width``."""
+    """The buffers of ``_gather_row`` (outcomes, counts), ``_row_readings`` (gap, cdf, power) and
+    ``_row_subset_means`` (below) for rows of ``width``."""
     return np.empty(width), np.empty(width), np.empty(width), np.empty(width), np.empty(width), np.empty(width)
 
 
@@ -109,12 +104,11 @@ def _four_terms(gap: float, power: float, cdf: float) -> tuple[float, float, flo
 
 
 @_njit
-def _row_readings(u: np.ndarray, mass: np.ndarray, k: int, n_max: int, subsets: bool,
-                  plug_in: np.ndarray, subset_means: np.ndarray, gap: np.ndarray, cdf: np.ndarray, power: np.ndarray,
-                  below: np.ndarray) -> None:  # pragma: no cover - compiled
-    """One row's E[max of N draws], N = 1..n_max, into ``plug_in``, and with ``subsets`` its mean max over the
-    N-subsets of its draws into ``subset_means``: the row's k outcomes ``u``, ascending, of counts ``mass``
-    (``_sorted_row``); ``gap``, ``cdf``, ``power`` and ``below`` are scratch of at least k."""
+def _row_readings(u: np.ndarray, mass: np.ndarray, k: int, n_max: int, plug_in: np.ndarray, gap: np.ndarray,
+                  cdf: np.ndarray, power: np.ndarray) -> None:  # pragma: no cover - compiled
+    """One row's E[max of N draws], N = 1..n_max, into ``plug_in``: the row's k outcomes ``u``, ascending, of counts
+    ``mass``; ``gap``, ``cdf`` and ``power`` are scratch of at least k, left holding the steps between sorted outcomes
+    and the cdf below each (what ``_row_subset_means`` reads next)."""
     total = 0.0
     for j in range(k):
         total += mass[j]
@@ -159,8 +153,20 @@ def _row_readings(u: np.ndarray, mass: np.ndarray, k: int, n_max: int, subsets: 
         for j in range(steps):
             power[j] *= cdf[j]
         plug_in[m] = top - ((acc0 + acc1) + (acc2 + acc3))
-    if not subsets:
-        return
+
+
+@_njit
+def _row_subset_means(u: np.ndarray, mass: np.ndarray, k: int, n_max: int, subset_means: np.ndarray,
+                      gap: np.ndarray, cdf: np.ndarray, below: np.ndarray) -> None:  # pragma: no cover - compiled
+    """The row's mean max over the N-subsets of its draws (integer counts ``mass``), N = 1..n_max, into
+    ``subset_means`` (0 for N past its draws), right after ``_row_readings`` of the same row (its ``gap`` and
+    ``cdf``); ``below`` is scratch of at least k."""
+    total = 0.0
+    for j in range(k):
+        total += mass[j]
+    top = u[k - 1]
+    steps = k - 1
+    whole = steps - steps % 4
     ratio = cdf  # C(c_j, 1) / C(n, 1); the plug-in pass is done with the cdf, so it becomes the ratios in place
     cumulative = 0.0
     for j in range(steps):
@@ -203,8 +209,12 @@ def _expected_max_block(scores: np.ndarray, counts: np.ndarray, n_max: int, pres
     u, mass, gap, cdf, power, below = _row_scratch(width)
     sort_scratch = _sort_scratch(width)
     for r in range(n_rows):
-        k = _sorted_row(scores, counts, r, r % counts.shape[0], presorted, u, mass, sort_scratch)
-        _row_readings(u, mass, k, n_max, subsets, out[0, r], out[-1, r], gap, cdf, power, below)
+        k = _gather_row(scores, counts, r, r % counts.shape[0], u, mass)
+        if not presorted:
+            _sort_outcomes(u, mass, k, *sort_scratch)
+        _row_readings(u, mass, k, n_max, out[0, r], gap, cdf, power)
+        if subsets:
+            _row_subset_means(u, mass, k, n_max, out[1, r], gap, cdf, below)
     return out
 
 
@@ -224,7 +234,7 @@ def _segment_readings_block(scores: np.ndarray, counts: np.ndarray, n_max: int, 
         longest = max(longest, bounds[s + 1] - bounds[s])
     plug_in, subset_means = np.empty((longest, n_max)), np.empty((longest, n_max))
     held = np.empty((longest, n_max))
-    pairwise, rest = pairwise_scratch(n_max), np.empty(n_max)
+    pairwise = pairwise_scratch(n_max)
     u, mass, gap, cdf, power, below = _row_scratch(width)
     sort_scratch = _sort_scratch(width)
     draws = np.zeros(n_rows, np.int64)
@@ -238,8 +248,10 @@ def _segment_readings_block(scores: np.ndarray, counts: np.ndarray, n_max: int, 
         for s in range(n_segments):
             first, size = bounds[s], bounds[s + 1] - bounds[s]
             for i in range(size):
-                k = _sorted_row(row_scores, counts, first + i, first + i, False, u, mass, sort_scratch)
-                _row_readings(u, mass, k, n_max, True, plug_in[i], subset_means[i], gap, cdf, power, below)
+                k = _gather_row(row_scores, counts, first + i, first + i, u, mass)
+                _sort_outcomes(u, mass, k, *sort_scratch)
+                _row_readings(u, mass, k, n_max, plug_in[i], gap, cdf, power)
+                _row_subset_means(u, mass, k, n_max, subset_means[i], gap, cdf, below)
                 last = min(draws[first + i], n_max) - 1  # the largest N the row's draws reach, as an index
                 for n in range(n_max):
                     m = min(n, last)
@@ -248,11 +260,10 @@ def _segment_readings_block(scores: np.ndarray, counts: np.ndarray, n_max: int, 
                     plug_in[i, n] *= weight[first + i, n]
             for reading, rows in ((0, plug_in), (1, held)):
                 if size == 1:  # reduceat gives a segment of one row that row
-                    out[reading, w, s] = rows[0]
+                    for n in range(n_max):
+                        out[reading, w, s, n] = rows[0, n]
                     continue
-                pairwise_rows(rows, 1, size - 1, pairwise, rest)
-                for n in range(n_max):
-                    out[reading, w, s, n] = rows[0, n] + rest[n]
+                _reduceat_sum(rows, size, pairwise, out[reading, w, s])
     return out
 
 
@@ -318,17 +329,13 @@ def _binned_expected_max_block(values: np.ndarray, counts: np.ndarray, starts: n
     presorted=True)`` on ``binned_rows``' bins without (W, rows, bins) arrays."""
     n_weightings, n_rows = values.shape[0], starts.size
     out = np.empty((n_weightings, n_rows, n_max))
-    bin_mean, bin_mass = np.empty(bins), np.empty(bins)
+    bin_mean, bin_mass = np.empty((1, bins)), np.empty((1, bins))
     u, mass, gap, cdf, power, below = _row_scratch(bins)
     for w in range(n_weightings):
         for r in range(n_rows):
-            _bin_row(values, w, entry, counts, starts[r], starts[r] + sizes[r], bin_mean, bin_mass)
-            k = 0
-            for b in range(bins):
-                if bin_mass[b] > 0:
-                    u[k], mass[k] = bin_mean[b], bin_mass[b]
-                    k += 1
-            _row_readings(u, mass, k, n_max, False, out[w, r], out[w, r], gap, cdf, power, below)
+            _bin_row(values, w, entry, counts, starts[r], starts[r] + sizes[r], bin_mean[0], bin_mass[0])
+            k = _gather_row(bin_mean, bin_mass, 0, 0, u, mass)  # the bins of positive mass, ascending
+            _row_readings(u, mass, k, n_max, out[w, r], gap, cdf, power)
     return out
 
 
