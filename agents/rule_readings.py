@@ -277,7 +277,10 @@ def plugin_rule_values(est: Any, prompts: np.ndarray) -> np.ndarray:
     vote) plus the context's cost weight x the query's cost per completion x the change in expected completions.
     Majority vote reads the estimator's smoothed distribution of each (prompt, query) (its votes plus the prior's
     pseudo-votes, ``mv_rule_expectations``); Best-of-N the (prompt, query)'s own completions, with the contexts'
-    thresholds (``bon_rule_expectations``).
+    thresholds (``bon_rule_expectations``), and a rule r >= 1 there has a value (else nan, no candidate) only at the
+    caps N up to the median number of completions of the prompt's seen queries: past a query's own completions the
+    plug-in maximum of N is biased low, fixed N's more than a rule's, so the change leans towards the rules
+    (docs/agents.md, "Stopping rules").
     """
     env = est.env
     table = env.table
@@ -314,6 +317,12 @@ def plugin_rule_values(est: Any, prompts: np.ndarray) -> np.ndarray:
     n_seen = np.bincount(p_pos, minlength=prompts.size).astype(np.float64)
     mean_change = np.where(n_seen[None, :, None, None] > 0, sums / np.maximum(n_seen, 1.0)[None, :, None, None], 0.0)
     out[:, prompts] += mean_change
+    if table.aggregator == "bon":  # a rule only at the caps the prompt's completions of a seen query reach
+        draws = counts.sum(axis=1)
+        reach = np.array([np.median(draws[p_pos == i]) // 1 if n_seen[i] else n_max for i in range(prompts.size)])
+        block = out[:, prompts]
+        block[..., 1:][:, np.arange(1, n_max + 1)[None, :] > reach[:, None]] = np.nan
+        out[:, prompts] = block
     return out
 
 

@@ -127,6 +127,23 @@ def test_plugin_rule_values_converge_to_the_exact_rule_q_table() -> None:
     assert np.isnan(some[:, :2]).all() and np.array_equal(some[:, 2], got[:, 2])
 
 
+def test_plugin_rule_values_on_best_of_n_stop_at_the_caps_a_prompts_queries_reach() -> None:
+    """Best-of-N: a rule has a plug-in value only at caps up to the median number of completions of the prompt's
+    seen queries (past them the plug-in maximum of fixed N is biased low, and the rule read too well); fixed N
+    keeps every cap."""
+    env = IAPOEnv(table=_bon_table(), split="train", rule_arms=True)
+    env.reset(seed=3)
+    queries = env.queries("train")[:4]
+    est = PlugInEstimator(env)
+    # prompt 0: 3, 3, 5 and 8 completions on four queries (median 4); prompt 1: 8 on each (N_max)
+    est.update(env.pull(np.zeros(4, dtype=np.int64), np.array([3, 3, 5, 8]), queries=queries))
+    est.update(env.pull(np.ones(4, dtype=np.int64), np.full(4, 8), queries=queries))
+    got = plugin_rule_values(est, np.array([0, 1]))
+    np.testing.assert_array_equal(got[..., 0][:, :2], est.mean()[:, :2])  # rule 0: the fixed-N estimate, every cap
+    assert np.isfinite(got[:, 0, :4, 1:]).all() and np.isnan(got[:, 0, 4:, 1:]).all()
+    assert np.isfinite(got[:, 1, :, 1:]).all()
+
+
 def test_trusted_rule_values_drop_rules_far_above_the_fixed_n_choice() -> None:
     rng = np.random.default_rng(0)
     values = rng.uniform(0.0, 0.5, size=(2, 3, 10, 4))
