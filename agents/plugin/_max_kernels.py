@@ -330,7 +330,7 @@ def _binned_expected_max_block(values: np.ndarray, counts: np.ndarray, starts: n
     n_weightings, n_rows = values.shape[0], starts.size
     out = np.empty((n_weightings, n_rows, n_max))
     bin_mean, bin_mass = np.empty((1, bins)), np.empty((1, bins))
-    u, mass, gap, cdf, power, below = _row_scratch(bins)
+    u, mass, gap, cdf, power, _ = _row_scratch(bins)  # no subset means here
     for w in range(n_weightings):
         for r in range(n_rows):
             _bin_row(values, w, entry, counts, starts[r], starts[r] + sizes[r], bin_mean[0], bin_mass[0])
